@@ -1,0 +1,2 @@
+//! The `floodgate` binary.
+fn main() {}

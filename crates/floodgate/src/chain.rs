@@ -1,0 +1,363 @@
+//! Scopes, limits and the chain decision: pure.
+//!
+//! A request carries a chain of limits ordered from the narrowest scope to the widest. Admission
+//! is one atomic step over the whole chain (the store supplies the atomicity): every limit is
+//! read at one instant, the request passes only if every limit passes, the first refusal in chain
+//! order is the one reported, and only an admitted request is charged, to every limit charged at
+//! admission.
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::clock::Timestamp;
+use crate::window::{Charge, Snapshot, WindowLimit};
+
+/// The kind of scope a limit belongs to, narrowest first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum ScopeKind {
+    /// One API key.
+    Key,
+    /// A project.
+    Project,
+    /// A team.
+    Team,
+    /// A business unit.
+    BusinessUnit,
+    /// An organisation: the tenant.
+    Org,
+    /// An end customer the caller names per request.
+    Customer,
+    /// All traffic through the gateway.
+    Gateway,
+}
+
+impl ScopeKind {
+    /// Every kind, in chain order.
+    pub const ALL: [ScopeKind; 7] = [
+        ScopeKind::Key,
+        ScopeKind::Project,
+        ScopeKind::Team,
+        ScopeKind::BusinessUnit,
+        ScopeKind::Org,
+        ScopeKind::Customer,
+        ScopeKind::Gateway,
+    ];
+
+    /// The name used in configs, storage keys and headers: `key`, `business_unit`, ...
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ScopeKind::Key => "key",
+            ScopeKind::Project => "project",
+            ScopeKind::Team => "team",
+            ScopeKind::BusinessUnit => "business_unit",
+            ScopeKind::Org => "org",
+            ScopeKind::Customer => "customer",
+            ScopeKind::Gateway => "gateway",
+        }
+    }
+
+    /// The kind named `name`, as [`as_str`](Self::as_str) spells it.
+    pub fn parse(name: &str) -> Option<ScopeKind> {
+        ScopeKind::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
+impl fmt::Display for ScopeKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One limit of a chain: a scope, what it counts, the limit, and where its state lives.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct ChainLimit {
+    scope: ScopeKind,
+    id: Arc<str>,
+    charge: Charge,
+    limit: WindowLimit,
+    key: Arc<str>,
+}
+
+impl ChainLimit {
+    /// A limit on scope `scope` named `id`, counting requests ([`Charge::Admission`]) or tokens
+    /// ([`Charge::Reactive`]).
+    ///
+    /// `tenant` names the hash tag its state is stored under: the org for an org's chain, so
+    /// that one chain lies in one Redis Cluster slot; state shared by every tenant (the gateway
+    /// scope) names itself. The storage key is `{tenant}:scope:id:req` (or `:tok`), with the
+    /// window appended when it is not one minute, e.g. `{org:acme}:team:ml:req`.
+    pub fn new(
+        tenant: &str,
+        scope: ScopeKind,
+        id: &str,
+        charge: Charge,
+        limit: WindowLimit,
+    ) -> Self {
+        let units = match charge {
+            Charge::Admission => "req",
+            Charge::Reactive => "tok",
+        };
+        let mut key = format!("{{{tenant}}}:{scope}:{id}:{units}");
+        if limit.window_micros() != 60_000_000 {
+            key.push_str(&format!(":{}us", limit.window_micros()));
+        }
+        ChainLimit {
+            scope,
+            id: id.into(),
+            charge,
+            limit,
+            key: key.into(),
+        }
+    }
+
+    /// The scope kind.
+    pub fn scope(&self) -> ScopeKind {
+        self.scope
+    }
+
+    /// The scope's id (tenant data: never show it to another tenant).
+    pub fn id(&self) -> &str {
+        &self.id
+    }
+
+    /// How the limit is charged.
+    pub fn charge(&self) -> Charge {
+        self.charge
+    }
+
+    /// The limit itself.
+    pub fn limit(&self) -> WindowLimit {
+        self.limit
+    }
+
+    /// The storage key, without a store's prefix.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Whether a request of `cost` can ever pass this limit.
+    pub fn fits(&self, cost: u64) -> bool {
+        self.charge == Charge::Reactive && self.limit.max() > 0
+            || self.charge == Charge::Admission && cost <= self.limit.max()
+    }
+
+    /// The units this limit is charged when a request of `cost` is admitted.
+    pub fn charged(&self, cost: u64) -> u64 {
+        match self.charge {
+            Charge::Admission => cost,
+            Charge::Reactive => 0,
+        }
+    }
+}
+
+/// The index of the first limit of the chain that refuses a request of `cost`, reading each
+/// limit's counts from `snapshots` (one per limit, same order); `None` if all admit.
+pub fn first_refusal(limits: &[ChainLimit], snapshots: &[Snapshot], cost: u64) -> Option<usize> {
+    limits
+        .iter()
+        .zip(snapshots)
+        .position(|(l, s)| !s.admits(l.limit, l.charge, cost))
+}
+
+/// One limit's state after a decision, for response headers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LimitStatus {
+    /// The scope kind (never its id: headers go to callers).
+    pub scope: ScopeKind,
+    /// Requests or tokens.
+    pub charge: Charge,
+    /// The limit.
+    pub limit: WindowLimit,
+    /// Whole units left after this request's charge (0 on the refusing limit).
+    pub remaining: u64,
+    /// For the refusing limit, the exact wait until the request would pass; otherwise the time
+    /// until the limit is whole again with no other traffic.
+    pub reset: Duration,
+}
+
+/// The answer to a chain admission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ChainDecision {
+    /// Whether the request was admitted (and charged).
+    pub admitted: bool,
+    /// Whether a store decided. `false` when the store was unreachable and failed open: the
+    /// request was admitted unchecked and `statuses` is empty.
+    pub enforced: bool,
+    /// The instant the decision was taken at (the store's clock).
+    pub now: Timestamp,
+    /// Index into the chain of the first limit that refused.
+    pub refused_by: Option<usize>,
+    /// For a refusal, the exact wait until every limit would admit the same request with no
+    /// other traffic (the largest wait among refusing limits); `None` if admitted, or if the
+    /// request can never pass.
+    pub retry_after: Option<Duration>,
+    /// Each limit's state, in chain order.
+    pub statuses: Vec<LimitStatus>,
+}
+
+impl ChainDecision {
+    /// The decision taken from `snapshots` read at `now`, for a request of `cost`.
+    pub fn from_snapshots(
+        limits: &[ChainLimit],
+        snapshots: &[Snapshot],
+        now: Timestamp,
+        cost: u64,
+        admitted: bool,
+    ) -> ChainDecision {
+        let refused_by = if admitted {
+            None
+        } else {
+            first_refusal(limits, snapshots, cost)
+        };
+        let mut retry_after = None;
+        let mut statuses = Vec::with_capacity(limits.len());
+        for (l, s) in limits.iter().zip(snapshots) {
+            let charged = if admitted { l.charged(cost) } else { 0 };
+            let wait = if admitted {
+                None
+            } else {
+                s.retry_after(l.limit, l.charge, cost)
+                    .filter(|w| !w.is_zero())
+            };
+            if let Some(w) = wait {
+                retry_after = Some(retry_after.map_or(w, |r: Duration| r.max(w)));
+            }
+            statuses.push(LimitStatus {
+                scope: l.scope,
+                charge: l.charge,
+                limit: l.limit,
+                remaining: if wait.is_some() {
+                    0
+                } else {
+                    s.remaining(l.limit, charged)
+                },
+                reset: wait.unwrap_or_else(|| s.until_empty(l.limit, charged)),
+            });
+        }
+        if let Some(i) = refused_by {
+            // A refusal that no wait can cure (cost > max) has no retry time.
+            if !limits[i].fits(cost) {
+                retry_after = None;
+            }
+        }
+        ChainDecision {
+            admitted,
+            enforced: true,
+            now,
+            refused_by,
+            retry_after,
+            statuses,
+        }
+    }
+
+    /// A refusal decided without the store: the request can never pass limit `index`.
+    pub fn impossible(limits: &[ChainLimit], index: usize, now: Timestamp) -> ChainDecision {
+        let statuses = limits
+            .iter()
+            .enumerate()
+            .map(|(i, l)| LimitStatus {
+                scope: l.scope,
+                charge: l.charge,
+                limit: l.limit,
+                remaining: if i == index { 0 } else { l.limit.max() },
+                reset: Duration::ZERO,
+            })
+            .collect();
+        ChainDecision {
+            admitted: false,
+            enforced: true,
+            now,
+            refused_by: Some(index),
+            retry_after: None,
+            statuses,
+        }
+    }
+
+    /// An admission the store could not check and let through (fail open).
+    pub fn unenforced(now: Timestamp) -> ChainDecision {
+        ChainDecision {
+            admitted: true,
+            enforced: false,
+            now,
+            refused_by: None,
+            retry_after: None,
+            statuses: Vec::new(),
+        }
+    }
+
+    /// The status of the limit that refused, if any.
+    pub fn refusing(&self) -> Option<&LimitStatus> {
+        self.refused_by.and_then(|i| self.statuses.get(i))
+    }
+
+    /// The most restrictive limit counting `charge` units: the refusing one if it counts them,
+    /// else the one with the fewest whole units left (ties: the narrowest scope).
+    pub fn most_restrictive(&self, charge: Charge) -> Option<&LimitStatus> {
+        if let Some(r) = self.refusing().filter(|r| r.charge == charge) {
+            return Some(r);
+        }
+        self.statuses
+            .iter()
+            .filter(|s| s.charge == charge)
+            .min_by_key(|s| s.remaining)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limit(scope: ScopeKind, id: &str, charge: Charge, max: u64) -> ChainLimit {
+        ChainLimit::new("org:acme", scope, id, charge, WindowLimit::per_minute(max))
+    }
+
+    #[test]
+    fn storage_keys_carry_the_tenant_tag() {
+        let l = limit(ScopeKind::Team, "ml", Charge::Admission, 5);
+        assert_eq!(l.key(), "{org:acme}:team:ml:req");
+        let h = ChainLimit::new(
+            "org:acme",
+            ScopeKind::Org,
+            "acme",
+            Charge::Reactive,
+            WindowLimit::per_hour(5),
+        );
+        assert_eq!(h.key(), "{org:acme}:org:acme:tok:3600000000us");
+    }
+
+    #[test]
+    fn first_refusal_in_chain_order_and_largest_retry() {
+        let limits = [
+            limit(ScopeKind::Key, "k", Charge::Admission, 1),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 1),
+        ];
+        let full = Snapshot {
+            bucket: 1,
+            cur: 1,
+            prev: 0,
+            elapsed: 0,
+        };
+        let fuller = Snapshot {
+            bucket: 1,
+            cur: 0,
+            prev: 1,
+            elapsed: 30_000_000,
+        };
+        let d = ChainDecision::from_snapshots(&limits, &[full, fuller], Timestamp::ZERO, 1, false);
+        assert_eq!(d.refused_by, Some(0));
+        // key: wait for next bucket (60 s) and its whole weight (60 s) = 120 s; org: 30 s.
+        assert_eq!(d.retry_after, Some(Duration::from_secs(120)));
+        assert_eq!(
+            d.most_restrictive(Charge::Admission).map(|s| s.scope),
+            Some(ScopeKind::Key)
+        );
+    }
+
+    #[test]
+    fn scope_names_round_trip() {
+        for k in ScopeKind::ALL {
+            assert_eq!(ScopeKind::parse(k.as_str()), Some(k));
+        }
+    }
+}

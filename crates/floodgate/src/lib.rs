@@ -1,0 +1,45 @@
+//! floodgate: rate limits that hold across every replica of a service.
+//!
+//! Two limiters, each decided in one atomic step on a [`Store`](store::Store):
+//!
+//! - a [`Chain`] of sliding-window limits over scopes (key, project, team, business unit, org,
+//!   customer, gateway): a request passes only if every limit passes, is charged to all or none,
+//!   and a refusal carries the exact time at which the same request would pass;
+//! - a [`TokenBucket`] per name, with a [`Rate`] checked at compile time.
+//!
+//! Stores: the embedded [`MemoryStore`](store::MemoryStore) (one process, the default) and, with
+//! the `redis` feature, [`RedisStore`](store::redis::RedisStore), where many replicas share one
+//! truth. The math lives in pure functions ([`window`], [`bucket`], [`chain`]) that both stores
+//! apply identically.
+//!
+//! ```
+//! use floodgate::{Admission, Rate, TokenBucket};
+//! use floodgate::store::MemoryStore;
+//!
+//! const API: TokenBucket<u64> = TokenBucket::new("api", 2, Rate::per_second(1));
+//!
+//! # async fn demo() -> Result<(), floodgate::Error> {
+//! let store = MemoryStore::new();
+//! let user = 42;
+//! assert!(API.acquire(&store, &user, 1).await?.is_allowed());
+//! assert!(API.acquire(&store, &user, 1).await?.is_allowed());
+//! assert!(matches!(API.acquire(&store, &user, 1).await?, Admission::Denied { .. }));
+//! # Ok(()) }
+//! # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+//! ```
+#![cfg_attr(not(test), warn(clippy::unwrap_used))]
+
+pub mod bucket;
+pub mod chain;
+pub mod clock;
+mod error;
+mod limiter;
+pub mod store;
+pub mod window;
+
+pub use bucket::{Admission, Rate};
+pub use chain::{ChainDecision, ChainLimit, LimitStatus, ScopeKind};
+pub use clock::Timestamp;
+pub use error::Error;
+pub use limiter::{Chain, TokenBucket};
+pub use window::{Charge, WindowLimit};

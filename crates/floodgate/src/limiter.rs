@@ -1,0 +1,256 @@
+//! The public limiters: a [`Chain`] of sliding windows and a [`TokenBucket`], each running
+//! unchanged on any [`Store`].
+
+use std::fmt;
+use std::marker::PhantomData;
+
+use crate::Error;
+use crate::bucket::{Admission, BucketLimit, Rate};
+use crate::chain::{ChainDecision, ChainLimit};
+use crate::clock::Timestamp;
+use crate::store::Store;
+use crate::window::Charge;
+
+/// A chain of sliding-window limits, narrowest scope first, admitted as one atomic step.
+///
+/// ```
+/// use floodgate::{Chain, ChainLimit, Charge, ScopeKind, WindowLimit};
+/// use floodgate::store::MemoryStore;
+///
+/// # async fn demo() -> Result<(), floodgate::Error> {
+/// let chain = Chain::new(vec![
+///     ChainLimit::new("org:acme", ScopeKind::Key, "alice", Charge::Admission, WindowLimit::per_minute(5)),
+///     ChainLimit::new("org:acme", ScopeKind::Org, "acme", Charge::Admission, WindowLimit::per_minute(600)),
+///     ChainLimit::new("org:acme", ScopeKind::Org, "acme", Charge::Reactive, WindowLimit::per_minute(100_000)),
+/// ]);
+/// let store = MemoryStore::new();
+/// let decision = chain.admit(&store, 1).await?;
+/// assert!(decision.admitted);
+/// // After the response: charge its tokens to the chain's token limits.
+/// chain.record(&store, 1234).await?;
+/// # Ok(()) }
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Chain {
+    limits: Vec<ChainLimit>,
+}
+
+impl Chain {
+    /// A chain of `limits`, narrowest first. Each limit must have its own storage key.
+    pub fn new(limits: Vec<ChainLimit>) -> Self {
+        debug_assert!(
+            limits
+                .iter()
+                .enumerate()
+                .all(|(i, l)| limits[..i].iter().all(|m| m.key() != l.key())),
+            "a chain's limits must have distinct storage keys"
+        );
+        Chain { limits }
+    }
+
+    /// The limits, narrowest first.
+    pub fn limits(&self) -> &[ChainLimit] {
+        &self.limits
+    }
+
+    /// Whether any limit counts tokens (is reactive).
+    pub fn has_reactive(&self) -> bool {
+        self.limits.iter().any(|l| l.charge() == Charge::Reactive)
+    }
+
+    /// Admits a request of `cost` units on the store's clock. See [`admit_at`](Self::admit_at).
+    pub async fn admit<S: Store>(&self, store: &S, cost: u64) -> Result<ChainDecision, Error> {
+        self.admit_inner(store, cost, None).await
+    }
+
+    /// Admits a request of `cost` units at `now`: all limits pass or nothing is charged; the
+    /// decision names the first refusing limit, the chain's exact retry time, and every limit's
+    /// remaining units and reset for response headers.
+    ///
+    /// A request that can never pass (`cost` above a charged limit's max, or a token limit of
+    /// zero) is refused without a retry time and without touching the store.
+    pub async fn admit_at<S: Store>(
+        &self,
+        store: &S,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<ChainDecision, Error> {
+        self.admit_inner(store, cost, Some(now)).await
+    }
+
+    async fn admit_inner<S: Store>(
+        &self,
+        store: &S,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<ChainDecision, Error> {
+        if let Some(i) = self.limits.iter().position(|l| !l.fits(cost)) {
+            let now = now.unwrap_or_else(Timestamp::now);
+            return Ok(ChainDecision::impossible(&self.limits, i, now));
+        }
+        let seen = store.admit(&self.limits, cost, now).await?;
+        if !seen.enforced {
+            return Ok(ChainDecision::unenforced(seen.now));
+        }
+        Ok(ChainDecision::from_snapshots(
+            &self.limits,
+            &seen.snapshots,
+            seen.now,
+            cost,
+            seen.admitted,
+        ))
+    }
+
+    /// Adds `units` (tokens of a finished response) to every reactive limit of the chain.
+    pub async fn record<S: Store>(&self, store: &S, units: u64) -> Result<(), Error> {
+        self.record_inner(store, units, None).await
+    }
+
+    /// Adds `units` to every reactive limit of the chain at `now`.
+    pub async fn record_at<S: Store>(
+        &self,
+        store: &S,
+        units: u64,
+        now: Timestamp,
+    ) -> Result<(), Error> {
+        self.record_inner(store, units, Some(now)).await
+    }
+
+    async fn record_inner<S: Store>(
+        &self,
+        store: &S,
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        if units == 0 || !self.has_reactive() {
+            return Ok(());
+        }
+        store.record(&self.limits, units, now).await
+    }
+}
+
+/// A token bucket per name: up to `capacity` tokens, refilled continuously at a [`Rate`],
+/// starting full. Names are typed: `TokenBucket<str>`, `TokenBucket<u64>`, any `Display`.
+///
+/// ```
+/// use floodgate::{Admission, Rate, TokenBucket};
+/// use floodgate::store::MemoryStore;
+/// use std::time::Duration;
+///
+/// const LOGIN: TokenBucket<str> =
+///     TokenBucket::new("login", 20, Rate::new(1, Duration::from_secs(3)));
+///
+/// # async fn demo() -> Result<(), floodgate::Error> {
+/// let store = MemoryStore::new();
+/// match LOGIN.acquire(&store, "alice", 1).await? {
+///     Admission::Allowed { remaining } => assert_eq!(remaining, 19),
+///     Admission::Denied { retry_after } => panic!("denied, retry in {retry_after:?}"),
+/// }
+/// # Ok(()) }
+/// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+/// ```
+pub struct TokenBucket<N: ?Sized> {
+    name: &'static str,
+    limit: BucketLimit,
+    names: PhantomData<fn(&N)>,
+}
+
+impl<N: ?Sized> Clone for TokenBucket<N> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<N: ?Sized> Copy for TokenBucket<N> {}
+
+impl<N: ?Sized> fmt::Debug for TokenBucket<N> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TokenBucket")
+            .field("name", &self.name)
+            .field("capacity", &self.limit.capacity)
+            .field("rate", &self.limit.rate)
+            .finish()
+    }
+}
+
+impl<N: ?Sized + fmt::Display> TokenBucket<N> {
+    /// A bucket of `capacity` tokens per name, refilled at `rate`; `name` names the limiter
+    /// (it is part of every storage key).
+    pub const fn new(name: &'static str, capacity: u64, rate: Rate) -> Self {
+        TokenBucket {
+            name,
+            limit: BucketLimit { capacity, rate },
+            names: PhantomData,
+        }
+    }
+
+    /// The bucket's capacity and rate.
+    pub const fn limit(&self) -> BucketLimit {
+        self.limit
+    }
+
+    /// The storage key of `name`'s bucket, hash-tagged on the name.
+    pub fn key(&self, name: &N) -> String {
+        format!("{{tb:{}:{}}}", self.name, name)
+    }
+
+    /// Takes `cost` tokens from `name`'s bucket on the store's clock.
+    pub async fn acquire<S: Store>(
+        &self,
+        store: &S,
+        name: &N,
+        cost: u64,
+    ) -> Result<Admission, Error> {
+        self.acquire_inner(store, name, cost, None).await
+    }
+
+    /// Takes `cost` tokens from `name`'s bucket at `now`. A denied request takes nothing (its
+    /// refill is still stored); `cost > capacity` is denied with no retry time, without touching
+    /// the store.
+    pub async fn acquire_at<S: Store>(
+        &self,
+        store: &S,
+        name: &N,
+        cost: u64,
+        now: Timestamp,
+    ) -> Result<Admission, Error> {
+        self.acquire_inner(store, name, cost, Some(now)).await
+    }
+
+    async fn acquire_inner<S: Store>(
+        &self,
+        store: &S,
+        name: &N,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<Admission, Error> {
+        if !self.limit.fits(cost) {
+            return Ok(Admission::Denied { retry_after: None });
+        }
+        let seen = store
+            .acquire(&self.key(name), self.limit, cost, now)
+            .await?;
+        if !seen.enforced {
+            return Ok(Admission::Allowed {
+                remaining: self.limit.capacity,
+            });
+        }
+        Ok(self.limit.admission(seen.allowed, seen.tokens, cost))
+    }
+
+    /// Deletes `name`'s bucket; says whether it had been used (was not full).
+    pub async fn reset<S: Store>(&self, store: &S, name: &N) -> Result<bool, Error> {
+        store.reset(&self.key(name), self.limit, None).await
+    }
+
+    /// Deletes `name`'s bucket; says whether it had been used (was not full at `now`).
+    pub async fn reset_at<S: Store>(
+        &self,
+        store: &S,
+        name: &N,
+        now: Timestamp,
+    ) -> Result<bool, Error> {
+        store.reset(&self.key(name), self.limit, Some(now)).await
+    }
+}

@@ -1,0 +1,93 @@
+//! Stores supply atomicity; the algorithm supplies the math.
+//!
+//! A [`Store`] runs each decision as one atomic step against its state: the embedded
+//! [`MemoryStore`] under its own locks, the Redis store as one Lua script. Both read state,
+//! apply the pure functions of [`window`](crate::window) and [`bucket`](crate::bucket) (the
+//! scripts mirror them operation for operation) and write the result, so the same operation
+//! sequence with the same clock gives the same decisions on both: `tests/vectors.rs` holds the
+//! shared cases.
+
+use std::future::Future;
+
+use crate::Error;
+use crate::bucket::BucketLimit;
+use crate::chain::ChainLimit;
+use crate::clock::Timestamp;
+use crate::window::Snapshot;
+
+mod memory;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+pub use memory::{MemoryStore, SweeperGuard};
+
+/// What a store saw and did for one chain admission.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Observation {
+    /// The instant the decision was taken at.
+    pub now: Timestamp,
+    /// Whether the request was admitted and charged.
+    pub admitted: bool,
+    /// Whether a store decided; `false` when it failed open (then `snapshots` is empty).
+    pub enforced: bool,
+    /// Each limit's counts at `now`, before any charge, in chain order.
+    pub snapshots: Vec<Snapshot>,
+}
+
+/// What a store saw and did for one token-bucket request.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BucketObservation {
+    /// The instant the decision was taken at.
+    pub now: Timestamp,
+    /// Whether the tokens were taken.
+    pub allowed: bool,
+    /// Tokens left in the bucket after the request.
+    pub tokens: f64,
+    /// Whether a store decided; `false` when it failed open.
+    pub enforced: bool,
+}
+
+/// A place where limit state lives and decisions are taken atomically.
+///
+/// Every method takes `now`: `Some` pins the clock (tests, replays); `None` asks the store for
+/// its own clock (the system clock in memory; the Redis server's `TIME`, so that replicas with
+/// skewed clocks still share one). Each call is one round trip.
+pub trait Store: Send + Sync {
+    /// Admits a request of `cost` against `limits` in one atomic step: reads every limit at one
+    /// instant, admits only if all pass (see [`first_refusal`](crate::chain::first_refusal)), and
+    /// charges `cost` to every limit charged at admission of an admitted request, nothing
+    /// otherwise. The caller has checked that the request can ever fit.
+    fn admit(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Observation, Error>> + Send;
+
+    /// Adds `units` to every reactive limit of `limits` (limits charged at admission are
+    /// skipped), in one atomic step.
+    fn record(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Takes `cost` tokens from the bucket stored at `key` if it holds enough. The caller has
+    /// checked that `cost` fits the capacity.
+    fn acquire(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<BucketObservation, Error>> + Send;
+
+    /// Deletes the bucket at `key`; says whether it had been used (was not full at `now`).
+    fn reset(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+}

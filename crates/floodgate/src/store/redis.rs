@@ -1,0 +1,1 @@
+//! The Redis store (in progress).

@@ -1,0 +1,373 @@
+//! The sliding-window counter: pure functions of (stored state, now, limit).
+//!
+//! A window of `W` microseconds is split into fixed buckets aligned to the epoch. With `cur` the
+//! count in the current bucket, `prev` the count in the one before and `e` the time elapsed in
+//! the current bucket, the estimate of the units in the last `W` is
+//!
+//! ```text
+//! estimate = cur + prev * (W - e) / W
+//! ```
+//!
+//! A limit charged at admission admits a request of `cost` units iff `estimate + cost <= max`; a
+//! reactive limit (tokens, known only after the response) admits iff `estimate < max`.
+//!
+//! # Exactness and the Redis scripts
+//!
+//! The admission test is evaluated as `(cur + cost - max) * W + prev * (W - e) <= 0` in `f64`:
+//! the same four IEEE operations in the same order as `store/admit.lua`, so both stores reach
+//! the same decision bit for bit. Every term is an integer, so the test is exact while the
+//! products stay below 2^53 (a minute window up to 150 million units; a day window up to
+//! 100 thousand per microsecond of precision lost, which rounds toward neither side in
+//! particular but identically on both stores). Retry times are computed exactly in integers and
+//! then checked against that same test, so "refused one microsecond before, admitted at" holds.
+
+use std::time::Duration;
+
+use crate::clock::Timestamp;
+
+/// A sliding-window limit: at most `max` units in any `window`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct WindowLimit {
+    max: u64,
+    window_us: u64,
+}
+
+impl WindowLimit {
+    /// At most `max` units per `window`.
+    ///
+    /// # Panics
+    ///
+    /// If `window` is shorter than a microsecond or longer than `u64::MAX` microseconds. Being a
+    /// `const fn`, a broken limit in a `const` fails to compile.
+    pub const fn new(max: u64, window: Duration) -> Self {
+        let micros = window.as_micros();
+        assert!(micros > 0, "a window must last at least one microsecond");
+        assert!(micros <= u64::MAX as u128, "window too long");
+        WindowLimit {
+            max,
+            window_us: micros as u64,
+        }
+    }
+
+    /// At most `max` units per second.
+    pub const fn per_second(max: u64) -> Self {
+        Self::new(max, Duration::from_secs(1))
+    }
+
+    /// At most `max` units per minute (`rpm`, `tpm`).
+    pub const fn per_minute(max: u64) -> Self {
+        Self::new(max, Duration::from_secs(60))
+    }
+
+    /// At most `max` units per hour.
+    pub const fn per_hour(max: u64) -> Self {
+        Self::new(max, Duration::from_secs(3600))
+    }
+
+    /// At most `max` units per day.
+    pub const fn per_day(max: u64) -> Self {
+        Self::new(max, Duration::from_secs(86_400))
+    }
+
+    /// The most units a window may hold.
+    pub const fn max(&self) -> u64 {
+        self.max
+    }
+
+    /// The window length.
+    pub const fn window(&self) -> Duration {
+        Duration::from_micros(self.window_us)
+    }
+
+    /// The window length in microseconds.
+    pub const fn window_micros(&self) -> u64 {
+        self.window_us
+    }
+
+    /// How long stored state must outlive its last write: two windows, after which the state
+    /// could only read as empty.
+    pub const fn ttl(&self) -> Duration {
+        Duration::from_micros(self.window_us.saturating_mul(2))
+    }
+}
+
+/// How a limit is charged.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Charge {
+    /// Charged when the request is admitted (requests; any unit known up front): admits iff
+    /// `estimate + cost <= max`.
+    Admission,
+    /// Charged afterwards with `record` (tokens of a finished response): admits iff
+    /// `estimate < max`.
+    Reactive,
+}
+
+/// The stored state of one window: the bucket last written and its two counts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct WindowState {
+    /// Index of the bucket `cur` counts: `floor(t / W)` at the last write.
+    pub bucket: u64,
+    /// Units in that bucket.
+    pub cur: u64,
+    /// Units in the bucket before it.
+    pub prev: u64,
+}
+
+/// A window's counts as seen at one instant.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Index of the current bucket.
+    pub bucket: u64,
+    /// Units in the current bucket.
+    pub cur: u64,
+    /// Units in the previous bucket.
+    pub prev: u64,
+    /// Microseconds elapsed in the current bucket (`0 <= elapsed < W`).
+    pub elapsed: u64,
+}
+
+impl Snapshot {
+    /// The counts of `state` (none for a window never written or expired) seen at `now`.
+    ///
+    /// A state written in the previous bucket rolls over (`cur` becomes `prev`); one written
+    /// earlier reads as empty.
+    pub fn at(state: Option<WindowState>, now: Timestamp, limit: WindowLimit) -> Snapshot {
+        let w = limit.window_us;
+        let t = now.as_micros();
+        let bucket = t / w;
+        let elapsed = t - bucket * w;
+        let (cur, prev) = match state {
+            Some(s) if s.bucket == bucket => (s.cur, s.prev),
+            Some(s) if s.bucket.wrapping_add(1) == bucket => (0, s.cur),
+            _ => (0, 0),
+        };
+        Snapshot {
+            bucket,
+            cur,
+            prev,
+            elapsed,
+        }
+    }
+
+    /// The state to store after adding `units` to the current bucket.
+    pub fn charged(&self, units: u64) -> WindowState {
+        WindowState {
+            bucket: self.bucket,
+            cur: self.cur.saturating_add(units),
+            prev: self.prev,
+        }
+    }
+
+    /// The estimate `cur + prev * (W - e) / W`, for display and metrics.
+    pub fn estimate(&self, limit: WindowLimit) -> f64 {
+        let w = limit.window_us as f64;
+        self.cur as f64 + self.prev as f64 * (w - self.elapsed as f64) / w
+    }
+
+    /// Whether a request of `cost` units passes this limit now.
+    ///
+    /// A reactive limit ignores `cost` (its units come later) and needs `estimate < max`.
+    #[inline]
+    pub fn admits(&self, limit: WindowLimit, charge: Charge, cost: u64) -> bool {
+        // Keep in step with store/admit.lua: the same operations in the same order.
+        let w = limit.window_us as f64;
+        let carried = self.prev as f64 * (w - self.elapsed as f64);
+        match charge {
+            Charge::Admission => {
+                (self.cur as f64 + cost as f64 - limit.max as f64) * w + carried <= 0.0
+            }
+            Charge::Reactive => (self.cur as f64 - limit.max as f64) * w + carried < 0.0,
+        }
+    }
+
+    /// Whole units left after this request: `floor(max - estimate - charged)`, at least 0.
+    pub fn remaining(&self, limit: WindowLimit, charged: u64) -> u64 {
+        let w = u128::from(limit.window_us);
+        let used = (u128::from(self.cur) + u128::from(charged)) * w
+            + u128::from(self.prev) * (w - u128::from(self.elapsed));
+        let cap = u128::from(limit.max) * w;
+        let left = cap.saturating_sub(used) / w;
+        u64::try_from(left).unwrap_or(u64::MAX)
+    }
+
+    /// Time until the limit is whole again (the estimate drains to zero) after charging
+    /// `charged` units now, with no other traffic.
+    pub fn until_empty(&self, limit: WindowLimit, charged: u64) -> Duration {
+        let w = limit.window_us;
+        let micros = if self.cur + charged > 0 {
+            2 * w - self.elapsed
+        } else if self.prev > 0 {
+            w - self.elapsed
+        } else {
+            0
+        };
+        Duration::from_micros(micros)
+    }
+
+    /// The exact wait until a refused request of `cost` units would pass this limit with no
+    /// other traffic, or `None` if it never can (`cost > max`, or a reactive limit of 0).
+    ///
+    /// Returns `Some(ZERO)` if the request passes now.
+    pub fn retry_after(&self, limit: WindowLimit, charge: Charge, cost: u64) -> Option<Duration> {
+        if self.admits(limit, charge, cost) {
+            return Some(Duration::ZERO);
+        }
+        let w = u128::from(limit.window_us);
+        let max = u128::from(limit.max);
+        let e = u128::from(self.elapsed);
+        let (cur, prev) = (u128::from(self.cur), u128::from(self.prev));
+        // The earliest instant, as microseconds from the start of the current bucket.
+        let target = match charge {
+            Charge::Admission => {
+                let cost = u128::from(cost);
+                if cost > max {
+                    return None;
+                }
+                if cur + cost <= max {
+                    // The previous bucket is the obstacle: wait until its weight has fallen to
+                    // (max - cost - cur) / prev, i.e. e' = W - floor((max - cost - cur) * W / prev).
+                    w - ((max - cost - cur) * w) / prev
+                } else {
+                    // Wait for the next bucket, where cur becomes prev.
+                    w + w - ((max - cost) * w) / cur
+                }
+            }
+            Charge::Reactive => {
+                if max == 0 {
+                    return None;
+                }
+                // Strictly below: e' = W - ceil(q) + 1 with q the rational bound.
+                if cur < max {
+                    w - ((max - cur) * w).div_ceil(prev) + 1
+                } else {
+                    w + w - (max * w).div_ceil(cur) + 1
+                }
+            }
+        };
+        let wait = u64::try_from(target.saturating_sub(e)).unwrap_or(u64::MAX);
+        Some(self.settle(limit, charge, cost, wait))
+    }
+
+    /// The counts this window would show `wait` microseconds later with no traffic.
+    fn later(&self, limit: WindowLimit, wait: u64) -> Snapshot {
+        let w = limit.window_us;
+        let t = self.bucket * w + self.elapsed + wait;
+        let state = WindowState {
+            bucket: self.bucket,
+            cur: self.cur,
+            prev: self.prev,
+        };
+        Snapshot::at(Some(state), Timestamp::from_micros(t), limit)
+    }
+
+    /// Nudges an exact wait onto the floating-point admission test, so that the request is
+    /// refused one microsecond before the wait and admitted at it. Only huge counts, where the
+    /// test is no longer exact, ever move.
+    fn settle(&self, limit: WindowLimit, charge: Charge, cost: u64, mut wait: u64) -> Duration {
+        const MAX_NUDGE: u32 = 4096;
+        let passes = |wait: u64| self.later(limit, wait).admits(limit, charge, cost);
+        let mut nudges = 0;
+        while !passes(wait) && nudges < MAX_NUDGE {
+            wait += 1;
+            nudges += 1;
+        }
+        while wait > 0 && passes(wait - 1) && nudges < MAX_NUDGE {
+            wait -= 1;
+            nudges += 1;
+        }
+        Duration::from_micros(wait)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const RPM5: WindowLimit = WindowLimit::per_minute(5);
+
+    fn snap(cur: u64, prev: u64, elapsed_secs: f64) -> Snapshot {
+        Snapshot {
+            bucket: 1000,
+            cur,
+            prev,
+            elapsed: (elapsed_secs * 1e6) as u64,
+        }
+    }
+
+    #[test]
+    fn previous_bucket_counts_in_full_on_the_boundary_and_half_at_mid_window() {
+        assert_eq!(snap(0, 10, 0.0).estimate(RPM5), 10.0);
+        assert_eq!(snap(0, 10, 30.0).estimate(RPM5), 5.0);
+        assert_eq!(snap(2, 10, 45.0).estimate(RPM5), 4.5);
+    }
+
+    #[test]
+    fn admission_is_estimate_plus_cost_at_most_max() {
+        // estimate 4.5: one more fits (5.5 > 5? no: 4.5 + 1 = 5.5 > 5) -> refused.
+        assert!(!snap(2, 10, 45.0).admits(RPM5, Charge::Admission, 1));
+        // estimate 4.0 at e = 48: 4 + 1 = 5 <= 5 -> admitted.
+        assert!(snap(2, 10, 48.0).admits(RPM5, Charge::Admission, 1));
+        // reactive: estimate 4.0 < 5 admits; estimate 5 does not.
+        assert!(snap(2, 10, 48.0).admits(RPM5, Charge::Reactive, 1));
+        assert!(!snap(5, 0, 1.0).admits(RPM5, Charge::Reactive, 0));
+    }
+
+    #[test]
+    fn retry_when_previous_bucket_is_the_obstacle() {
+        // cur 2, prev 10, e = 45 s: need prev*(W-e')/W <= 2 -> e' = 48 s: wait 3 s.
+        let s = snap(2, 10, 45.0);
+        assert_eq!(
+            s.retry_after(RPM5, Charge::Admission, 1),
+            Some(Duration::from_secs(3))
+        );
+    }
+
+    #[test]
+    fn retry_when_current_bucket_is_the_obstacle() {
+        // cur 5 (full), e = 18 s: next bucket in 42 s, where prev = 5 must weigh <= 4:
+        // e'' = 60 - 4*60/5 = 12 s. Wait 42 + 12 = 54 s.
+        let s = snap(5, 0, 18.0);
+        assert_eq!(
+            s.retry_after(RPM5, Charge::Admission, 1),
+            Some(Duration::from_secs(54))
+        );
+    }
+
+    #[test]
+    fn impossible_requests_have_no_retry() {
+        assert_eq!(
+            snap(0, 0, 0.0).retry_after(RPM5, Charge::Admission, 6),
+            None
+        );
+        let zero = WindowLimit::per_minute(0);
+        assert_eq!(snap(0, 0, 0.0).retry_after(zero, Charge::Reactive, 0), None);
+    }
+
+    #[test]
+    fn remaining_and_reset() {
+        let s = snap(2, 10, 45.0); // estimate 4.5
+        assert_eq!(s.remaining(RPM5, 0), 0);
+        let s = snap(1, 4, 30.0); // estimate 3
+        assert_eq!(s.remaining(RPM5, 1), 1);
+        assert_eq!(s.until_empty(RPM5, 1), Duration::from_secs(90));
+        assert_eq!(
+            snap(0, 4, 30.0).until_empty(RPM5, 0),
+            Duration::from_secs(30)
+        );
+        assert_eq!(snap(0, 0, 30.0).until_empty(RPM5, 0), Duration::ZERO);
+    }
+
+    #[test]
+    fn rollover() {
+        let limit = RPM5;
+        let state = WindowState {
+            bucket: 10,
+            cur: 3,
+            prev: 7,
+        };
+        let at = |secs: u64| Snapshot::at(Some(state), Timestamp::from_secs(secs), limit);
+        assert_eq!((at(600).cur, at(600).prev), (3, 7));
+        assert_eq!((at(660).cur, at(660).prev), (0, 3));
+        assert_eq!((at(720).cur, at(720).prev), (0, 0));
+    }
+}
