@@ -235,11 +235,9 @@ impl ChainDecision {
                 reset: wait.unwrap_or_else(|| s.until_empty(l.limit, charged)),
             });
         }
-        if let Some(i) = refused_by {
-            // A refusal that no wait can cure (cost > max) has no retry time.
-            if !limits[i].fits(cost) {
-                retry_after = None;
-            }
+        if refused_by.is_some() && limits.iter().any(|l| !l.fits(cost)) {
+            // A refusal that no wait can cure (cost > max somewhere) has no retry time.
+            retry_after = None;
         }
         ChainDecision {
             admitted,

@@ -1,0 +1,245 @@
+//! The embedded store: atomicity under concurrency, window edges, token buckets, expiry.
+
+mod common;
+
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Barrier};
+use std::task::{Context, Poll, Waker};
+use std::thread;
+use std::time::Duration;
+
+use common::{T0, at, limit};
+use floodgate::clock::FakeClock;
+use floodgate::store::MemoryStore;
+use floodgate::{Admission, Chain, Charge, Rate, ScopeKind, Timestamp, TokenBucket, WindowLimit};
+
+/// Runs a memory-store future, which is always ready at once.
+fn ready<F: Future>(f: F) -> F::Output {
+    match pin!(f).poll(&mut Context::from_waker(Waker::noop())) {
+        Poll::Ready(v) => v,
+        Poll::Pending => panic!("memory-store futures are ready at once"),
+    }
+}
+
+/// Runs `f(i)` on `n` threads released together; returns how many returned true.
+fn race(n: usize, f: impl Fn(usize) -> bool + Send + Sync + 'static) -> u64 {
+    let f = Arc::new(f);
+    let start = Arc::new(Barrier::new(n));
+    let wins = Arc::new(AtomicU64::new(0));
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let (f, start, wins) = (f.clone(), start.clone(), wins.clone());
+            thread::spawn(move || {
+                start.wait();
+                if f(i) {
+                    wins.fetch_add(1, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    wins.load(Ordering::SeqCst)
+}
+
+#[test]
+fn sixty_four_concurrent_requests_against_rpm_1_admit_exactly_one() {
+    let store = MemoryStore::new();
+    let chain = Chain::new(vec![limit(ScopeKind::Key, "one", Charge::Admission, 1)]);
+    let admitted = race(64, move |_| {
+        ready(chain.admit(&store, 1))
+            .expect("memory store")
+            .admitted
+    });
+    assert_eq!(admitted, 1);
+}
+
+#[test]
+fn key_cap_wins_and_the_org_is_charged_only_what_the_key_admitted() {
+    let store = MemoryStore::with_clock(FakeClock::new(at(0)));
+    let org = limit(ScopeKind::Org, "acme", Charge::Admission, 100);
+    let capped = Chain::new(vec![
+        limit(ScopeKind::Key, "capped", Charge::Admission, 5),
+        org.clone(),
+    ]);
+    let (s, c) = (store.clone(), capped.clone());
+    let admitted = race(64, move |_| ready(c.admit(&s, 1)).expect("memory").admitted);
+    assert_eq!(admitted, 5, "the key's cap wins");
+    // The org saw exactly 5: another key of the org gets exactly the other 95.
+    let other = Chain::new(vec![
+        limit(ScopeKind::Key, "big", Charge::Admission, 1_000),
+        org,
+    ]);
+    let mut more = 0;
+    while ready(other.admit(&store, 1)).expect("memory").admitted {
+        more += 1;
+    }
+    assert_eq!(more, 95);
+}
+
+#[test]
+fn chains_over_many_shards_in_opposite_orders_do_not_deadlock() {
+    let store = MemoryStore::new();
+    let limits: Vec<_> = (0..16)
+        .map(|i| {
+            limit(
+                ScopeKind::Team,
+                &format!("t{i}"),
+                Charge::Admission,
+                1_000_000,
+            )
+        })
+        .collect();
+    let forward = Chain::new(limits.clone());
+    let backward = Chain::new(limits.into_iter().rev().collect());
+    let admitted = race(8, move |i| {
+        let chain = if i % 2 == 0 { &forward } else { &backward };
+        (0..2_000).all(|_| ready(chain.admit(&store, 1)).expect("memory").admitted)
+    });
+    assert_eq!(admitted, 8);
+}
+
+#[test]
+fn previous_bucket_counts_in_full_on_the_boundary_and_half_at_mid_window() {
+    let store = MemoryStore::new();
+    let chain = Chain::new(vec![limit(ScopeKind::Key, "edge", Charge::Admission, 10)]);
+    let admit = |ms| {
+        ready(chain.admit_at(&store, 1, at(ms)))
+            .expect("memory")
+            .admitted
+    };
+    // N just before the edge...
+    assert_eq!((0..20).filter(|_| admit(59_900)).count(), 10);
+    // ...and nothing just after it: a fixed window would let N more through here.
+    assert_eq!((0..20).filter(|_| admit(60_000)).count(), 0);
+    assert_eq!((0..20).filter(|_| admit(60_100)).count(), 0);
+    // Half way through, the previous bucket weighs half: 5 fit.
+    assert_eq!((0..20).filter(|_| admit(90_000)).count(), 5);
+}
+
+#[test]
+fn a_full_token_window_refuses_and_charges_no_request_slot() {
+    let store = MemoryStore::new();
+    let chain = Chain::new(vec![
+        limit(ScopeKind::Key, "tok", Charge::Admission, 3),
+        limit(ScopeKind::Key, "tok", Charge::Reactive, 100),
+    ]);
+    let first = ready(chain.admit_at(&store, 1, at(0))).expect("memory");
+    assert!(first.admitted);
+    ready(chain.record_at(&store, 100, at(1_000))).expect("memory");
+    for i in 0..10 {
+        let d = ready(chain.admit_at(&store, 1, at(2_000 + i))).expect("memory");
+        assert!(!d.admitted);
+        assert_eq!(d.refused_by, Some(1), "the token limit refuses");
+        assert_eq!(d.statuses[0].remaining, 2, "no request slot was taken");
+    }
+    // Once the tokens drain, the request limit still has its two slots this window.
+    let later = ready(chain.admit_at(&store, 1, at(60_000 + 59_999))).expect("memory");
+    assert!(later.admitted);
+}
+
+const LOGIN: TokenBucket<str> = TokenBucket::new("login", 20, Rate::new(1, Duration::from_secs(3)));
+
+#[test]
+fn token_bucket_admits_its_capacity_then_waits_for_refill() {
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    for i in 0..20 {
+        let got = ready(LOGIN.acquire(&store, "alice", 1)).expect("memory");
+        assert_eq!(got, Admission::Allowed { remaining: 19 - i });
+    }
+    assert_eq!(
+        ready(LOGIN.acquire(&store, "alice", 1)).expect("memory"),
+        Admission::Denied {
+            retry_after: Some(Duration::from_secs(3))
+        }
+    );
+    // After 60 s idle the bucket is full again and its state is gone.
+    clock.advance(Duration::from_secs(60));
+    store.sweep();
+    assert!(store.is_empty(), "a full bucket leaves nothing behind");
+    assert_eq!(
+        ready(LOGIN.acquire(&store, "alice", 20)).expect("memory"),
+        Admission::Allowed { remaining: 0 }
+    );
+}
+
+#[test]
+fn token_bucket_edges() {
+    let store = MemoryStore::new();
+    assert_eq!(
+        ready(LOGIN.acquire(&store, "bob", 21)).expect("memory"),
+        Admission::Denied { retry_after: None },
+        "cost above capacity can never succeed"
+    );
+    assert!(store.is_empty(), "an impossible request touches nothing");
+    const EMPTY: TokenBucket<u64> = TokenBucket::new("empty", 0, Rate::per_second(1));
+    assert!(
+        ready(EMPTY.acquire(&store, &7, 0))
+            .expect("memory")
+            .is_allowed()
+    );
+    assert_eq!(
+        ready(EMPTY.acquire(&store, &7, 1)).expect("memory"),
+        Admission::Denied { retry_after: None }
+    );
+    assert!(
+        !ready(LOGIN.reset(&store, "carol")).expect("memory"),
+        "never used"
+    );
+    ready(LOGIN.acquire(&store, "carol", 1)).expect("memory");
+    assert!(ready(LOGIN.reset(&store, "carol")).expect("memory"), "used");
+    assert_eq!(
+        ready(LOGIN.acquire(&store, "carol", 1)).expect("memory"),
+        Admission::Allowed { remaining: 19 },
+        "reset refills"
+    );
+}
+
+#[test]
+fn idle_windows_expire_and_memory_stays_bounded() {
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let per_second = WindowLimit::per_second(10);
+    let mut peak = 0;
+    for second in 0..10u64 {
+        for n in 0..50_000u64 {
+            let name = format!("user-{second}-{n}");
+            let chain = Chain::new(vec![floodgate::ChainLimit::new(
+                "t",
+                ScopeKind::Customer,
+                &name,
+                Charge::Admission,
+                per_second,
+            )]);
+            assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
+        }
+        peak = peak.max(store.len());
+        clock.advance(Duration::from_secs(1));
+    }
+    // 500,000 names went through; a window lives 2 s, so about 100,000 are live at once. The
+    // self-sweeping shards keep at most about twice the live state.
+    assert!(peak < 250_000, "peak {peak} entries");
+    clock.advance(Duration::from_secs(2));
+    store.sweep();
+    assert!(store.is_empty());
+}
+
+#[test]
+fn the_sweeper_thread_stops_with_its_guard() {
+    let clock = FakeClock::new(Timestamp::from_micros(T0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let chain = Chain::new(vec![limit(ScopeKind::Key, "s", Charge::Admission, 1)]);
+    assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
+    let guard = store.spawn_sweeper(Duration::from_millis(5));
+    clock.advance(Duration::from_secs(120));
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while !store.is_empty() && std::time::Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(5));
+    }
+    assert!(store.is_empty(), "the sweeper removed the expired window");
+    drop(guard);
+}
