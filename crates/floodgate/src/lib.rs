@@ -43,3 +43,8 @@ pub use clock::Timestamp;
 pub use error::Error;
 pub use limiter::{Chain, TokenBucket};
 pub use window::{Charge, WindowLimit};
+
+/// The README's library example, compiled and run as a doctest.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
