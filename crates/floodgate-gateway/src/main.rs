@@ -1,2 +1,266 @@
-//! The `floodgate` binary.
-fn main() {}
+//! The `floodgate` binary: `floodgate serve --config FILE` and `floodgate check-config FILE`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use floodgate::ScopeKind;
+use floodgate_gateway::auth::Keys;
+use floodgate_gateway::config::{Config, GATEWAY_ID, OnError, UpstreamTarget};
+use floodgate_gateway::store::GatewayStore;
+use floodgate_gateway::{AppState, run};
+use tokio::net::TcpListener;
+use tracing_subscriber::EnvFilter;
+
+/// How long a graceful shutdown waits for requests in flight before exiting anyway.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// floodgate: an OpenAI-compatible gateway that rate-limits every scope of a caller's chain.
+#[derive(Parser)]
+#[command(name = "floodgate", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the gateway.
+    Serve {
+        /// The TOML config file.
+        #[arg(long, short)]
+        config: PathBuf,
+    },
+    /// Validate a config and print what it resolves to (keys, chains, limits; never secrets).
+    CheckConfig {
+        /// The TOML config file.
+        file: PathBuf,
+    },
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::CheckConfig { file } => check_config(&file),
+        Command::Serve { config } => {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("error: cannot start the runtime: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            runtime.block_on(serve(&config))
+        }
+    }
+}
+
+fn check_config(file: &PathBuf) -> ExitCode {
+    let config = match Config::load(file) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("{}: OK", file.display());
+    println!("listen: {}", config.listen);
+    let on_error = match config.store.on_error {
+        OnError::Open => "open",
+        OnError::Closed => "closed",
+    };
+    match &config.store.url {
+        Some(_) => println!(
+            "store: {:?} (url set, on_error = {on_error})",
+            config.store.backend
+        ),
+        None => println!("store: {:?} (on_error = {on_error})", config.store.backend),
+    }
+    match &config.upstream.target {
+        UpstreamTarget::Demo => println!("upstream: built-in DEMO (fixed replies, not a model)"),
+        UpstreamTarget::Http {
+            base_url,
+            api_key_env,
+        } => {
+            let key = match api_key_env {
+                None => "no API key".to_owned(),
+                Some(var) if std::env::var_os(var).is_some() => {
+                    format!("API key from ${var} (set)")
+                }
+                Some(var) => format!("API key from ${var} (NOT SET: serve will refuse to start)"),
+            };
+            println!(
+                "upstream: {base_url} ({key}, timeout {}s)",
+                config.upstream.timeout.as_secs()
+            );
+        }
+    }
+    let gateway = config.scope_limits(ScopeKind::Gateway, GATEWAY_ID);
+    if gateway.is_empty() {
+        println!("gateway: unlimited");
+    } else {
+        let list: Vec<String> = gateway.iter().map(ToString::to_string).collect();
+        println!("gateway: {}", list.join(", "));
+    }
+    let keys = Keys::from_config(&config);
+    println!("keys: {}", config.keys.len());
+    for k in &config.keys {
+        let mut attrs = Vec::new();
+        for (name, v) in [
+            ("org", &k.org),
+            ("business_unit", &k.business_unit),
+            ("team", &k.team),
+            ("project", &k.project),
+        ] {
+            if let Some(v) = v {
+                attrs.push(format!("{name}={v}"));
+            }
+        }
+        println!("  key {} [{}]", k.id, attrs.join(" "));
+        let mut any = false;
+        for (kind, id) in k.scopes() {
+            for l in config.scope_limits(kind, id) {
+                println!("    {:<13} {id:<16} {l}", kind.as_str());
+                any = true;
+            }
+        }
+        for l in gateway {
+            println!("    {:<13} {:<16} {l}", "gateway", "-");
+            any = true;
+        }
+        if !any {
+            println!("    (unlimited)");
+        }
+    }
+    let mut customers: Vec<_> = keys.customers().collect();
+    customers.sort_by_key(|(c, _)| *c);
+    if !customers.is_empty() {
+        println!("customers (added to a chain by the X-Floodgate-Customer header):");
+        for (c, _) in customers {
+            for l in config.scope_limits(ScopeKind::Customer, c) {
+                println!("    {:<13} {c:<16} {l}", "customer");
+            }
+        }
+    }
+    for ((kind, id), _) in &config.limits {
+        let used = match kind {
+            ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => true,
+            _ => config
+                .keys
+                .iter()
+                .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
+        };
+        if !used {
+            println!("warning: no key belongs to {kind} `{id}`: its limits apply to nobody");
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+async fn serve(path: &PathBuf) -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
+    let config = match Config::load(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (store, _store_guard) = match GatewayStore::open(&config.store).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot open the store");
+            return ExitCode::FAILURE;
+        }
+    };
+    let state = match AppState::new(&config, store) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let listener = match TcpListener::bind(config.listen).await {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, listen = %config.listen, "cannot listen");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = listener.local_addr().map_or(config.listen, |a| a);
+    if state.upstream().is_demo() {
+        tracing::warn!(
+            "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
+        );
+    }
+    tracing::info!(
+        %addr,
+        store = state.store().name(),
+        keys = state.keys().len(),
+        config = %path.display(),
+        "floodgate gateway listening"
+    );
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+    let shutdown = async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining requests in flight");
+        let _ = stopping_tx.send(());
+    };
+    let drain_deadline = async move {
+        if stopping_rx.await.is_ok() {
+            tokio::time::sleep(DRAIN_TIMEOUT).await;
+        } else {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::select! {
+        r = run(listener, state, shutdown) => match r {
+            Ok(()) => {
+                tracing::info!("stopped");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "server failed");
+                ExitCode::FAILURE
+            }
+        },
+        () = drain_deadline => {
+            tracing::warn!(timeout_s = DRAIN_TIMEOUT.as_secs(), "drain timed out: exiting with requests still in flight");
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}

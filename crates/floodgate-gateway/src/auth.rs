@@ -1,0 +1,197 @@
+//! Callers: the bearer secret a request presents -> its key -> its scope chain.
+//!
+//! Chains are built once at load, so the hot path is one SHA-256 of the presented token and one
+//! hash-map lookup. Secrets are kept only as SHA-256 digests: the map is keyed by the digest, so
+//! the plain secret is never stored, compared byte by byte, or logged.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use axum::http::HeaderMap;
+use axum::http::header::AUTHORIZATION;
+use floodgate::{Chain, ChainLimit, ScopeKind};
+use sha2::{Digest, Sha256};
+
+use crate::config::{Config, GATEWAY_ID, ScopeLimit};
+
+/// The header naming the end customer of a request, which adds the `customer` scope.
+pub const CUSTOMER_HEADER: &str = "x-floodgate-customer";
+
+/// One caller key with its precomputed chain.
+#[derive(Debug)]
+pub struct KeyEntry {
+    /// The key's public id (for logs; never the secret).
+    pub id: Arc<str>,
+    /// The key's limits without customer and gateway: key, project, team, business unit, org.
+    own: Vec<ChainLimit>,
+    /// The full chain for requests that name no customer (own limits, then the gateway's).
+    chain: Arc<Chain>,
+}
+
+impl KeyEntry {
+    /// The chain for requests naming no customer.
+    pub fn chain(&self) -> &Arc<Chain> {
+        &self.chain
+    }
+}
+
+/// Every key, by the SHA-256 of its secret, plus the customer and gateway limits.
+#[derive(Debug, Default)]
+pub struct Keys {
+    by_hash: HashMap<[u8; 32], Arc<KeyEntry>>,
+    customers: HashMap<Box<str>, Vec<ChainLimit>>,
+    gateway: Vec<ChainLimit>,
+}
+
+fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
+    config
+        .scope_limits(kind, id)
+        .iter()
+        .map(|l: &ScopeLimit| ChainLimit::new(tenant, kind, id, l.charge, l.limit))
+        .collect()
+}
+
+impl Keys {
+    /// Builds every key's chain from `config`.
+    pub fn from_config(config: &Config) -> Keys {
+        let gateway = limits_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
+        let customers = config
+            .limits
+            .keys()
+            .filter(|(kind, _)| *kind == ScopeKind::Customer)
+            .map(|(_, id)| {
+                let tenant = format!("customer:{id}");
+                (
+                    Box::from(id.as_str()),
+                    limits_of(config, &tenant, ScopeKind::Customer, id),
+                )
+            })
+            .collect();
+        let by_hash = config
+            .keys
+            .iter()
+            .map(|k| {
+                let tenant = k.tenant();
+                let own: Vec<ChainLimit> = k
+                    .scopes()
+                    .into_iter()
+                    .flat_map(|(kind, id)| limits_of(config, &tenant, kind, id))
+                    .collect();
+                let chain = Chain::new(own.iter().chain(&gateway).cloned().collect());
+                let entry = KeyEntry {
+                    id: Arc::from(k.id.as_str()),
+                    own,
+                    chain: Arc::new(chain),
+                };
+                (k.secret_sha256, Arc::new(entry))
+            })
+            .collect();
+        Keys {
+            by_hash,
+            customers,
+            gateway,
+        }
+    }
+
+    /// How many keys there are.
+    pub fn len(&self) -> usize {
+        self.by_hash.len()
+    }
+
+    /// Whether there are no keys (every request is then refused with 401).
+    pub fn is_empty(&self) -> bool {
+        self.by_hash.is_empty()
+    }
+
+    /// The key whose secret `token` is, if any.
+    pub fn lookup(&self, token: &str) -> Option<&Arc<KeyEntry>> {
+        let digest: [u8; 32] = Sha256::digest(token.as_bytes()).into();
+        self.by_hash.get(&digest)
+    }
+
+    /// The key presented as `Authorization: Bearer <secret>` in `headers`.
+    pub fn authenticate(&self, headers: &HeaderMap) -> Option<&Arc<KeyEntry>> {
+        let value = headers.get(AUTHORIZATION)?.to_str().ok()?;
+        let (scheme, token) = value.trim().split_once(' ')?;
+        if !scheme.eq_ignore_ascii_case("bearer") {
+            return None;
+        }
+        self.lookup(token.trim())
+    }
+
+    /// The chain of a request by `key` for end customer `customer`: the key's chain, with the
+    /// customer's limits (if the config has any for it) between the org and the gateway.
+    pub fn chain_for(&self, key: &KeyEntry, customer: Option<&str>) -> Arc<Chain> {
+        let Some(extra) = customer.and_then(|c| self.customers.get(c)) else {
+            return Arc::clone(&key.chain);
+        };
+        let limits = key
+            .own
+            .iter()
+            .chain(extra)
+            .chain(&self.gateway)
+            .cloned()
+            .collect();
+        Arc::new(Chain::new(limits))
+    }
+
+    /// The customers that have limits, with them (for `check-config`).
+    pub fn customers(&self) -> impl Iterator<Item = (&str, &[ChainLimit])> {
+        self.customers.iter().map(|(c, l)| (&**c, l.as_slice()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    const CONFIG: &str = r#"
+[upstream]
+demo = true
+[gateway]
+rate_limit = { requests = 1000 }
+[[keys]]
+id = "alice"
+secret = "sk-alice"
+org = "acme"
+team = "ml"
+rate_limit = { requests = 5, window_sec = 60 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+rpm = 600
+tpm = 1000
+[[rate_limits]]
+scope = "customer"
+id = "bob"
+rpm = 2
+"#;
+
+    #[test]
+    fn chains_are_narrowest_first() {
+        let c = Config::parse_with_env("t.toml", CONFIG, None).unwrap();
+        let keys = Keys::from_config(&c);
+        let mut h = HeaderMap::new();
+        h.insert(AUTHORIZATION, "Bearer sk-alice".parse().unwrap());
+        let k = keys.authenticate(&h).unwrap();
+        let kinds: Vec<_> = k.chain().limits().iter().map(|l| l.scope()).collect();
+        assert_eq!(
+            kinds,
+            [
+                ScopeKind::Key,
+                ScopeKind::Org,
+                ScopeKind::Org,
+                ScopeKind::Gateway
+            ]
+        );
+        assert_eq!(k.chain().limits()[0].key(), "{org:acme}:key:alice:req");
+        let with = keys.chain_for(k, Some("bob"));
+        assert_eq!(with.limits()[4].scope(), ScopeKind::Customer);
+        assert_eq!(with.limits()[4].key(), "{customer:bob}:customer:bob:req");
+        assert_eq!(with.limits()[5].scope(), ScopeKind::Gateway);
+        assert_eq!(keys.chain_for(k, Some("carol")).limits().len(), 4);
+        h.insert(AUTHORIZATION, "Bearer sk-nobody".parse().unwrap());
+        assert!(keys.authenticate(&h).is_none());
+    }
+}

@@ -1,0 +1,881 @@
+//! The gateway's TOML config: serde types, then validation into a [`Config`] whose every error
+//! names the file, the line and the field.
+//!
+//! Two seed shapes of limits are accepted and apply together:
+//!
+//! - `rate_limit = { requests = N, window_sec = W }` on `[gateway]` and on a `[[keys]]` entry: a
+//!   missing field falls back to 100 requests / 60 s, an absent object means unlimited;
+//! - `[[rate_limits]]` entries with `scope`, `id`, `rpm` and/or `tpm` (60 s windows; tokens are
+//!   charged after the response).
+//!
+//! When one scope gets two request limits with the same window (one from each shape), the
+//! stricter one is kept: a chain's limits need distinct storage keys, and the stricter limit is
+//! the one that would refuse first anyway.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use floodgate::{Charge, ScopeKind, WindowLimit};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use toml::Spanned;
+
+/// Requests allowed by a `rate_limit` object that omits `requests`.
+pub const DEFAULT_REQUESTS: u64 = 100;
+/// Window of a `rate_limit` object that omits `window_sec`, in seconds.
+pub const DEFAULT_WINDOW_SEC: u64 = 60;
+/// Where the gateway listens when `[server] listen` is absent.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// How long the gateway waits for the upstream's response headers when `timeout_sec` is absent.
+pub const DEFAULT_UPSTREAM_TIMEOUT_SEC: u64 = 300;
+/// The environment variable that overrides `[store] url`.
+pub const REDIS_URL_ENV: &str = "FLOODGATE_REDIS_URL";
+
+/// A config that could not be loaded: where, which field, and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    /// The config file.
+    pub file: PathBuf,
+    /// 1-based line of the offending value (0 when the file could not be read).
+    pub line: usize,
+    /// 1-based column of the offending value (0 when unknown).
+    pub column: usize,
+    /// The field at fault, as a dotted path where known (`keys[2].rate_limit.requests`), or the
+    /// key as written in the file.
+    pub field: String,
+    /// What is wrong with it.
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: field `{}`: {}",
+            self.file.display(),
+            self.line,
+            self.column,
+            self.field,
+            self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Which store holds the limits' state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// The embedded in-memory store: one process.
+    Memory,
+    /// Redis: many gateway replicas share one truth.
+    Redis,
+}
+
+/// What admission does when the store cannot be reached.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum OnError {
+    /// Let requests through unchecked (the default).
+    Open,
+    /// Refuse requests with 503.
+    Closed,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The file as written.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: Option<RawServer>,
+    store: Option<RawStore>,
+    upstream: Spanned<RawUpstream>,
+    gateway: Option<RawGateway>,
+    #[serde(default)]
+    keys: Vec<Spanned<RawKey>>,
+    #[serde(default)]
+    rate_limits: Vec<Spanned<RawRateLimit>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: Option<Spanned<String>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    backend: Option<Spanned<Backend>>,
+    url: Option<Spanned<String>>,
+    on_error: Option<OnError>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    base_url: Option<Spanned<String>>,
+    api_key_env: Option<Spanned<String>>,
+    demo: Option<Spanned<bool>>,
+    timeout_sec: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawGateway {
+    rate_limit: Option<Spanned<RawWindow>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWindow {
+    requests: Option<u64>,
+    window_sec: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKey {
+    id: Spanned<String>,
+    secret: Option<Spanned<String>>,
+    secret_sha256: Option<Spanned<String>>,
+    org: Option<Spanned<String>>,
+    team: Option<Spanned<String>>,
+    project: Option<Spanned<String>>,
+    business_unit: Option<Spanned<String>>,
+    rate_limit: Option<Spanned<RawWindow>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRateLimit {
+    scope: Spanned<String>,
+    id: Option<Spanned<String>>,
+    rpm: Option<u64>,
+    tpm: Option<u64>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// The config as resolved.
+
+/// A validated config.
+#[derive(Clone, Debug)]
+pub struct Config {
+    /// The file it was read from.
+    pub path: PathBuf,
+    /// Where to listen.
+    pub listen: SocketAddr,
+    /// Where limit state lives.
+    pub store: StoreConfig,
+    /// Where admitted requests go.
+    pub upstream: UpstreamConfig,
+    /// The callers.
+    pub keys: Vec<KeyConfig>,
+    /// Limits per scope, from both config shapes, merged: `(scope, id) -> limits`. The gateway
+    /// scope's id is `gateway`.
+    pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
+}
+
+/// `[store]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StoreConfig {
+    /// Memory or Redis.
+    pub backend: Backend,
+    /// The Redis URL (after `FLOODGATE_REDIS_URL`), if any.
+    pub url: Option<String>,
+    /// Fail open or closed when the store is unreachable.
+    pub on_error: OnError,
+}
+
+/// `[upstream]`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UpstreamConfig {
+    /// The real upstream, or the built-in demo.
+    pub target: UpstreamTarget,
+    /// How long to wait for the upstream's response headers (then 504).
+    pub timeout: Duration,
+}
+
+/// Where requests are forwarded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpstreamTarget {
+    /// The built-in demo upstream: fixed replies with a real `usage`, no outside service.
+    Demo,
+    /// An OpenAI-compatible HTTP server.
+    Http {
+        /// `http://host:port[/prefix]`, without a trailing slash; the request path is appended.
+        base_url: String,
+        /// The environment variable holding the upstream's API key, if any.
+        api_key_env: Option<String>,
+    },
+}
+
+/// One `[[keys]]` entry, resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyConfig {
+    /// The key's public id.
+    pub id: String,
+    /// SHA-256 of the secret (the secret itself is never kept).
+    pub secret_sha256: [u8; 32],
+    /// The org, if any.
+    pub org: Option<String>,
+    /// The team, if any.
+    pub team: Option<String>,
+    /// The project, if any.
+    pub project: Option<String>,
+    /// The business unit, if any.
+    pub business_unit: Option<String>,
+}
+
+impl KeyConfig {
+    /// The hash tag under which this key's chain is stored: its org, else the key itself.
+    pub fn tenant(&self) -> String {
+        match &self.org {
+            Some(org) => format!("org:{org}"),
+            None => format!("key:{}", self.id),
+        }
+    }
+
+    /// The key's scopes, narrowest first (key, project, team, business unit, org), with ids.
+    pub fn scopes(&self) -> Vec<(ScopeKind, &str)> {
+        let mut out = vec![(ScopeKind::Key, self.id.as_str())];
+        for (kind, id) in [
+            (ScopeKind::Project, &self.project),
+            (ScopeKind::Team, &self.team),
+            (ScopeKind::BusinessUnit, &self.business_unit),
+            (ScopeKind::Org, &self.org),
+        ] {
+            if let Some(id) = id {
+                out.push((kind, id.as_str()));
+            }
+        }
+        out
+    }
+}
+
+/// One limit of a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScopeLimit {
+    /// Requests (at admission) or tokens (reactive).
+    pub charge: Charge,
+    /// The limit.
+    pub limit: WindowLimit,
+}
+
+impl fmt::Display for ScopeLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.charge {
+            Charge::Admission => "requests",
+            Charge::Reactive => "tokens",
+        };
+        write!(
+            f,
+            "{} {unit} / {}s",
+            self.limit.max(),
+            self.limit.window().as_secs()
+        )
+    }
+}
+
+/// The id under which gateway-wide limits are kept.
+pub const GATEWAY_ID: &str = "gateway";
+
+impl Config {
+    /// Reads and validates the config at `path`.
+    pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: path.to_path_buf(),
+            line: 0,
+            column: 0,
+            field: "-".into(),
+            message: format!("cannot read the file: {e}"),
+        })?;
+        Config::parse(path, &text)
+    }
+
+    /// Validates `text`, read from `path` (used in error messages), with `FLOODGATE_REDIS_URL`
+    /// from the environment.
+    pub fn parse(path: impl AsRef<Path>, text: &str) -> Result<Config, ConfigError> {
+        let env_url = std::env::var(REDIS_URL_ENV).ok().filter(|u| !u.is_empty());
+        Config::parse_with_env(path, text, env_url)
+    }
+
+    /// Validates `text` with an explicit Redis URL override.
+    pub fn parse_with_env(
+        path: impl AsRef<Path>,
+        text: &str,
+        redis_url_env: Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let v = Validator {
+            file: path.as_ref(),
+            text,
+        };
+        let raw: RawConfig = toml::from_str(text).map_err(|e| v.toml_error(&e))?;
+        v.resolve(raw, redis_url_env)
+    }
+
+    /// The limits of scope `(kind, id)`, if any.
+    pub fn scope_limits(&self, kind: ScopeKind, id: &str) -> &[ScopeLimit] {
+        self.limits
+            .get(&(kind, id.to_owned()))
+            .map_or(&[], Vec::as_slice)
+    }
+}
+
+struct Validator<'a> {
+    file: &'a Path,
+    text: &'a str,
+}
+
+impl Validator<'_> {
+    fn position(&self, offset: usize) -> (usize, usize) {
+        let offset = offset.min(self.text.len());
+        let before = &self.text[..offset];
+        let line = before.matches('\n').count() + 1;
+        let column = before.rfind('\n').map_or(offset, |nl| offset - nl - 1) + 1;
+        (line, column)
+    }
+
+    fn error(
+        &self,
+        span: Range<usize>,
+        field: impl Into<String>,
+        message: impl Into<String>,
+    ) -> ConfigError {
+        let (line, column) = self.position(span.start);
+        ConfigError {
+            file: self.file.to_path_buf(),
+            line,
+            column,
+            field: field.into(),
+            message: message.into(),
+        }
+    }
+
+    /// A parse or type error from the toml crate: its span gives the line; the field is the key
+    /// at that span (an unknown field) or the key assigned the value there.
+    fn toml_error(&self, e: &toml::de::Error) -> ConfigError {
+        let span = e.span().unwrap_or(0..0);
+        let message = e.message().trim().to_owned();
+        let field = quoted_after(&message, "missing field ")
+            .or_else(|| quoted_after(&message, "unknown field "))
+            .or_else(|| self.key_at(span.clone()))
+            .unwrap_or_else(|| "-".into());
+        self.error(span, field, message)
+    }
+
+    /// The key written at `span`, or assigned the value at `span` (`key = <value>`).
+    fn key_at(&self, span: Range<usize>) -> Option<String> {
+        let is_key = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-' || c == '.';
+        let start = span.start.min(self.text.len());
+        let at: String = self.text[start..]
+            .chars()
+            .take_while(|&c| is_key(c))
+            .collect();
+        let line_start = self.text[..start].rfind('\n').map_or(0, |i| i + 1);
+        let before = self.text[line_start..start].trim_end();
+        if let Some(before) = before.strip_suffix('=') {
+            let before = before.trim_end();
+            let key: String = before
+                .chars()
+                .rev()
+                .take_while(|&c| is_key(c))
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            if !key.is_empty() {
+                return Some(key);
+            }
+        }
+        if !at.is_empty() && self.text[start + at.len()..].trim_start().starts_with('=') {
+            return Some(at);
+        }
+        // A table header: `[name]` or `[[name]]`.
+        let header = self.text[start..].lines().next().unwrap_or("").trim();
+        let name = header.trim_start_matches('[').trim_end_matches(']').trim();
+        (header.starts_with('[') && !name.is_empty()).then(|| name.to_owned())
+    }
+
+    fn resolve(
+        &self,
+        raw: RawConfig,
+        redis_url_env: Option<String>,
+    ) -> Result<Config, ConfigError> {
+        let listen = match raw.server.and_then(|s| s.listen) {
+            None => DEFAULT_LISTEN
+                .parse()
+                .map_err(|_| self.error(0..0, "server.listen", "bad built-in default"))?,
+            Some(l) => l.get_ref().parse().map_err(|_| {
+                self.error(
+                    l.span(),
+                    "server.listen",
+                    format!("`{}` is not an address like 127.0.0.1:8080", l.get_ref()),
+                )
+            })?,
+        };
+
+        let store = self.store(raw.store, redis_url_env)?;
+        let upstream = self.upstream(raw.upstream)?;
+
+        let mut limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>> = BTreeMap::new();
+        if let Some(w) = raw.gateway.and_then(|g| g.rate_limit) {
+            let limit = self.window(&w, "gateway.rate_limit")?;
+            merge(
+                &mut limits,
+                (ScopeKind::Gateway, GATEWAY_ID.into()),
+                ScopeLimit {
+                    charge: Charge::Admission,
+                    limit,
+                },
+            );
+        }
+
+        let mut keys = Vec::with_capacity(raw.keys.len());
+        let mut ids: HashMap<String, usize> = HashMap::new();
+        let mut hashes: HashSet<[u8; 32]> = HashSet::new();
+        for (i, k) in raw.keys.into_iter().enumerate() {
+            let span = k.span();
+            let k = k.into_inner();
+            let field = |f: &str| format!("keys[{i}].{f}");
+            let id = k.id.get_ref().trim().to_owned();
+            if id.is_empty() {
+                return Err(self.error(k.id.span(), field("id"), "a key id must not be empty"));
+            }
+            if let Some(first) = ids.insert(id.clone(), i) {
+                return Err(self.error(
+                    k.id.span(),
+                    field("id"),
+                    format!("duplicate key id `{id}` (also keys[{first}])"),
+                ));
+            }
+            let secret_sha256 = match (&k.secret, &k.secret_sha256) {
+                (Some(s), None) => {
+                    if s.get_ref().is_empty() {
+                        return Err(self.error(
+                            s.span(),
+                            field("secret"),
+                            "a secret must not be empty",
+                        ));
+                    }
+                    Sha256::digest(s.get_ref().as_bytes()).into()
+                }
+                (None, Some(h)) => parse_sha256(h.get_ref()).ok_or_else(|| {
+                    self.error(
+                        h.span(),
+                        field("secret_sha256"),
+                        "expected 64 hex digits (the SHA-256 of the secret)",
+                    )
+                })?,
+                (Some(s), Some(_)) => {
+                    return Err(self.error(
+                        s.span(),
+                        field("secret"),
+                        "set either `secret` or `secret_sha256`, not both",
+                    ));
+                }
+                (None, None) => {
+                    return Err(self.error(
+                        span,
+                        field("secret"),
+                        "a key needs `secret` or `secret_sha256`",
+                    ));
+                }
+            };
+            if !hashes.insert(secret_sha256) {
+                let at = k
+                    .secret
+                    .as_ref()
+                    .or(k.secret_sha256.as_ref())
+                    .map_or(span.clone(), |s| s.span());
+                return Err(self.error(at, field("secret"), "two keys share one secret"));
+            }
+            let attr =
+                |name: &str, v: Option<Spanned<String>>| -> Result<Option<String>, ConfigError> {
+                    match v {
+                        None => Ok(None),
+                        Some(v) if v.get_ref().trim().is_empty() => {
+                            Err(self.error(v.span(), field(name), "must not be empty"))
+                        }
+                        Some(v) => Ok(Some(v.into_inner())),
+                    }
+                };
+            let org = attr("org", k.org)?;
+            let team_span = k
+                .team
+                .as_ref()
+                .or(k.project.as_ref())
+                .or(k.business_unit.as_ref())
+                .map(|s| s.span());
+            let team = attr("team", k.team)?;
+            let project = attr("project", k.project)?;
+            let business_unit = attr("business_unit", k.business_unit)?;
+            if org.is_none() {
+                if let Some(s) = team_span {
+                    // Team, project and business unit counters are kept per org (the chain's
+                    // hash tag); without an org they would silently not be shared between keys.
+                    return Err(self.error(
+                        s,
+                        field("org"),
+                        "a key with a team, project or business_unit must name its org",
+                    ));
+                }
+            }
+            if let Some(w) = k.rate_limit {
+                let limit = self.window(&w, &field("rate_limit"))?;
+                merge(
+                    &mut limits,
+                    (ScopeKind::Key, id.clone()),
+                    ScopeLimit {
+                        charge: Charge::Admission,
+                        limit,
+                    },
+                );
+            }
+            keys.push(KeyConfig {
+                id,
+                secret_sha256,
+                org,
+                team,
+                project,
+                business_unit,
+            });
+        }
+
+        let mut seen: HashMap<(ScopeKind, String), usize> = HashMap::new();
+        for (i, r) in raw.rate_limits.into_iter().enumerate() {
+            let span = r.span();
+            let r = r.into_inner();
+            let field = |f: &str| format!("rate_limits[{i}].{f}");
+            let kind = ScopeKind::parse(r.scope.get_ref()).ok_or_else(|| {
+                self.error(
+                    r.scope.span(),
+                    field("scope"),
+                    format!(
+                        "unknown scope `{}`: expected key, project, team, business_unit, org, customer or gateway",
+                        r.scope.get_ref()
+                    ),
+                )
+            })?;
+            let id = match (kind, r.id) {
+                (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
+                (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
+                    return Err(self.error(
+                        id.span(),
+                        field("id"),
+                        "the gateway scope has no id (omit it, or write \"gateway\")",
+                    ));
+                }
+                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.into_inner(),
+                (_, Some(id)) => {
+                    return Err(self.error(id.span(), field("id"), "must not be empty"));
+                }
+                (_, None) => {
+                    return Err(self.error(
+                        span,
+                        field("id"),
+                        format!("a `{kind}` rate limit needs the id of the {kind} it limits"),
+                    ));
+                }
+            };
+            if kind == ScopeKind::Key && !ids.contains_key(&id) {
+                return Err(self.error(
+                    span,
+                    field("id"),
+                    format!("no [[keys]] entry has id `{id}`"),
+                ));
+            }
+            if r.rpm.is_none() && r.tpm.is_none() {
+                return Err(self.error(span, field("rpm"), "set `rpm`, `tpm` or both"));
+            }
+            if let Some(first) = seen.insert((kind, id.clone()), i) {
+                return Err(self.error(
+                    r.scope.span(),
+                    field("scope"),
+                    format!("rate_limits[{first}] already limits this {kind}: merge the two"),
+                ));
+            }
+            if let Some(rpm) = r.rpm {
+                merge(
+                    &mut limits,
+                    (kind, id.clone()),
+                    ScopeLimit {
+                        charge: Charge::Admission,
+                        limit: WindowLimit::per_minute(rpm),
+                    },
+                );
+            }
+            if let Some(tpm) = r.tpm {
+                merge(
+                    &mut limits,
+                    (kind, id),
+                    ScopeLimit {
+                        charge: Charge::Reactive,
+                        limit: WindowLimit::per_minute(tpm),
+                    },
+                );
+            }
+        }
+
+        Ok(Config {
+            path: self.file.to_path_buf(),
+            listen,
+            store,
+            upstream,
+            keys,
+            limits,
+        })
+    }
+
+    fn store(
+        &self,
+        raw: Option<RawStore>,
+        env_url: Option<String>,
+    ) -> Result<StoreConfig, ConfigError> {
+        let (backend, url, on_error) = match raw {
+            None => (None, None, None),
+            Some(s) => (s.backend, s.url, s.on_error),
+        };
+        let backend_span = backend.as_ref().map(|b| b.span());
+        let backend = backend.map_or(Backend::Memory, Spanned::into_inner);
+        if let Some(u) = &url {
+            let ok = u.get_ref().starts_with("redis://")
+                || u.get_ref().starts_with("rediss://")
+                || u.get_ref().starts_with("unix://");
+            if !ok {
+                return Err(self.error(
+                    u.span(),
+                    "store.url",
+                    "expected a redis:// or rediss:// URL",
+                ));
+            }
+        }
+        let url = env_url.or(url.map(Spanned::into_inner));
+        if backend == Backend::Redis && url.is_none() {
+            return Err(self.error(
+                backend_span.unwrap_or(0..0),
+                "store.url",
+                format!("the redis backend needs `url` (or {REDIS_URL_ENV})"),
+            ));
+        }
+        Ok(StoreConfig {
+            backend,
+            url,
+            on_error: on_error.unwrap_or(OnError::Open),
+        })
+    }
+
+    fn upstream(&self, raw: Spanned<RawUpstream>) -> Result<UpstreamConfig, ConfigError> {
+        let span = raw.span();
+        let raw = raw.into_inner();
+        let timeout = match raw.timeout_sec {
+            Some(t) if *t.get_ref() == 0 => {
+                return Err(self.error(t.span(), "upstream.timeout_sec", "must be at least 1"));
+            }
+            Some(t) => Duration::from_secs(t.into_inner()),
+            None => Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SEC),
+        };
+        let demo = raw.demo.as_ref().is_some_and(|d| *d.get_ref());
+        let target = match (demo, raw.base_url) {
+            (true, Some(b)) => {
+                return Err(self.error(
+                    b.span(),
+                    "upstream.base_url",
+                    "set either `base_url` or `demo = true`, not both",
+                ));
+            }
+            (true, None) => {
+                if let Some(k) = raw.api_key_env {
+                    return Err(self.error(
+                        k.span(),
+                        "upstream.api_key_env",
+                        "the demo upstream takes no API key",
+                    ));
+                }
+                UpstreamTarget::Demo
+            }
+            (false, None) => {
+                return Err(self.error(
+                    span,
+                    "upstream.base_url",
+                    "set `base_url` (an http:// URL) or `demo = true`",
+                ));
+            }
+            (false, Some(b)) => {
+                let url = b.get_ref().trim_end_matches('/');
+                let Some(rest) = url.strip_prefix("http://") else {
+                    return Err(self.error(
+                        b.span(),
+                        "upstream.base_url",
+                        "expected an http:// URL (https upstreams are not supported yet: put a TLS-originating proxy in between)",
+                    ));
+                };
+                let authority = rest.split('/').next().unwrap_or("");
+                let valid = !authority.is_empty()
+                    && !rest.contains(['?', '#', ' '])
+                    && url.parse::<axum::http::Uri>().is_ok();
+                if !valid {
+                    return Err(self.error(
+                        b.span(),
+                        "upstream.base_url",
+                        format!("`{}` is not a URL like http://127.0.0.1:9000", b.get_ref()),
+                    ));
+                }
+                let api_key_env = match raw.api_key_env {
+                    Some(k) if k.get_ref().is_empty() => {
+                        return Err(self.error(
+                            k.span(),
+                            "upstream.api_key_env",
+                            "must not be empty",
+                        ));
+                    }
+                    k => k.map(Spanned::into_inner),
+                };
+                UpstreamTarget::Http {
+                    base_url: url.to_owned(),
+                    api_key_env,
+                }
+            }
+        };
+        Ok(UpstreamConfig { target, timeout })
+    }
+
+    /// A seed-shape `rate_limit` object: missing fields fall back to 100 / 60.
+    fn window(&self, w: &Spanned<RawWindow>, field: &str) -> Result<WindowLimit, ConfigError> {
+        let raw = w.get_ref();
+        let requests = raw.requests.unwrap_or(DEFAULT_REQUESTS);
+        let secs = match &raw.window_sec {
+            Some(s) if *s.get_ref() == 0 => {
+                return Err(self.error(
+                    s.span(),
+                    format!("{field}.window_sec"),
+                    "must be at least 1",
+                ));
+            }
+            Some(s) if *s.get_ref() > 366 * 86_400 => {
+                return Err(self.error(
+                    s.span(),
+                    format!("{field}.window_sec"),
+                    "must be at most a year",
+                ));
+            }
+            Some(s) => *s.get_ref(),
+            None => DEFAULT_WINDOW_SEC,
+        };
+        Ok(WindowLimit::new(requests, Duration::from_secs(secs)))
+    }
+}
+
+/// Adds `limit` to `scope`'s limits; for the same charge and window the smaller max is kept
+/// (storage keys of one chain must be distinct).
+fn merge(
+    limits: &mut BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
+    scope: (ScopeKind, String),
+    limit: ScopeLimit,
+) {
+    let list = limits.entry(scope).or_default();
+    match list
+        .iter_mut()
+        .find(|l| l.charge == limit.charge && l.limit.window() == limit.limit.window())
+    {
+        Some(existing) if limit.limit.max() < existing.limit.max() => *existing = limit,
+        Some(_) => {}
+        None => list.push(limit),
+    }
+}
+
+fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.trim();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+/// The text between backticks right after `prefix` in `message`.
+fn quoted_after(message: &str, prefix: &str) -> Option<String> {
+    let rest = &message[message.find(prefix)? + prefix.len()..];
+    let rest = rest.strip_prefix('`')?;
+    Some(rest[..rest.find('`')?].to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(text: &str) -> Result<Config, ConfigError> {
+        Config::parse_with_env("test.toml", text, None)
+    }
+
+    #[test]
+    fn minimal_demo_config() {
+        let c = parse("[upstream]\ndemo = true\n").unwrap();
+        assert_eq!(c.upstream.target, UpstreamTarget::Demo);
+        assert_eq!(c.store.backend, Backend::Memory);
+        assert!(c.limits.is_empty());
+    }
+
+    #[test]
+    fn fallbacks_and_merging() {
+        let c = parse(
+            r#"
+[upstream]
+demo = true
+[gateway]
+rate_limit = {}
+[[keys]]
+id = "a"
+secret = "s"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "key"
+id = "a"
+rpm = 3
+tpm = 10
+"#,
+        )
+        .unwrap();
+        assert_eq!(
+            c.scope_limits(ScopeKind::Gateway, GATEWAY_ID)[0].limit,
+            WindowLimit::per_minute(100)
+        );
+        let key = c.scope_limits(ScopeKind::Key, "a");
+        assert_eq!(key.len(), 2);
+        assert_eq!(key[0].limit, WindowLimit::per_minute(3));
+        assert_eq!(key[1].charge, Charge::Reactive);
+    }
+
+    #[test]
+    fn unknown_field_names_line_and_field() {
+        let e = parse("[upstream]\ndemo = true\n\n[server]\nlisten = \"127.0.0.1:1\"\nport = 3\n")
+            .unwrap_err();
+        assert_eq!(e.line, 6, "{e}");
+        assert_eq!(e.field, "port");
+    }
+
+    #[test]
+    fn type_error_names_the_key() {
+        let e = parse("[upstream]\ndemo = true\n[[rate_limits]]\nscope = \"org\"\nid = \"x\"\nrpm = \"ten\"\n")
+            .unwrap_err();
+        assert_eq!(e.line, 6, "{e}");
+        assert_eq!(e.field, "rpm");
+    }
+
+    #[test]
+    fn sha256_hex() {
+        let h = "ab".repeat(32);
+        assert_eq!(parse_sha256(&h), Some([0xab; 32]));
+        assert_eq!(parse_sha256("abc"), None);
+    }
+}

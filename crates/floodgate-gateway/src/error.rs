@@ -1,0 +1,138 @@
+//! One error type for the HTTP surface: every failure becomes an OpenAI-style JSON error.
+//!
+//! Client mistakes keep their status and say what was wrong; internal failures (the store, the
+//! upstream) become a generic 5xx whose cause is logged, never echoed to the caller.
+
+use std::time::Duration;
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use floodgate::{Charge, ScopeKind, WindowLimit};
+use serde_json::json;
+
+/// What went wrong with a request.
+#[derive(Debug)]
+pub enum AppError {
+    /// No key, or a key the gateway does not know (401; nothing charged).
+    Unauthorized,
+    /// A limit of the chain refused the request (429).
+    RateLimited {
+        /// The kind of scope that refused (never its id).
+        scope: ScopeKind,
+        /// Requests or tokens.
+        charge: Charge,
+        /// The refusing limit.
+        limit: WindowLimit,
+        /// The exact wait; `None` if the request can never pass.
+        retry_after: Option<Duration>,
+    },
+    /// The request body could not be read, or was too large to inspect (nothing charged).
+    BadRequest(String),
+    /// No such route (404).
+    NotFound,
+    /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
+    StoreUnavailable(String),
+    /// The upstream could not be reached or broke the connection (502).
+    UpstreamUnavailable(String),
+    /// The upstream did not answer in time (504).
+    UpstreamTimeout,
+    /// Anything else (500); the cause is logged.
+    Internal(String),
+}
+
+impl AppError {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            AppError::Unauthorized => StatusCode::UNAUTHORIZED,
+            AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            AppError::NotFound => StatusCode::NOT_FOUND,
+            AppError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            AppError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
+            AppError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
+            AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// `(message, type, code)` of the OpenAI-style body.
+    fn parts(&self) -> (String, &'static str, &'static str) {
+        match self {
+            AppError::Unauthorized => (
+                "Incorrect or missing API key. Send `Authorization: Bearer <your key>`.".into(),
+                "invalid_request_error",
+                "invalid_api_key",
+            ),
+            AppError::RateLimited {
+                scope,
+                charge,
+                limit,
+                retry_after,
+            } => {
+                let unit = match charge {
+                    Charge::Admission => "requests",
+                    Charge::Reactive => "tokens",
+                };
+                let window = limit.window().as_secs();
+                let mut message = format!(
+                    "Rate limit exceeded for {scope}: limit {} {unit} per {window}s.",
+                    limit.max()
+                );
+                match retry_after {
+                    Some(w) => message.push_str(&format!(
+                        " Please retry after {}s.",
+                        crate::headers::ceil_secs(*w)
+                    )),
+                    None => message.push_str(" This request can never fit this limit."),
+                }
+                (message, "rate_limit_exceeded", "rate_limit_exceeded")
+            }
+            AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),
+            AppError::NotFound => (
+                "Unknown path: the gateway serves /v1/..., /healthz and /readyz.".into(),
+                "invalid_request_error",
+                "not_found",
+            ),
+            AppError::StoreUnavailable(_) => (
+                "The rate limiter is unavailable. Please retry shortly.".into(),
+                "api_error",
+                "rate_limiter_unavailable",
+            ),
+            AppError::UpstreamUnavailable(_) => (
+                "The upstream API could not be reached.".into(),
+                "api_error",
+                "upstream_unavailable",
+            ),
+            AppError::UpstreamTimeout => (
+                "The upstream API did not answer in time.".into(),
+                "api_error",
+                "upstream_timeout",
+            ),
+            AppError::Internal(_) => (
+                "Internal error in the gateway.".into(),
+                "api_error",
+                "internal_error",
+            ),
+        }
+    }
+}
+
+impl IntoResponse for AppError {
+    fn into_response(self) -> Response {
+        match &self {
+            AppError::StoreUnavailable(cause) => {
+                tracing::warn!(%cause, "rate-limit store unavailable: failing closed")
+            }
+            AppError::UpstreamUnavailable(cause) => tracing::warn!(%cause, "upstream unavailable"),
+            AppError::UpstreamTimeout => tracing::warn!("upstream timed out"),
+            AppError::Internal(cause) => tracing::error!(%cause, "internal error"),
+            _ => {}
+        }
+        let (message, kind, code) = self.parts();
+        let body = json!({
+            "error": { "message": message, "type": kind, "param": null, "code": code }
+        });
+        (self.status(), Json(body)).into_response()
+    }
+}

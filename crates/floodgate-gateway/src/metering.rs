@@ -1,0 +1,535 @@
+//! Token metering: usage read from responses as they stream past, charged to the chain's token
+//! limits once the body is done.
+//!
+//! - A JSON response's `usage` (`total_tokens`, else `prompt_tokens + completion_tokens`, or the
+//!   Responses API's `input_tokens + output_tokens`) is read when the body ends. The body is
+//!   forwarded frame by frame as it arrives; the frames are only kept (as cheap `Bytes` clones)
+//!   to be parsed at the end.
+//! - A server-sent event stream is forwarded event by event as soon as each event is complete;
+//!   the last event carrying a `usage` gives the tokens. For a streaming request the gateway
+//!   asks the upstream for that usage (`stream_options.include_usage = true`) and, if the caller
+//!   did not ask for it, drops the usage-only chunk (`"choices": []`) so that the caller sees
+//!   the stream it asked for.
+//!
+//! Tokens are recorded in a spawned task when the body is dropped (finished, or abandoned by the
+//! caller), exactly once. Metering never delays or cuts a response: a full token window only
+//! refuses later requests.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode, Uri};
+use bytes::{Bytes, BytesMut};
+use floodgate::Chain;
+use http_body::{Frame, SizeHint};
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use crate::store::GatewayStore;
+
+/// Most bytes of a JSON response kept to read its `usage`; past this the response is forwarded
+/// unmetered (and a warning logged).
+const MAX_JSON_METERED: usize = 16 * 1024 * 1024;
+
+#[derive(Deserialize)]
+struct Usage {
+    total_tokens: Option<u64>,
+    prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    input_tokens: Option<u64>,
+    output_tokens: Option<u64>,
+}
+
+impl Usage {
+    fn total(&self) -> u64 {
+        self.total_tokens.unwrap_or_else(|| {
+            self.prompt_tokens.unwrap_or(0)
+                + self.completion_tokens.unwrap_or(0)
+                + self.input_tokens.unwrap_or(0)
+                + self.output_tokens.unwrap_or(0)
+        })
+    }
+}
+
+/// The parts of a response body or stream chunk that metering reads; the rest is skipped.
+#[derive(Deserialize)]
+struct UsageCarrier {
+    usage: Option<Usage>,
+    /// Chat completion chunks: the usage-only chunk has no choices.
+    choices: Option<Vec<IgnoredAny>>,
+    /// Responses API events carry usage on the nested response.
+    response: Option<Box<NestedResponse>>,
+}
+
+#[derive(Deserialize)]
+struct NestedResponse {
+    usage: Option<Usage>,
+}
+
+impl UsageCarrier {
+    fn tokens(&self) -> Option<u64> {
+        self.usage
+            .as_ref()
+            .or_else(|| self.response.as_ref().and_then(|r| r.usage.as_ref()))
+            .map(Usage::total)
+    }
+}
+
+/// The tokens in a JSON response body's `usage`, if it has one.
+pub fn usage_from_json(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<UsageCarrier>(body).ok()?.tokens()
+}
+
+/// A streaming completion request, as the gateway forwards it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamRequest {
+    /// Whether the caller itself asked for the usage chunk.
+    pub caller_wants_usage: bool,
+}
+
+#[derive(Deserialize)]
+struct RequestProbe {
+    stream: Option<bool>,
+    stream_options: Option<StreamOptionsProbe>,
+}
+
+#[derive(Deserialize)]
+struct StreamOptionsProbe {
+    include_usage: Option<bool>,
+}
+
+/// Prepares a completion request body: a streaming request (`"stream": true`) is rewritten to
+/// ask the upstream for usage. Returns the body to forward and, for a streaming request, what
+/// the caller asked for. A body that is not a JSON object is forwarded unchanged.
+pub fn prepare_request(body: Bytes) -> (Bytes, Option<StreamRequest>) {
+    let Ok(probe) = serde_json::from_slice::<RequestProbe>(&body) else {
+        return (body, None);
+    };
+    if probe.stream != Some(true) {
+        return (body, None);
+    }
+    if probe.stream_options.and_then(|o| o.include_usage) == Some(true) {
+        let asked = StreamRequest {
+            caller_wants_usage: true,
+        };
+        return (body, Some(asked));
+    }
+    let Ok(serde_json::Value::Object(mut request)) = serde_json::from_slice(&body) else {
+        return (body, None);
+    };
+    let options = request
+        .entry("stream_options")
+        .or_insert_with(|| serde_json::Value::Object(Default::default()));
+    if !options.is_object() {
+        *options = serde_json::Value::Object(Default::default());
+    }
+    if let Some(o) = options.as_object_mut() {
+        o.insert("include_usage".into(), serde_json::Value::Bool(true));
+    }
+    let Ok(rewritten) = serde_json::to_vec(&request) else {
+        return (body, None);
+    };
+    let asked = StreamRequest {
+        caller_wants_usage: false,
+    };
+    (Bytes::from(rewritten), Some(asked))
+}
+
+/// How a response body is metered.
+#[derive(Debug)]
+pub enum Meter {
+    /// Not metered: forwarded untouched.
+    None,
+    /// A JSON body: `usage` read at the end.
+    Json,
+    /// An event stream; `strip_usage` drops the usage-only chunk the caller did not ask for.
+    Sse {
+        /// Whether to drop the usage-only chunk.
+        strip_usage: bool,
+    },
+}
+
+/// What is logged when a request's response is done.
+#[derive(Debug)]
+pub struct RequestLog {
+    /// The key's id.
+    pub key: Arc<str>,
+    /// The request method.
+    pub method: Method,
+    /// The request URI (path and query; never headers).
+    pub uri: Uri,
+    /// The response status.
+    pub status: StatusCode,
+    /// When the request arrived.
+    pub start: Instant,
+    /// `admitted`, `unenforced` (store failed open), ...
+    pub decision: &'static str,
+}
+
+impl RequestLog {
+    /// Logs the request's one line.
+    pub fn emit(&self, tokens: Option<u64>) {
+        tracing::info!(
+            key = %self.key,
+            method = %self.method,
+            path = self.uri.path(),
+            status = self.status.as_u16(),
+            latency_ms = self.start.elapsed().as_secs_f64() * 1e3,
+            decision = self.decision,
+            tokens,
+            "request"
+        );
+    }
+}
+
+/// Charges `tokens` to `chain`'s token limits, in the background, once.
+pub fn record_later(store: &GatewayStore, chain: &Arc<Chain>, tokens: u64) {
+    if tokens == 0 || !chain.has_reactive() {
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        tracing::warn!(tokens, "no runtime to record tokens on: dropped");
+        return;
+    };
+    let store = store.clone();
+    let chain = Arc::clone(chain);
+    rt.spawn(async move {
+        if let Err(e) = chain.record(&store, tokens).await {
+            tracing::warn!(error = %e, tokens, "could not record tokens");
+        }
+    });
+}
+
+/// A response body forwarded frame by frame while its usage is read; records the tokens and
+/// logs the request when dropped.
+pub struct MeteredBody {
+    inner: Body,
+    mode: Mode,
+    finished: bool,
+    tokens: Option<u64>,
+    charge: Option<(GatewayStore, Arc<Chain>)>,
+    log: RequestLog,
+}
+
+enum Mode {
+    Pass,
+    Json { chunks: Vec<Bytes>, size: usize },
+    Sse(SseFilter),
+}
+
+impl MeteredBody {
+    /// Wraps `inner`; tokens go to `chain` on `store` when metered.
+    pub fn new(
+        inner: Body,
+        meter: Meter,
+        store: GatewayStore,
+        chain: Arc<Chain>,
+        log: RequestLog,
+    ) -> MeteredBody {
+        let mode = match meter {
+            Meter::None => Mode::Pass,
+            Meter::Json => Mode::Json {
+                chunks: Vec::new(),
+                size: 0,
+            },
+            Meter::Sse { strip_usage } => Mode::Sse(SseFilter::new(strip_usage)),
+        };
+        MeteredBody {
+            inner,
+            mode,
+            finished: false,
+            tokens: None,
+            charge: Some((store, chain)),
+            log,
+        }
+    }
+
+    fn finish(&mut self) {
+        if self.finished {
+            return;
+        }
+        self.finished = true;
+        self.parse_json();
+    }
+
+    fn parse_json(&mut self) {
+        if let Mode::Json { chunks, .. } = &mut self.mode {
+            let tokens = match chunks.len() {
+                0 => None,
+                1 => usage_from_json(&chunks[0]),
+                _ => usage_from_json(&chunks.concat()),
+            };
+            chunks.clear();
+            self.tokens = tokens;
+        }
+    }
+}
+
+impl Drop for MeteredBody {
+    fn drop(&mut self) {
+        if !self.finished && http_body::Body::is_end_stream(&self.inner) {
+            self.finish();
+        }
+        if let Mode::Sse(f) = &self.mode {
+            self.tokens = f.tokens.or(self.tokens);
+        }
+        if let Some((store, chain)) = self.charge.take() {
+            if let Some(t) = self.tokens {
+                record_later(&store, &chain, t);
+            }
+        }
+        self.log.emit(self.tokens);
+    }
+}
+
+impl http_body::Body for MeteredBody {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = self.get_mut();
+        loop {
+            if this.finished {
+                return Poll::Ready(None);
+            }
+            let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
+                Some(Ok(frame)) => frame,
+                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                None => {
+                    let rest = match &mut this.mode {
+                        Mode::Sse(f) => f.flush(),
+                        _ => Bytes::new(),
+                    };
+                    this.finish();
+                    if rest.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(rest))));
+                }
+            };
+            let data = match frame.into_data() {
+                Ok(data) => data,
+                Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
+            };
+            match &mut this.mode {
+                Mode::Pass => {}
+                Mode::Json { chunks, size } => {
+                    if *size + data.len() <= MAX_JSON_METERED {
+                        *size += data.len();
+                        chunks.push(data.clone());
+                        // hyper stops polling a body that says it has ended: read the usage now.
+                        if this.inner.is_end_stream() {
+                            this.finish();
+                        }
+                    } else {
+                        tracing::warn!(key = %this.log.key, "JSON response too large to meter");
+                        this.mode = Mode::Pass;
+                    }
+                }
+                Mode::Sse(f) => {
+                    let out = f.push(data);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(out))));
+                }
+            }
+            return Poll::Ready(Some(Ok(Frame::data(data))));
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.finished
+            || match &self.mode {
+                Mode::Sse(f) => f.pending.is_empty() && self.inner.is_end_stream(),
+                _ => self.inner.is_end_stream(),
+            }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.mode {
+            // Dropping a chunk changes the length.
+            Mode::Sse(_) => SizeHint::default(),
+            _ => self.inner.size_hint(),
+        }
+    }
+}
+
+/// Splits an event stream into whole events, reads usage, drops the usage-only chunk on demand.
+struct SseFilter {
+    pending: BytesMut,
+    strip_usage: bool,
+    tokens: Option<u64>,
+}
+
+/// The end (exclusive) of the first complete event in `buf`: the index after its blank line.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while let Some(p) = buf[i..].iter().position(|&b| b == b'\n') {
+        let after = i + p + 1;
+        match buf.get(after..) {
+            Some([b'\n', ..]) => return Some(after + 1),
+            Some([b'\r', b'\n', ..]) => return Some(after + 2),
+            _ => i = after,
+        }
+    }
+    None
+}
+
+impl SseFilter {
+    fn new(strip_usage: bool) -> SseFilter {
+        SseFilter {
+            pending: BytesMut::new(),
+            strip_usage,
+            tokens: None,
+        }
+    }
+
+    /// Takes the next bytes of the stream; returns the complete events among them (possibly
+    /// none), to forward now.
+    fn push(&mut self, data: Bytes) -> Bytes {
+        if self.pending.is_empty() {
+            let end = last_event_end(&data);
+            if end < data.len() {
+                self.pending.extend_from_slice(&data[end..]);
+            }
+            return self.filter(data.slice(..end));
+        }
+        self.pending.extend_from_slice(&data);
+        let end = last_event_end(&self.pending);
+        let complete = self.pending.split_to(end).freeze();
+        self.filter(complete)
+    }
+
+    /// What is left when the stream ends (an event without its final blank line).
+    fn flush(&mut self) -> Bytes {
+        let rest = self.pending.split().freeze();
+        self.filter(rest)
+    }
+
+    /// Forwards whole events, inspecting those that mention `usage`.
+    fn filter(&mut self, events: Bytes) -> Bytes {
+        let mut out: Option<BytesMut> = None;
+        let mut start = 0;
+        while start < events.len() {
+            let end = event_end(&events[start..]).map_or(events.len(), |e| start + e);
+            let keep = self.inspect(&events[start..end]);
+            match (&mut out, keep) {
+                (None, true) => {}
+                (None, false) => {
+                    let mut b = BytesMut::with_capacity(events.len());
+                    b.extend_from_slice(&events[..start]);
+                    out = Some(b);
+                }
+                (Some(b), true) => b.extend_from_slice(&events[start..end]),
+                (Some(_), false) => {}
+            }
+            start = end;
+        }
+        out.map_or(events, BytesMut::freeze)
+    }
+
+    /// Reads an event's usage; says whether to forward it.
+    fn inspect(&mut self, event: &[u8]) -> bool {
+        if !event.windows(7).any(|w| w == b"\"usage\"") {
+            return true;
+        }
+        let mut data: Vec<u8> = Vec::new();
+        for line in event.split(|&b| b == b'\n') {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            if let Some(payload) = line.strip_prefix(b"data:") {
+                if !data.is_empty() {
+                    data.push(b'\n');
+                }
+                data.extend_from_slice(payload.strip_prefix(b" ").unwrap_or(payload));
+            }
+        }
+        let Ok(chunk) = serde_json::from_slice::<UsageCarrier>(&data) else {
+            return true;
+        };
+        let Some(tokens) = chunk.tokens() else {
+            return true;
+        };
+        self.tokens = Some(tokens);
+        let usage_only = chunk.choices.as_ref().is_none_or(Vec::is_empty) && chunk.usage.is_some();
+        !(self.strip_usage && usage_only)
+    }
+}
+
+/// The end of the last complete event in `buf` (0 if none).
+fn last_event_end(buf: &[u8]) -> usize {
+    let mut end = 0;
+    while let Some(e) = event_end(&buf[end..]) {
+        end += e;
+    }
+    end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_from_bodies() {
+        assert_eq!(usage_from_json(br#"{"usage":{"total_tokens":7}}"#), Some(7));
+        assert_eq!(
+            usage_from_json(br#"{"id":"x","usage":{"prompt_tokens":3,"completion_tokens":4}}"#),
+            Some(7)
+        );
+        assert_eq!(usage_from_json(br#"{"error":{}}"#), None);
+        assert_eq!(usage_from_json(b"not json"), None);
+    }
+
+    #[test]
+    fn stream_requests_ask_for_usage() {
+        let (b, s) = prepare_request(Bytes::from_static(br#"{"stream":true,"model":"m"}"#));
+        assert_eq!(
+            s,
+            Some(StreamRequest {
+                caller_wants_usage: false
+            })
+        );
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        let body =
+            Bytes::from_static(br#"{"stream":true,"stream_options":{"include_usage":true}}"#);
+        let (b, s) = prepare_request(body.clone());
+        assert_eq!(b, body);
+        assert_eq!(
+            s,
+            Some(StreamRequest {
+                caller_wants_usage: true
+            })
+        );
+        let (b, s) = prepare_request(Bytes::from_static(b"{\"model\":\"m\"}"));
+        assert_eq!((b.as_ref(), s), (&b"{\"model\":\"m\"}"[..], None));
+    }
+
+    #[test]
+    fn sse_split_across_frames_and_usage_stripped() {
+        let mut f = SseFilter::new(true);
+        let a = f.push(Bytes::from_static(
+            b"data: {\"choices\":[{}],\"usage\":null}\n\ndata: {\"cho",
+        ));
+        assert_eq!(&a[..], b"data: {\"choices\":[{}],\"usage\":null}\n\n");
+        let b = f.push(Bytes::from_static(
+            b"ices\":[],\"usage\":{\"total_tokens\":9}}\n\ndata: [DONE]\n\n",
+        ));
+        assert_eq!(&b[..], b"data: [DONE]\n\n");
+        assert_eq!(f.tokens, Some(9));
+        assert!(f.flush().is_empty());
+
+        let mut keep = SseFilter::new(false);
+        let c = keep.push(Bytes::from_static(
+            b"data: {\"choices\":[],\"usage\":{\"total_tokens\":2}}\r\n\r\n",
+        ));
+        assert_eq!(c.len(), 52);
+        assert_eq!(keep.tokens, Some(2));
+    }
+}

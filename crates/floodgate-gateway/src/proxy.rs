@@ -1,0 +1,176 @@
+//! Forwarding to the upstream: one pooled HTTP/1 client, bodies streamed both ways.
+//!
+//! The caller's `Authorization` (the gateway key) and `X-Floodgate-Customer` never leave the
+//! gateway; the upstream's own key, if configured, is sent instead. Hop-by-hop headers are
+//! dropped in both directions. Connect failures answer 502; no response headers within
+//! `[upstream] timeout_sec` answer 504.
+
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::header::{self, HeaderName};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tower::ServiceExt;
+
+use crate::auth::CUSTOMER_HEADER;
+use crate::config::{UpstreamConfig, UpstreamTarget};
+use crate::error::AppError;
+
+/// How long to wait for a TCP connection to the upstream.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an idle pooled upstream connection is kept.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Headers that describe one connection, not the message: never forwarded.
+const HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Where admitted requests go.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    target: Target,
+    timeout: Duration,
+}
+
+#[derive(Clone)]
+enum Target {
+    Http {
+        client: Client<HttpConnector, Body>,
+        base: String,
+        auth: Option<HeaderValue>,
+    },
+    Demo(Router),
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Http { base, auth, .. } => f
+                .debug_struct("Http")
+                .field("base", base)
+                .field("auth", &auth.as_ref().map(|_| "<redacted>"))
+                .finish(),
+            Target::Demo(_) => f.write_str("Demo"),
+        }
+    }
+}
+
+impl Upstream {
+    /// The upstream `config` names; reads the API key from its environment variable.
+    pub fn from_config(config: &UpstreamConfig) -> Result<Upstream, String> {
+        let target = match &config.target {
+            UpstreamTarget::Demo => Target::Demo(crate::demo::router()),
+            UpstreamTarget::Http {
+                base_url,
+                api_key_env,
+            } => {
+                let auth = match api_key_env {
+                    None => None,
+                    Some(var) => {
+                        let key = std::env::var(var).map_err(|_| {
+                            format!(
+                                "upstream.api_key_env: the environment variable {var} is not set"
+                            )
+                        })?;
+                        let mut v = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                            format!("upstream.api_key_env: {var} holds characters not allowed in a header")
+                        })?;
+                        v.set_sensitive(true);
+                        Some(v)
+                    }
+                };
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+                connector.enforce_http(true);
+                let client = Client::builder(TokioExecutor::new())
+                    .pool_idle_timeout(POOL_IDLE_TIMEOUT)
+                    .build(connector);
+                Target::Http {
+                    client,
+                    base: base_url.clone(),
+                    auth,
+                }
+            }
+        };
+        Ok(Upstream {
+            target,
+            timeout: config.timeout,
+        })
+    }
+
+    /// Whether this is the built-in demo.
+    pub fn is_demo(&self) -> bool {
+        matches!(self.target, Target::Demo(_))
+    }
+
+    /// Forwards `req` and returns the upstream's response head with its body still streaming.
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, AppError> {
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(CUSTOMER_HEADER);
+        match &self.target {
+            Target::Demo(router) => {
+                let resp = router
+                    .clone()
+                    .oneshot(req)
+                    .await
+                    .map_err(|e| AppError::Internal(format!("demo upstream: {e}")))?;
+                Ok(resp)
+            }
+            Target::Http { client, base, auth } => {
+                headers.remove(header::HOST);
+                if let Some(auth) = auth {
+                    headers.insert(header::AUTHORIZATION, auth.clone());
+                }
+                let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
+                let uri: Uri = format!("{base}{pq}")
+                    .parse()
+                    .map_err(|e| AppError::BadRequest(format!("cannot forward this path: {e}")))?;
+                *req.uri_mut() = uri;
+                *req.version_mut() = Version::HTTP_11;
+                let resp = match tokio::time::timeout(self.timeout, client.request(req)).await {
+                    Err(_) => return Err(AppError::UpstreamTimeout),
+                    Ok(Err(e)) => {
+                        let cause = match std::error::Error::source(&e) {
+                            Some(s) => format!("{e}: {s}"),
+                            None => e.to_string(),
+                        };
+                        return Err(AppError::UpstreamUnavailable(cause));
+                    }
+                    Ok(Ok(resp)) => resp,
+                };
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Ok(Response::from_parts(parts, Body::new(body)))
+            }
+        }
+    }
+}
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Headers named in `Connection` are hop-by-hop too.
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(&HOP_BY_HOP) {
+        headers.remove(name);
+    }
+}

@@ -1,0 +1,287 @@
+//! Shared test harness: a fake OpenAI-compatible upstream and the gateway, both on 127.0.0.1:0.
+#![allow(dead_code, missing_docs)]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use floodgate_gateway::store::GatewayStore;
+use floodgate_gateway::{AppState, Config};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use tokio::sync::oneshot;
+
+/// What the fake upstream saw.
+#[derive(Clone, Default)]
+pub struct Seen {
+    pub hits: Arc<AtomicUsize>,
+    pub last_body: Arc<Mutex<Option<Value>>>,
+    pub last_headers: Arc<Mutex<Option<HeaderMap>>>,
+}
+
+impl Seen {
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+    pub fn last_body(&self) -> Value {
+        self.last_body
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or(Value::Null)
+    }
+    pub fn last_headers(&self) -> HeaderMap {
+        self.last_headers
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_default()
+    }
+}
+
+pub struct FakeUpstream {
+    pub addr: SocketAddr,
+    pub seen: Seen,
+}
+
+impl FakeUpstream {
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Chat completions with `usage` (total `x-test-tokens`, default 50), as JSON or SSE; for SSE
+/// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones.
+async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
+    seen.hits.fetch_add(1, Ordering::SeqCst);
+    let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+    *seen.last_body.lock().unwrap() = Some(req.clone());
+    *seen.last_headers.lock().unwrap() = Some(headers.clone());
+    let total = header_u64(&headers, "x-test-tokens", 50);
+    let usage = json!({"prompt_tokens": total / 2, "completion_tokens": total - total / 2, "total_tokens": total});
+    if req["stream"] != json!(true) {
+        return axum::Json(json!({
+            "id": "x", "object": "chat.completion", "model": "fake",
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+            "usage": usage,
+        }))
+        .into_response();
+    }
+    let include_usage = req["stream_options"]["include_usage"] == json!(true);
+    let delay = Duration::from_millis(header_u64(&headers, "x-test-last-delay-ms", 0));
+    let chunk = |content: &str| {
+        let mut c = json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]});
+        if include_usage {
+            c["usage"] = Value::Null;
+        }
+        format!("data: {c}\n\n")
+    };
+    let mut events: Vec<(Duration, String)> = vec![
+        (Duration::ZERO, chunk("Hel")),
+        (Duration::from_millis(5), chunk("lo")),
+        (delay, chunk("!")),
+    ];
+    if include_usage {
+        let u = json!({"id": "x", "object": "chat.completion.chunk", "model": "fake", "choices": [], "usage": usage});
+        events.push((Duration::ZERO, format!("data: {u}\n\n")));
+    }
+    events.push((Duration::ZERO, "data: [DONE]\n\n".into()));
+    let stream = futures_util::stream::unfold(events.into_iter(), |mut it| async move {
+        let (wait, e) = it.next()?;
+        tokio::time::sleep(wait).await;
+        Some((Ok::<_, Infallible>(Bytes::from(e)), it))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        // An upstream's own rate-limit headers must not reach the caller.
+        .header("x-ratelimit-limit-requests", "999999")
+        .body(Body::from_stream(stream))
+        .unwrap()
+}
+
+async fn slow() -> &'static str {
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    "late"
+}
+
+pub async fn fake_upstream() -> FakeUpstream {
+    let seen = Seen::default();
+    let app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/slow", get(slow))
+        .route(
+            "/v1/models",
+            get(|| async { axum::Json(json!({"object": "list", "data": []})) }),
+        )
+        .with_state(seen.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    FakeUpstream { addr, seen }
+}
+
+/// A running gateway.
+pub struct Gateway {
+    pub addr: SocketAddr,
+    pub state: AppState,
+    stop: Option<oneshot::Sender<()>>,
+    pub server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    client: Client<HttpConnector, Body>,
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+}
+
+/// Config text with `{upstream}` replaced.
+pub fn config(text: &str, upstream: &str) -> Config {
+    Config::parse_with_env("test.toml", &text.replace("{upstream}", upstream), None)
+        .unwrap_or_else(|e| panic!("bad test config: {e}"))
+}
+
+pub async fn gateway(text: &str, upstream: &str) -> Gateway {
+    let c = config(text, upstream);
+    let store = GatewayStore::open(&c.store).await.unwrap().0;
+    gateway_on(&c, store).await
+}
+
+pub async fn gateway_on(c: &Config, store: GatewayStore) -> Gateway {
+    let state = AppState::new(c, store).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let server = tokio::spawn(floodgate_gateway::run(
+        listener,
+        state.clone(),
+        async move {
+            let _ = stopped.await;
+        },
+    ));
+    Gateway {
+        addr,
+        state,
+        stop: Some(stop),
+        server: Some(server),
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap()
+    }
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+}
+
+impl Gateway {
+    /// Stops accepting; the server task then drains.
+    pub fn shutdown(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+    }
+
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        key: Option<&str>,
+        body: &str,
+    ) -> Request<Body> {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{}", self.addr, path))
+            .header("content-type", "application/json");
+        if let Some(k) = key {
+            b = b.header("authorization", format!("Bearer {k}"));
+        }
+        b.body(Body::from(body.to_owned())).unwrap()
+    }
+
+    pub async fn send(&self, req: Request<Body>) -> Reply {
+        let resp = self.client.request(req).await.unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
+    }
+
+    /// `POST /v1/chat/completions` with `key`.
+    pub async fn chat(&self, key: &str, body: &str) -> Reply {
+        self.send(self.request("POST", "/v1/chat/completions", Some(key), body))
+            .await
+    }
+
+    /// Sends `req` and returns the status, each body frame with its arrival time, and the start.
+    pub async fn frames(
+        &self,
+        req: Request<Body>,
+    ) -> (StatusCode, HeaderMap, Vec<(Duration, Bytes)>) {
+        let start = Instant::now();
+        let resp = self.client.request(req).await.unwrap();
+        let (parts, mut body) = resp.into_parts();
+        let mut frames = Vec::new();
+        while let Some(f) = body.frame().await {
+            if let Ok(data) = f.unwrap().into_data() {
+                frames.push((start.elapsed(), data));
+            }
+        }
+        (parts.status, parts.headers, frames)
+    }
+}
+
+pub const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+pub const CHAT_STREAM: &str =
+    r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
+pub const CHAT_STREAM_USAGE: &str = r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
+
+/// Lets spawned token recording land.
+pub async fn settle() {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// The `data:` payloads of an event stream.
+pub fn events(body: &[u8]) -> Vec<String> {
+    String::from_utf8_lossy(body)
+        .split("\n\n")
+        .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_owned))
+        .collect()
+}
