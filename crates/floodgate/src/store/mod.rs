@@ -18,6 +18,10 @@ use crate::window::Snapshot;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "redis")]
+mod any;
+#[cfg(feature = "redis")]
+pub use any::AnyStore;
 
 pub use memory::{MemoryStore, SweeperGuard};
 

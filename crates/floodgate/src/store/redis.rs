@@ -1,1 +1,729 @@
-//! The Redis store (in progress).
+//! The Redis store: many replicas, one shared truth.
+//!
+//! Each decision is one Lua script (`store/*.lua`, run with EVALSHA and loaded again on
+//! NOSCRIPT by [`redis::Script`]). Redis runs a script to completion before any other command,
+//! so a chain's reads, decision and increments cannot interleave with another request's: no two
+//! requests, on one replica or many, take the same free slot. The scripts mirror
+//! [`window`](crate::window) and [`bucket`](crate::bucket) operation for operation, so the same
+//! operations with the same clock give bit-identical decisions on this store and on the
+//! [`MemoryStore`](super::MemoryStore).
+//!
+//! Connections, failures and time:
+//!
+//! - one multiplexed, auto-reconnecting connection per store (a [`ConnectionManager`]), a timeout
+//!   on every call, connected lazily so that a process can start while Redis is down;
+//! - an operation that is safe to run twice (admission, acquire, reset) is replayed once when its
+//!   connection dropped under it; recording (an increment) never is: see [`Replay`];
+//! - when Redis is unreachable, admissions fail open (or closed, by [`OnError`]), a circuit
+//!   breaker answers at once instead of waiting for a timeout on every request, and a background
+//!   task probes Redis until it answers. One warning per outage, one info line when it ends;
+//! - the scripts read the server's `TIME` ([`RedisClock::Server`]) unless the caller pins the
+//!   time or the store sends its own ([`RedisClock::Client`]).
+//!
+//! ```no_run
+//! use floodgate::{Chain, ChainLimit, Charge, ScopeKind, WindowLimit};
+//! use floodgate::store::redis::{RedisConfig, RedisStore};
+//!
+//! # async fn demo() -> Result<(), floodgate::Error> {
+//! let store = RedisStore::connect(RedisConfig::new("redis://127.0.0.1:6379")).await?;
+//! let chain = Chain::new(vec![ChainLimit::new(
+//!     "org:acme", ScopeKind::Key, "alice", Charge::Admission, WindowLimit::per_minute(5),
+//! )]);
+//! let decision = chain.admit(&store, 1).await?;
+//! println!("admitted: {}, enforced: {}", decision.admitted, decision.enforced);
+//! # Ok(()) }
+//! ```
+
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, LazyLock, Weak};
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{
+    Client, ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, ServerErrorKind,
+};
+
+use super::{BucketObservation, Observation, Store};
+use crate::Error;
+use crate::bucket::BucketLimit;
+use crate::chain::ChainLimit;
+use crate::clock::Timestamp;
+use crate::window::{Charge, Snapshot};
+
+/// What a decision does when Redis cannot be reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnError {
+    /// Admit unchecked (`enforced: false`): an outage of the limiter is not an outage of the
+    /// service. The default.
+    #[default]
+    Open,
+    /// Refuse with [`Error::Unavailable`].
+    Closed,
+}
+
+/// Which clock decides when a call does not pin the time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RedisClock {
+    /// The Redis server's `TIME`, read inside each script: one clock for every replica, so skew
+    /// between them cannot split a bucket or distort a rate. The default.
+    #[default]
+    Server,
+    /// The calling process's wall clock, sent with each call, for managed services that refuse
+    /// `TIME` inside scripts. Replicas' clocks must then agree.
+    Client,
+}
+
+/// How to reach Redis and how to behave when it cannot be reached.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://[:password@]host:port[/db]`, or `rediss://` with the `tls` feature.
+    pub url: String,
+    /// Prepended to every key; default `fg:`.
+    pub prefix: String,
+    /// Fail open (default) or closed when Redis is unreachable.
+    pub on_error: OnError,
+    /// The clock that decides when a call does not pin the time.
+    pub clock: RedisClock,
+    /// The longest one call may take, replay included; default 200 ms.
+    pub timeout: Duration,
+    /// The longest one connection attempt may take; default 1 s.
+    pub connect_timeout: Duration,
+    /// How often the circuit breaker probes Redis during an outage; default 250 ms.
+    pub probe_interval: Duration,
+}
+
+impl RedisConfig {
+    /// The defaults, for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisConfig {
+            url: url.into(),
+            prefix: "fg:".into(),
+            on_error: OnError::Open,
+            clock: RedisClock::Server,
+            timeout: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(250),
+        }
+    }
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL may carry a password: never print it.
+        f.debug_struct("RedisConfig")
+            .field("url", &redacted(&self.url))
+            .field("prefix", &self.prefix)
+            .field("on_error", &self.on_error)
+            .field("clock", &self.clock)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("probe_interval", &self.probe_interval)
+            .finish()
+    }
+}
+
+/// `url` with any credentials between `://` and `@` replaced.
+fn redacted(url: &str) -> String {
+    match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
+        _ => url.to_owned(),
+    }
+}
+
+/// Counters since the store was created, for metrics. Decisions count chain admissions and
+/// token-bucket acquires alike.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RedisStats {
+    /// Decisions Redis took that admitted.
+    pub admitted: u64,
+    /// Decisions Redis took that refused.
+    pub refused: u64,
+    /// Decisions admitted unchecked because Redis was unreachable.
+    pub failed_open: u64,
+    /// Decisions refused with [`Error::Unavailable`] because Redis was unreachable.
+    pub failed_closed: u64,
+    /// Other failed calls: recording and resets while unreachable, and errors Redis answered.
+    pub errors: u64,
+    /// Operations replayed after a dropped connection.
+    pub replays: u64,
+    /// Outages: times the circuit breaker opened.
+    pub outages: u64,
+    /// Whether the circuit breaker is open now (Redis is being probed).
+    pub breaker_open: bool,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    admitted: AtomicU64,
+    refused: AtomicU64,
+    failed_open: AtomicU64,
+    failed_closed: AtomicU64,
+    errors: AtomicU64,
+    replays: AtomicU64,
+    outages: AtomicU64,
+}
+
+fn bump(counter: &AtomicU64) {
+    counter.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Whether an operation may run again after its connection dropped under it, not knowing
+/// whether the first attempt reached Redis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Replay {
+    /// Replayed once. Admission: the first request after a drop is still enforced; if the first
+    /// attempt did run and only its reply was lost, the request is charged twice, which errs by
+    /// one toward stricter for one window. Acquire: the same, with tokens. Reset: a delete,
+    /// idempotent.
+    Once,
+    /// Never replayed: an increment applied twice would count units (later: spend) that were
+    /// never used, and nothing would ever take them back.
+    Never,
+}
+
+/// One script and its replay policy: the policy belongs to the operation, not to a call site.
+struct Op {
+    name: &'static str,
+    script: Script,
+    replay: Replay,
+}
+
+/// Each script is prepended with `clock.lua`, which sets `now`.
+macro_rules! op {
+    ($name:literal, $file:literal, $replay:expr) => {
+        LazyLock::new(|| Op {
+            name: $name,
+            script: Script::new(concat!(include_str!("clock.lua"), include_str!($file))),
+            replay: $replay,
+        })
+    };
+}
+
+static ADMIT: LazyLock<Op> = op!("admit", "admit.lua", Replay::Once);
+static RECORD: LazyLock<Op> = op!("record", "record.lua", Replay::Never);
+static ACQUIRE: LazyLock<Op> = op!("acquire", "acquire.lua", Replay::Once);
+static RESET: LazyLock<Op> = op!("reset", "reset.lua", Replay::Once);
+
+/// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
+/// name: `admit`, `record`, `acquire`, `reset`. For benchmarks and operators who preload scripts
+/// (`SCRIPT LOAD`); the store loads them itself on first use.
+pub fn script_source(op: &str) -> Option<&'static str> {
+    Some(match op {
+        "admit" => concat!(include_str!("clock.lua"), include_str!("admit.lua")),
+        "record" => concat!(include_str!("clock.lua"), include_str!("record.lua")),
+        "acquire" => concat!(include_str!("clock.lua"), include_str!("acquire.lua")),
+        "reset" => concat!(include_str!("clock.lua"), include_str!("reset.lua")),
+        _ => return None,
+    })
+}
+
+/// Why a call failed.
+enum Failure {
+    /// Redis could not be reached in time: the failure policy applies.
+    Unavailable(String),
+    /// Redis answered with an error: a bug or a misconfiguration, not an outage.
+    Backend(String),
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Error {
+        match f {
+            Failure::Unavailable(why) => Error::Unavailable(why),
+            Failure::Backend(why) => Error::Backend(why),
+        }
+    }
+}
+
+/// How a Redis error counts.
+enum Class {
+    /// The connection was lost under the call: a replayable operation may run again.
+    Dropped,
+    /// Redis is unreachable, too slow, or not serving (loading, failing over).
+    Unavailable,
+    /// Redis answered with an error.
+    Answered,
+}
+
+fn classify(e: &RedisError) -> Class {
+    // redis-rs classifies its own errors; never match on message text.
+    if e.is_timeout() {
+        // The server may be slow rather than gone: another attempt would double the wait.
+        Class::Unavailable
+    } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
+        Class::Dropped
+    } else if matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        )
+    ) {
+        Class::Unavailable
+    } else {
+        Class::Answered
+    }
+}
+
+/// The Redis store. Cheap to clone: clones share the connection, the breaker and the counters.
+///
+/// See the [module documentation](self) for how it decides and fails.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: ConnectionManager,
+    config: RedisConfig,
+    /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
+    open: AtomicBool,
+    counters: Counters,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.inner.config)
+            .field("breaker_open", &self.inner.open.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Fails only if the process already chose a provider, which then serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+impl RedisStore {
+    /// A store for the server `config.url` names.
+    ///
+    /// Fails only on a configuration that can never work (a malformed URL, `rediss://` without
+    /// the `tls` feature). An unreachable server is not an error: the store starts with its
+    /// circuit breaker open, applies [`OnError`] and connects as soon as Redis answers, so a
+    /// service can start before its Redis. Must be called within a Tokio runtime.
+    pub async fn connect(config: RedisConfig) -> Result<RedisStore, Error> {
+        #[cfg(feature = "tls")]
+        if config.url.starts_with("rediss://") {
+            install_crypto_provider();
+        }
+        let client = Client::open(config.url.as_str()).map_err(|e| {
+            Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&config.url)))
+        })?;
+        let manager = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(config.connect_timeout))
+            .set_response_timeout(Some(config.timeout))
+            // Reconnection is driven by calls and by the breaker's probe, not by a long
+            // backoff inside the connection manager that requests would queue behind.
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(200));
+        let conn = ConnectionManager::new_lazy_with_config(client, manager)
+            .map_err(|e| Error::Backend(format!("Redis client: {e}")))?;
+        let store = RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                config,
+                open: AtomicBool::new(false),
+                counters: Counters::default(),
+            }),
+        };
+        let first = tokio::time::timeout(store.inner.config.connect_timeout, store.inner.ping());
+        match first.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => store.inner.trip(&e),
+            Err(_) => store.inner.trip("connection timed out"),
+        }
+        Ok(store)
+    }
+
+    /// Readiness: whether Redis answers `PING` within the timeout now.
+    pub async fn ping(&self) -> Result<(), Error> {
+        match tokio::time::timeout(self.inner.config.timeout, self.inner.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::Unavailable(e)),
+            Err(_) => Err(Error::Unavailable("PING timed out".into())),
+        }
+    }
+
+    /// The counters since the store was created.
+    pub fn stats(&self) -> RedisStats {
+        let c = &self.inner.counters;
+        let load = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        RedisStats {
+            admitted: load(&c.admitted),
+            refused: load(&c.refused),
+            failed_open: load(&c.failed_open),
+            failed_closed: load(&c.failed_closed),
+            errors: load(&c.errors),
+            replays: load(&c.replays),
+            outages: load(&c.outages),
+            breaker_open: self.inner.open.load(Ordering::Acquire),
+        }
+    }
+
+    /// The store's configuration.
+    pub fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// The full Redis key for a storage key: the prefix prepended.
+    pub fn redis_key(&self, key: &str) -> String {
+        let prefix = &self.inner.config.prefix;
+        let mut k = String::with_capacity(prefix.len() + key.len());
+        k.push_str(prefix);
+        k.push_str(key);
+        k
+    }
+
+    /// `ARGV[1]`: the pinned time, the client's clock, or empty for the server's `TIME`.
+    fn time_arg(&self, now: Option<Timestamp>) -> Option<u64> {
+        match (now, self.inner.config.clock) {
+            (Some(t), _) => Some(t.as_micros()),
+            (None, RedisClock::Client) => Some(Timestamp::now().as_micros()),
+            (None, RedisClock::Server) => None,
+        }
+    }
+
+    fn invocation(&self, op: &'static Op, now: Option<Timestamp>) -> ScriptInvocation<'static> {
+        let mut inv = op.script.prepare_invoke();
+        match self.time_arg(now) {
+            Some(t) => inv.arg(t),
+            None => inv.arg(""),
+        };
+        inv
+    }
+
+    /// The decision a failed admission or acquire gets: unchecked, or an error.
+    fn fail(&self, failure: Failure) -> Result<(), Error> {
+        let c = &self.inner.counters;
+        match failure {
+            Failure::Unavailable(_) if self.inner.config.on_error == OnError::Open => {
+                bump(&c.failed_open);
+                Ok(())
+            }
+            Failure::Unavailable(why) => {
+                bump(&c.failed_closed);
+                Err(Error::Unavailable(why))
+            }
+            Failure::Backend(why) => {
+                bump(&c.errors);
+                Err(Error::Backend(why))
+            }
+        }
+    }
+
+    fn count(&self, admitted: bool) {
+        let c = &self.inner.counters;
+        bump(if admitted { &c.admitted } else { &c.refused });
+    }
+}
+
+impl Inner {
+    async fn ping(&self) -> Result<(), String> {
+        let mut conn = self.conn.clone();
+        ::redis::cmd("PING")
+            .query_async::<()>(&mut conn)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Opens the breaker; the first failure of an outage logs it and starts the probe.
+    fn trip(self: &Arc<Self>, why: &str) {
+        if self.open.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        bump(&self.counters.outages);
+        tracing::warn!(
+            error = why,
+            on_error = ?self.config.on_error,
+            "floodgate: Redis unreachable; deciding without it until it answers again"
+        );
+        tokio::spawn(probe(Arc::downgrade(self), Instant::now()));
+    }
+
+    /// Runs `op` once, or twice if its connection dropped and its policy allows a replay.
+    async fn run<T: FromRedisValue>(
+        self: &Arc<Self>,
+        op: &'static Op,
+        inv: &ScriptInvocation<'static>,
+    ) -> Result<T, Failure> {
+        if self.open.load(Ordering::Acquire) {
+            // The breaker answers at once; the probe task closes it when Redis is back.
+            return Err(Failure::Unavailable("circuit breaker open".into()));
+        }
+        // One deadline for the whole call, replay included.
+        let deadline = tokio::time::Instant::now() + self.config.timeout;
+        let mut replays = match op.replay {
+            Replay::Once => 1,
+            Replay::Never => 0,
+        };
+        loop {
+            let mut conn = self.conn.clone();
+            let attempt = tokio::time::timeout_at(deadline, inv.invoke_async::<T>(&mut conn));
+            let err = match attempt.await {
+                Ok(Ok(value)) => return Ok(value),
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
+                    self.trip(&why);
+                    return Err(Failure::Unavailable(why));
+                }
+            };
+            match classify(&err) {
+                Class::Dropped if replays > 0 => {
+                    // The connection manager is already reconnecting; the replay waits for
+                    // the new connection (within the same deadline).
+                    replays -= 1;
+                    bump(&self.counters.replays);
+                }
+                Class::Dropped | Class::Unavailable => {
+                    let why = format!("{}: {err}", op.name);
+                    self.trip(&why);
+                    return Err(Failure::Unavailable(why));
+                }
+                Class::Answered => return Err(Failure::Backend(format!("{}: {err}", op.name))),
+            }
+        }
+    }
+}
+
+/// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
+async fn probe(inner: Weak<Inner>, since: Instant) {
+    loop {
+        let Some(interval) = inner.upgrade().map(|i| i.config.probe_interval) else {
+            return;
+        };
+        tokio::time::sleep(interval).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
+        if let Ok(Ok(())) = answered {
+            inner.open.store(false, Ordering::Release);
+            tracing::info!(
+                outage = ?since.elapsed(),
+                "floodgate: Redis answers again; enforcing limits"
+            );
+            return;
+        }
+    }
+}
+
+/// Reads a script's reply as an integer.
+fn int(v: &::redis::Value) -> Result<u64, Failure> {
+    match v {
+        ::redis::Value::Int(i) => u64::try_from(*i).map_err(|_| bad_reply()),
+        _ => Err(bad_reply()),
+    }
+}
+
+fn bad_reply() -> Failure {
+    Failure::Backend("unexpected script reply".into())
+}
+
+impl RedisStore {
+    async fn admit_inner(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Failure> {
+        let mut inv = self.invocation(&ADMIT, now);
+        inv.arg(cost);
+        for l in limits {
+            let w = l.limit().window_micros();
+            inv.key(self.redis_key(l.key()));
+            inv.arg(w).arg(l.limit().max());
+            inv.arg(match l.charge() {
+                Charge::Admission => "a",
+                Charge::Reactive => "r",
+            });
+            inv.arg(ttl_millis(w));
+        }
+        let reply: Vec<::redis::Value> = self.inner.run(&ADMIT, &inv).await?;
+        if reply.len() != 2 + 2 * limits.len() {
+            return Err(bad_reply());
+        }
+        let t = int(&reply[0])?;
+        let admitted = int(&reply[1])? == 1;
+        let mut snapshots = Vec::with_capacity(limits.len());
+        for (l, counts) in limits.iter().zip(reply[2..].chunks_exact(2)) {
+            let w = l.limit().window_micros();
+            snapshots.push(Snapshot {
+                bucket: t / w,
+                elapsed: t % w,
+                cur: int(&counts[0])?,
+                prev: int(&counts[1])?,
+            });
+        }
+        self.count(admitted);
+        Ok(Observation {
+            now: Timestamp::from_micros(t),
+            admitted,
+            enforced: true,
+            snapshots,
+        })
+    }
+
+    async fn acquire_inner(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<BucketObservation, Failure> {
+        let mut inv = self.invocation(&ACQUIRE, now);
+        inv.key(self.redis_key(key));
+        inv.arg(limit.capacity)
+            .arg(limit.rate.tokens())
+            .arg(limit.rate.period_micros())
+            .arg(cost);
+        let (allowed, tokens, t): (u64, String, u64) = self.inner.run(&ACQUIRE, &inv).await?;
+        // 17 significant digits: parses back to the very f64 the script computed.
+        let tokens: f64 = tokens.parse().map_err(|_| bad_reply())?;
+        let allowed = allowed == 1;
+        self.count(allowed);
+        Ok(BucketObservation {
+            now: Timestamp::from_micros(t),
+            allowed,
+            tokens,
+            enforced: true,
+        })
+    }
+}
+
+/// A window's state lives `2W` after its last write, rounded up to whole milliseconds.
+fn ttl_millis(window_us: u64) -> u64 {
+    window_us.saturating_mul(2).div_ceil(1000)
+}
+
+impl Store for RedisStore {
+    async fn admit(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        match self.admit_inner(limits, cost, now).await {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                self.fail(failure)?;
+                Ok(Observation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    admitted: true,
+                    enforced: false,
+                    snapshots: Vec::new(),
+                })
+            }
+        }
+    }
+
+    async fn record(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        let mut inv = self.invocation(&RECORD, now);
+        inv.arg(units);
+        let mut any = false;
+        for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
+            let w = l.limit().window_micros();
+            inv.key(self.redis_key(l.key()));
+            inv.arg(w).arg(ttl_millis(w));
+            any = true;
+        }
+        if !any {
+            return Ok(());
+        }
+        self.inner.run::<()>(&RECORD, &inv).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
+    }
+
+    async fn acquire(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<BucketObservation, Error> {
+        match self.acquire_inner(key, limit, cost, now).await {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                self.fail(failure)?;
+                Ok(BucketObservation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    allowed: true,
+                    tokens: limit.capacity as f64,
+                    enforced: false,
+                })
+            }
+        }
+    }
+
+    async fn reset(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        now: Option<Timestamp>,
+    ) -> Result<bool, Error> {
+        let mut inv = self.invocation(&RESET, now);
+        inv.key(self.redis_key(key));
+        inv.arg(limit.capacity)
+            .arg(limit.rate.tokens())
+            .arg(limit.rate.period_micros());
+        match self.inner.run::<u64>(&RESET, &inv).await {
+            Ok(used) => Ok(used == 1),
+            Err(f) => {
+                bump(&self.inner.counters.errors);
+                Err(f.into())
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redacted("redis://:hunter2@db:6379/0"),
+            "redis://***@db:6379/0"
+        );
+        assert_eq!(redacted("redis://db:6379"), "redis://db:6379");
+    }
+
+    #[test]
+    fn window_ttl_is_two_windows_in_whole_ms() {
+        assert_eq!(ttl_millis(60_000_000), 120_000);
+        assert_eq!(ttl_millis(1), 1);
+    }
+
+    #[test]
+    fn every_operation_has_a_script_and_only_record_never_replays() {
+        for (op, name) in [
+            (&ADMIT, "admit"),
+            (&RECORD, "record"),
+            (&ACQUIRE, "acquire"),
+        ] {
+            assert_eq!(op.name, name);
+            assert!(script_source(name).is_some());
+        }
+        assert_eq!(RECORD.replay, Replay::Never);
+        assert_eq!(ADMIT.replay, Replay::Once);
+        assert_eq!(ACQUIRE.replay, Replay::Once);
+        assert_eq!(RESET.replay, Replay::Once);
+    }
+}

@@ -1,0 +1,35 @@
+-- floodgate: take tokens from a token bucket, one atomic step.
+-- KEYS[1]: the bucket. ARGV[2..5]: capacity, rate tokens, rate period (µs), cost.
+-- State: "tokens ts expires" (tokens with 17 significant digits, which round-trip every double;
+-- ts and expires in µs on the deciding clock). State whose expiry has passed on that clock reads
+-- as missing, as in the memory store. Every operation mirrors bucket.rs in the same order.
+-- Reply: {allowed, tokens left (as a string: Redis truncates numbers to integers), now}.
+local cap = tonumber(ARGV[2])
+local rate = tonumber(ARGV[3])
+local period = tonumber(ARGV[4])
+local cost = tonumber(ARGV[5])
+local tokens = cap
+local v = redis.call('GET', KEYS[1])
+if v then
+  local t, ts, expires = string.match(v, '^(%S+) (%d+) (%d+)$')
+  if tonumber(expires) > now then
+    local elapsed = now - tonumber(ts)
+    if elapsed < 0 then elapsed = 0 end
+    tokens = math.min(cap, tonumber(t) + elapsed * rate / period)
+  end
+end
+local allowed = 0
+if tokens >= cost then
+  tokens = tokens - cost
+  allowed = 1
+end
+local missing = cap - tokens
+if missing <= 0 then
+  -- Full: a missing bucket reads as full, so nothing needs keeping.
+  redis.call('DEL', KEYS[1])
+else
+  local ttl = math.ceil(missing * period / rate)
+  redis.call('SET', KEYS[1], string.format('%.17g %d %d', tokens, now, now + ttl),
+    'PX', math.ceil(ttl / 1000))
+end
+return {allowed, string.format('%.17g', tokens), now}

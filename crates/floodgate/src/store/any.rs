@@ -1,0 +1,87 @@
+//! A store chosen at run time: the gateway's configuration names the backend.
+
+use super::redis::RedisStore;
+use super::{BucketObservation, MemoryStore, Observation, Store};
+use crate::Error;
+use crate::bucket::BucketLimit;
+use crate::chain::ChainLimit;
+use crate::clock::Timestamp;
+
+/// Either store, picked at run time; every call is delegated to the one it holds.
+///
+/// ```
+/// use floodgate::store::{AnyStore, MemoryStore};
+///
+/// let store: AnyStore = MemoryStore::new().into();
+/// assert!(matches!(store, AnyStore::Memory(_)));
+/// ```
+#[derive(Clone, Debug)]
+pub enum AnyStore {
+    /// The embedded store: one process.
+    Memory(MemoryStore),
+    /// The Redis store: every replica shares it.
+    Redis(RedisStore),
+}
+
+impl From<MemoryStore> for AnyStore {
+    fn from(store: MemoryStore) -> Self {
+        AnyStore::Memory(store)
+    }
+}
+
+impl From<RedisStore> for AnyStore {
+    fn from(store: RedisStore) -> Self {
+        AnyStore::Redis(store)
+    }
+}
+
+impl Store for AnyStore {
+    async fn admit(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.admit(limits, cost, now).await,
+            AnyStore::Redis(s) => s.admit(limits, cost, now).await,
+        }
+    }
+
+    async fn record(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        match self {
+            AnyStore::Memory(s) => s.record(limits, units, now).await,
+            AnyStore::Redis(s) => s.record(limits, units, now).await,
+        }
+    }
+
+    async fn acquire(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<BucketObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.acquire(key, limit, cost, now).await,
+            AnyStore::Redis(s) => s.acquire(key, limit, cost, now).await,
+        }
+    }
+
+    async fn reset(
+        &self,
+        key: &str,
+        limit: BucketLimit,
+        now: Option<Timestamp>,
+    ) -> Result<bool, Error> {
+        match self {
+            AnyStore::Memory(s) => s.reset(key, limit, now).await,
+            AnyStore::Redis(s) => s.reset(key, limit, now).await,
+        }
+    }
+}
