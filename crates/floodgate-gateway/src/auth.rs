@@ -187,9 +187,9 @@ rpm = 2
         );
         assert_eq!(k.chain().limits()[0].key(), "{org:acme}:key:alice:req");
         let with = keys.chain_for(k, Some("bob"));
-        assert_eq!(with.limits()[4].scope(), ScopeKind::Customer);
-        assert_eq!(with.limits()[4].key(), "{customer:bob}:customer:bob:req");
-        assert_eq!(with.limits()[5].scope(), ScopeKind::Gateway);
+        assert_eq!(with.limits()[3].scope(), ScopeKind::Customer);
+        assert_eq!(with.limits()[3].key(), "{customer:bob}:customer:bob:req");
+        assert_eq!(with.limits()[4].scope(), ScopeKind::Gateway);
         assert_eq!(keys.chain_for(k, Some("carol")).limits().len(), 4);
         h.insert(AUTHORIZATION, "Bearer sk-nobody".parse().unwrap());
         assert!(keys.authenticate(&h).is_none());

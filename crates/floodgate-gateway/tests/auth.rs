@@ -1,0 +1,63 @@
+//! Unknown or missing keys get 401 and charge nothing.
+
+mod common;
+
+use common::*;
+
+#[tokio::test]
+async fn unknown_and_missing_keys_get_401_and_charge_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[gateway]
+rate_limit = { requests = 1 }
+[[keys]]
+id = "k"
+secret_sha256 = "2bb80d537b1da3e38bd30361aa855686bde0eacd7162fef6a25fe97bf527a25b"
+rate_limit = { requests = 1 }
+"#,
+        &up.url(),
+    )
+    .await;
+    for key in [Some("sk-wrong"), Some(""), None] {
+        let r = gw
+            .send(gw.request("POST", "/v1/chat/completions", key, CHAT))
+            .await;
+        assert_eq!(r.status, 401, "{key:?}");
+        assert_eq!(r.json()["error"]["code"], "invalid_api_key");
+        assert!(r.header("x-ratelimit-limit").is_none());
+    }
+    let mut basic = gw.request("POST", "/v1/chat/completions", None, CHAT);
+    basic
+        .headers_mut()
+        .insert("authorization", "Basic c2VjcmV0".parse().unwrap());
+    assert_eq!(gw.send(basic).await.status, 401);
+    assert_eq!(up.seen.hits(), 0);
+
+    // sha256("secret"): the one allowed request of both the key and the gateway is still there.
+    let r = gw.chat("secret", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    assert_eq!(gw.chat("secret", CHAT).await.status, 429);
+}
+
+#[tokio::test]
+async fn probes_and_unknown_paths() {
+    let up = fake_upstream().await;
+    let gw = gateway("[upstream]\nbase_url = \"{upstream}\"\n", &up.url()).await;
+    assert_eq!(
+        gw.send(gw.request("GET", "/healthz", None, ""))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        gw.send(gw.request("GET", "/readyz", None, "")).await.status,
+        200
+    );
+    let r = gw.send(gw.request("GET", "/nope", None, "")).await;
+    assert_eq!(r.status, 404);
+    assert_eq!(r.json()["error"]["code"], "not_found");
+}

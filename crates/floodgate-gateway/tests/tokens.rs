@@ -1,0 +1,121 @@
+//! Tokens charged after the response, from JSON bodies and from event streams; the usage chunk
+//! the gateway asked for is hidden from callers that did not ask for it.
+
+mod common;
+
+use common::*;
+use serde_json::Value;
+
+const CONFIG: &str = r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 100
+"#;
+
+#[tokio::test]
+async fn tokens_from_json_bodies_fill_the_window() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // 60 tokens each: the first two pass (the window is below 100 when they start), then full.
+    for expected_left in ["100", "40"] {
+        let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT);
+        req.headers_mut()
+            .insert("x-test-tokens", "60".parse().unwrap());
+        let r = gw.send(req).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            r.header("x-ratelimit-remaining-tokens"),
+            Some(expected_left)
+        );
+        assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("100"));
+        settle().await;
+    }
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT);
+    req.headers_mut()
+        .insert("x-test-tokens", "60".parse().unwrap());
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("0"));
+    assert!(r.header("retry-after").is_some());
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("for org") && message.contains("tokens"),
+        "{message}"
+    );
+    assert_eq!(up.seen.hits(), 2);
+}
+
+#[tokio::test]
+async fn tokens_from_streams_fill_the_window_and_the_usage_chunk_is_hidden() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    req.headers_mut()
+        .insert("x-test-tokens", "70".parse().unwrap());
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        up.seen.last_body()["stream_options"]["include_usage"],
+        Value::Bool(true),
+        "the gateway asks the upstream for usage"
+    );
+    let events = events(&r.body);
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    assert_eq!(events.len(), 4, "3 content chunks and [DONE]: {events:?}");
+    assert!(
+        events.iter().all(|e| !e.contains("\"usage\":{")),
+        "the usage chunk was not asked for: {events:?}"
+    );
+    settle().await;
+    // 70 of 100: one more stream starts, then the window is full.
+    let r = gw.chat("sk-k", CHAT_STREAM).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("30"));
+    settle().await;
+    let r = gw.chat("sk-k", CHAT_STREAM).await;
+    assert_eq!(r.status, 429);
+}
+
+#[tokio::test]
+async fn the_usage_chunk_is_kept_when_the_caller_asked_for_it() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    let r = gw.chat("sk-k", CHAT_STREAM_USAGE).await;
+    assert_eq!(r.status, 200);
+    let events = events(&r.body);
+    assert_eq!(events.len(), 5, "{events:?}");
+    let usage: Value = serde_json::from_str(&events[3]).unwrap();
+    assert_eq!(usage["usage"]["total_tokens"], 50);
+    assert_eq!(usage["choices"], Value::Array(vec![]));
+    settle().await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("50"));
+}
+
+#[tokio::test]
+async fn keys_without_token_limits_are_forwarded_untouched() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 10 }
+"#,
+        &up.url(),
+    )
+    .await;
+    let r = gw.chat("sk-k", CHAT_STREAM).await;
+    assert_eq!(r.status, 200);
+    assert!(up.seen.last_body().get("stream_options").is_none());
+    assert_eq!(events(&r.body).len(), 4);
+}

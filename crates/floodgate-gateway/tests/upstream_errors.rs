@@ -1,0 +1,51 @@
+//! Upstream failures: 502 when it cannot be reached, 504 when it is too slow; each counts once.
+
+mod common;
+
+use common::*;
+
+const CONFIG: &str = r#"
+[upstream]
+base_url = "{upstream}"
+timeout_sec = 1
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 3 }
+"#;
+
+#[tokio::test]
+async fn a_dead_upstream_is_502_and_counts_once() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let gw = gateway(CONFIG, &format!("http://{dead}")).await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 502);
+    assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
+    assert!(
+        !r.text().contains("127.0.0.1"),
+        "no internals echoed: {}",
+        r.text()
+    );
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("2"));
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(
+        r.header("x-ratelimit-remaining"),
+        Some("1"),
+        "charged once per request"
+    );
+}
+
+#[tokio::test]
+async fn a_slow_upstream_is_504() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    let r = gw
+        .send(gw.request("GET", "/v1/slow", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 504);
+    assert_eq!(r.json()["error"]["code"], "upstream_timeout");
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("2"));
+}
