@@ -1,0 +1,855 @@
+//! The Redis store against a real Redis.
+//!
+//! Every test reads `FLOODGATE_TEST_REDIS_URL` and returns early with a note when it is unset,
+//! unless `FLOODGATE_REQUIRE_REDIS=1` (CI), when a skip is a failure. Each test works under its
+//! own random key prefix, so tests run in parallel on one server. Tests that disturb a server
+//! (killing its clients, stopping it) start their own `redis-server` from `PATH` on a free port
+//! and stop it when done.
+#![cfg(feature = "redis")]
+
+mod common;
+
+use std::collections::hash_map::RandomState;
+use std::hash::{BuildHasher, Hasher};
+use std::net::{TcpListener, TcpStream};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use floodgate::bucket::BucketLimit;
+use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
+use floodgate::store::{AnyStore, MemoryStore, Store};
+use floodgate::{
+    Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
+    WindowLimit,
+};
+use redis::AsyncCommands;
+use tokio::task::JoinSet;
+
+/// The test server's URL, or `None` (with a note) when Redis tests are not enabled.
+fn redis_url(test: &str) -> Option<String> {
+    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                !common::redis_required(),
+                "{test}: FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is unset"
+            );
+            eprintln!("{test}: skipped, FLOODGATE_TEST_REDIS_URL is unset");
+            None
+        }
+    }
+}
+
+fn random_u64() -> u64 {
+    let mut h = RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    h.finish()
+}
+
+/// A key prefix no other test (or run) uses.
+fn fresh_prefix() -> String {
+    format!("fgtest:{:016x}:", random_u64())
+}
+
+fn config(url: &str) -> RedisConfig {
+    RedisConfig {
+        prefix: fresh_prefix(),
+        ..RedisConfig::new(url)
+    }
+}
+
+async fn store(url: &str) -> RedisStore {
+    RedisStore::connect(config(url)).await.unwrap()
+}
+
+/// A separate plain connection, to read and disturb what the store wrote.
+async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+    redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap()
+}
+
+/// The `cur` count stored for a window key: state is "bucket cur prev".
+async fn stored_cur(url: &str, store: &RedisStore, key: &str) -> u64 {
+    let v: Option<String> = raw(url).await.get(store.redis_key(key)).await.unwrap();
+    let v = v.unwrap_or_else(|| panic!("no state at {key}"));
+    v.split(' ').nth(1).unwrap().parse().unwrap()
+}
+
+fn req(id: &str, scope: ScopeKind, max: u64) -> ChainLimit {
+    ChainLimit::new(
+        "org:acme",
+        scope,
+        id,
+        Charge::Admission,
+        WindowLimit::per_minute(max),
+    )
+}
+
+fn pinned(secs: u64) -> Timestamp {
+    Timestamp::from_micros(common::T0 + secs * 1_000_000)
+}
+
+/// A `redis-server` of a test's own, on a free port, stopped (and its files removed) on drop.
+struct Server {
+    port: u16,
+    password: String,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl Server {
+    /// Starts one, or returns `None` (with a note) if `redis-server` is not on `PATH`.
+    fn start(test: &str) -> Option<Server> {
+        let found = Command::new("redis-server")
+            .arg("--version")
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !found {
+            assert!(
+                !common::redis_required(),
+                "{test}: FLOODGATE_REQUIRE_REDIS=1 but redis-server is not on PATH"
+            );
+            eprintln!("{test}: skipped, redis-server is not on PATH");
+            return None;
+        }
+        let port = TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(format!("floodgate-test-{port}-{:x}", random_u64()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut server = Server {
+            port,
+            password: format!("pw{:x}", random_u64()),
+            dir,
+            child: None,
+        };
+        server.restart();
+        Some(server)
+    }
+
+    /// The URL, password included (the store must accept it).
+    fn url(&self) -> String {
+        format!("redis://:{}@127.0.0.1:{}/0", self.password, self.port)
+    }
+
+    /// Starts the server (again) on the same port and waits until it accepts connections.
+    fn restart(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no", "--daemonize", "no"])
+            .args(["--requirepass", &self.password])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Stops the server as an operator would: `redis-cli shutdown nosave`.
+    fn stop(&mut self) {
+        let _ = Command::new("redis-cli")
+            .args(["-p", &self.port.to_string(), "-a", &self.password])
+            .args(["--no-auth-warning", "shutdown", "nosave"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if let Some(mut child) = self.child.take() {
+            let deadline = Instant::now() + Duration::from_secs(5);
+            while child.try_wait().unwrap().is_none() {
+                if Instant::now() > deadline {
+                    let _ = child.kill();
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+#[tokio::test]
+async fn shared_vectors_pass_on_redis() {
+    let Some(url) = redis_url("shared_vectors_pass_on_redis") else {
+        return;
+    };
+    common::run_vectors(&store(&url).await).await;
+    // And through the run-time choice of backend.
+    common::run_vectors(&AnyStore::from(store(&url).await)).await;
+}
+
+/// A small deterministic generator: the differential test's sequence is fixed by its seed.
+struct XorShift(u64);
+
+impl XorShift {
+    fn next(&mut self) -> u64 {
+        let mut x = self.0;
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        self.0 = x;
+        x
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+#[tokio::test]
+async fn random_operations_decide_identically_on_memory_and_redis() {
+    let Some(url) = redis_url("random_operations_decide_identically_on_memory_and_redis") else {
+        return;
+    };
+    use Charge::{Admission as A, Reactive as R};
+    use ScopeKind::*;
+    let l = |tenant: &str, scope, id: &str, charge, max, secs| {
+        ChainLimit::new(
+            tenant,
+            scope,
+            id,
+            charge,
+            WindowLimit::new(max, Duration::from_secs(secs)),
+        )
+    };
+    // Chains sharing an org, a team and a gateway limit; small limits so refusals are common;
+    // windows of 60 s and more, which no test run outlasts in real time (Redis expires keys in
+    // real time, the memory store on the pinned clock).
+    let chains = [
+        vec![
+            l("org:a", Key, "k1", A, 3, 60),
+            l("org:a", Key, "k1", R, 40, 60),
+            l("org:a", Team, "t", A, 5, 60),
+            l("org:a", Org, "a", A, 7, 3600),
+            l("org:a", Org, "a", R, 100, 3600),
+        ],
+        vec![
+            l("org:a", Key, "k2", A, 2, 90),
+            l("org:a", Team, "t", A, 5, 60),
+            l("org:a", Org, "a", A, 7, 3600),
+            l("org:a", Org, "a", R, 100, 3600),
+        ],
+        vec![
+            l("org:b", Key, "k3", R, 25, 60),
+            l("org:b", Org, "b", A, 4, 120),
+            l("gw", Gateway, "all", A, 12, 60),
+        ],
+        vec![l("gw", Gateway, "all", A, 12, 60)],
+    ];
+    // Fractional refill rates (1/30 token per second is not a binary fraction) to test that
+    // state round-trips bit for bit.
+    let buckets = [
+        BucketLimit {
+            capacity: 20,
+            rate: Rate::new(1, Duration::from_secs(30)),
+        },
+        BucketLimit {
+            capacity: 5,
+            rate: Rate::new(7, Duration::from_millis(113_300)),
+        },
+        BucketLimit {
+            capacity: 1,
+            rate: Rate::new(3, Duration::from_secs(70)),
+        },
+        BucketLimit {
+            capacity: 0,
+            rate: Rate::per_second(1),
+        },
+    ];
+    for seed in [0x9e37_79b9_7f4a_7c15_u64, 0xdead_beef_cafe_f00d, 42] {
+        let memory = MemoryStore::new();
+        let redis = store(&url).await;
+        let mut rng = XorShift(seed);
+        let mut t = common::T0 + rng.below(60_000_000);
+        let (mut fractional, mut refused) = (0, 0);
+        for i in 0..1500 {
+            // 40% admissions, 15% records, 40% acquires, 5% resets.
+            let op = match rng.below(20) {
+                0..=7 => 0,
+                8..=10 => 4,
+                11..=18 => 6,
+                _ => 9,
+            };
+            // Token-bucket operations always advance the pinned clock by at least 20 ms, far
+            // more than an operation takes in real time, so that no key can expire in Redis
+            // (real time) while alive in memory (pinned time); chain operations may share an
+            // instant. Now and then a long jump lets state expire on the pinned clock.
+            let step = match (op, rng.below(200)) {
+                (0..=5, 0..=19) => 0,
+                (0..=5, 20..=39) => rng.below(50_000),
+                (_, 199) => 20_000 + rng.below(200_000_000),
+                _ => 20_000 + rng.below(500_000),
+            };
+            t += step;
+            let now = Some(Timestamp::from_micros(t));
+            let ctx = format!("seed {seed:#x}, op {i}, t {t}");
+            match op {
+                0..=3 => {
+                    let limits = &chains[rng.below(4) as usize];
+                    let cost = 1 + rng.below(2);
+                    let m = memory.admit(limits, cost, now).await.unwrap();
+                    let r = redis.admit(limits, cost, now).await.unwrap();
+                    assert!(r.enforced, "{ctx}");
+                    assert_eq!(m, r, "{ctx}: admit");
+                    refused += u32::from(!r.admitted);
+                }
+                4 | 5 => {
+                    let limits = &chains[rng.below(4) as usize];
+                    let units = rng.below(30);
+                    memory.record(limits, units, now).await.unwrap();
+                    redis.record(limits, units, now).await.unwrap();
+                }
+                6 => {
+                    let b = rng.below(4) as usize;
+                    let key = format!("{{tb:diff:{}}}:{b}", rng.below(2));
+                    let limit = buckets[b];
+                    let cost = rng.below(limit.capacity + 1).min(1 + rng.below(4));
+                    let m = memory.acquire(&key, limit, cost, now).await.unwrap();
+                    let r = redis.acquire(&key, limit, cost, now).await.unwrap();
+                    assert!(r.enforced, "{ctx}");
+                    assert_eq!(m.tokens.to_bits(), r.tokens.to_bits(), "{ctx}: tokens");
+                    assert_eq!(m, r, "{ctx}: acquire");
+                    fractional += u32::from(m.tokens.fract() != 0.0);
+                }
+                _ => {
+                    let b = rng.below(4) as usize;
+                    let key = format!("{{tb:diff:{}}}:{b}", rng.below(2));
+                    let m = memory.reset(&key, buckets[b], now).await.unwrap();
+                    let r = redis.reset(&key, buckets[b], now).await.unwrap();
+                    assert_eq!(m, r, "{ctx}: reset");
+                }
+            }
+        }
+        let stats = redis.stats();
+        assert_eq!(stats.failed_open + stats.errors + stats.replays, 0);
+        // The sequence exercises what it must: fractional token state, refusals and admissions.
+        eprintln!("seed {seed:#x}: {fractional} fractional buckets, {refused} refusals, {stats:?}");
+        assert!(fractional > 100, "only {fractional} fractional buckets");
+        assert!(
+            refused > 50 && stats.admitted > 300,
+            "{refused} refusals, {stats:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sixty_four_concurrent_requests_against_one_per_minute_admit_one() {
+    let Some(url) = redis_url("sixty_four_concurrent_requests_against_one_per_minute_admit_one")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    let chain = Arc::new(Chain::new(vec![req("solo", ScopeKind::Key, 1)]));
+    let mut tasks = JoinSet::new();
+    for _ in 0..64 {
+        let (store, chain) = (store.clone(), chain.clone());
+        tasks.spawn(async move { chain.admit(&store, 1).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    assert!(decisions.iter().all(|d| d.enforced));
+    assert_eq!(decisions.iter().filter(|d| d.admitted).count(), 1);
+    assert_eq!(store.stats().admitted, 1);
+    assert_eq!(store.stats().refused, 63);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_race_ninety_six_requests_against_five_per_minute() {
+    let Some(url) = redis_url("three_replicas_race_ninety_six_requests_against_five_per_minute")
+    else {
+        return;
+    };
+    // Three stores, three connections: three replicas sharing one Redis.
+    let first = store(&url).await;
+    let mut replicas = vec![first.clone()];
+    for _ in 0..2 {
+        let cfg = RedisConfig {
+            prefix: first.config().prefix.clone(),
+            ..RedisConfig::new(url.clone())
+        };
+        replicas.push(RedisStore::connect(cfg).await.unwrap());
+    }
+    let chain = Arc::new(Chain::new(vec![req("race", ScopeKind::Key, 5)]));
+    let now = pinned(7);
+    let mut tasks = JoinSet::new();
+    for i in 0..96 {
+        let (store, chain) = (replicas[i % 3].clone(), chain.clone());
+        tasks.spawn(async move { chain.admit_at(&store, 1, now).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    assert!(decisions.iter().all(|d| d.enforced));
+    assert_eq!(decisions.iter().filter(|d| d.admitted).count(), 5);
+    let key = chain.limits()[0].key();
+    assert_eq!(stored_cur(&url, &first, key).await, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn org_is_charged_only_what_its_keys_admitted() {
+    let Some(url) = redis_url("org_is_charged_only_what_its_keys_admitted") else {
+        return;
+    };
+    let store = store(&url).await;
+    let now = pinned(3);
+    // A roomy org: each key's cap wins, and the org counts exactly what the keys admitted.
+    let org = req("acme", ScopeKind::Org, 100);
+    let k1 = Arc::new(Chain::new(vec![req("k1", ScopeKind::Key, 3), org.clone()]));
+    let k2 = Arc::new(Chain::new(vec![req("k2", ScopeKind::Key, 4), org.clone()]));
+    let mut tasks = JoinSet::new();
+    for i in 0..60 {
+        let chain = if i % 2 == 0 { k1.clone() } else { k2.clone() };
+        let store = store.clone();
+        tasks.spawn(async move { (i % 2, chain.admit_at(&store, 1, now).await.unwrap()) });
+    }
+    let decisions = tasks.join_all().await;
+    let admitted = |k| {
+        decisions
+            .iter()
+            .filter(|(i, d)| *i == k && d.admitted)
+            .count()
+    };
+    assert_eq!((admitted(0), admitted(1)), (3, 4));
+    for (_, d) in &decisions {
+        assert!(d.enforced);
+        if !d.admitted {
+            assert_eq!(
+                d.refused_by,
+                Some(0),
+                "the key's cap refuses, not the org's"
+            );
+        }
+    }
+    assert_eq!(stored_cur(&url, &store, org.key()).await, 7);
+
+    // A tight org: it admits 5 in all; each key and the org count only admitted requests.
+    let org = req("tight", ScopeKind::Org, 5);
+    let k3 = Arc::new(Chain::new(vec![req("k3", ScopeKind::Key, 3), org.clone()]));
+    let k4 = Arc::new(Chain::new(vec![req("k4", ScopeKind::Key, 4), org.clone()]));
+    let mut tasks = JoinSet::new();
+    for i in 0..60 {
+        let chain = if i % 2 == 0 { k3.clone() } else { k4.clone() };
+        let store = store.clone();
+        tasks.spawn(async move { (i % 2, chain.admit_at(&store, 1, now).await.unwrap()) });
+    }
+    let decisions = tasks.join_all().await;
+    let (a3, a4) = (
+        decisions
+            .iter()
+            .filter(|(i, d)| *i == 0 && d.admitted)
+            .count() as u64,
+        decisions
+            .iter()
+            .filter(|(i, d)| *i == 1 && d.admitted)
+            .count() as u64,
+    );
+    assert_eq!(a3 + a4, 5);
+    assert_eq!(stored_cur(&url, &store, org.key()).await, 5);
+    if a3 > 0 {
+        assert_eq!(stored_cur(&url, &store, k3.limits()[0].key()).await, a3);
+    }
+    if a4 > 0 {
+        assert_eq!(stored_cur(&url, &store, k4.limits()[0].key()).await, a4);
+    }
+}
+
+#[tokio::test]
+async fn window_boundaries_weigh_the_previous_bucket_in_full_then_half() {
+    let Some(url) = redis_url("window_boundaries_weigh_the_previous_bucket_in_full_then_half")
+    else {
+        return;
+    };
+    let redis = store(&url).await;
+    let memory = MemoryStore::new();
+    let chain = Chain::new(vec![req("edge", ScopeKind::Key, 10)]);
+    // T0 is a minute boundary: fill the bucket [T0, T0 + 60 s).
+    for i in 0..10 {
+        let d = chain.admit_at(&redis, 1, pinned(1)).await.unwrap();
+        assert!(d.admitted, "request {i}");
+    }
+    assert!(
+        !chain
+            .admit_at(&redis, 1, pinned(59))
+            .await
+            .unwrap()
+            .admitted
+    );
+    // On the boundary the previous bucket weighs in full: nothing passes.
+    let d = chain.admit_at(&redis, 1, pinned(60)).await.unwrap();
+    assert!(!d.admitted);
+    assert_eq!(d.statuses[0].remaining, 0);
+    assert_eq!(d.retry_after, Some(Duration::from_secs(6)));
+    // Half way through, it weighs half: exactly 5 more pass.
+    let admitted = {
+        let mut n = 0;
+        for _ in 0..10 {
+            n += u32::from(
+                chain
+                    .admit_at(&redis, 1, pinned(90))
+                    .await
+                    .unwrap()
+                    .admitted,
+            );
+        }
+        n
+    };
+    assert_eq!(admitted, 5);
+    // The memory store agrees on every step.
+    for _ in 0..10 {
+        chain.admit_at(&memory, 1, pinned(1)).await.unwrap();
+    }
+    let m = chain.admit_at(&memory, 1, pinned(60)).await.unwrap();
+    assert_eq!(m, d);
+}
+
+#[tokio::test]
+async fn full_token_window_refuses_and_charges_no_request_slot() {
+    let Some(url) = redis_url("full_token_window_refuses_and_charges_no_request_slot") else {
+        return;
+    };
+    let store = store(&url).await;
+    let requests = req("t", ScopeKind::Key, 10);
+    let tokens = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "t",
+        Charge::Reactive,
+        WindowLimit::per_minute(100),
+    );
+    let chain = Chain::new(vec![requests.clone(), tokens]);
+    assert!(chain.admit_at(&store, 1, pinned(1)).await.unwrap().admitted);
+    chain.record_at(&store, 100, pinned(2)).await.unwrap();
+    for _ in 0..3 {
+        let d = chain.admit_at(&store, 1, pinned(3)).await.unwrap();
+        assert!(!d.admitted);
+        assert_eq!(d.refused_by, Some(1));
+        assert_eq!(d.statuses[0].remaining, 9, "no request slot was taken");
+    }
+    assert_eq!(stored_cur(&url, &store, requests.key()).await, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_check_after_client_kill_is_enforced_through_the_replay() {
+    let test = "first_check_after_client_kill_is_enforced_through_the_replay";
+    // A server of its own: CLIENT KILL TYPE normal would cut every other test's connections.
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let store = store(&server.url()).await;
+    let chain = Chain::new(vec![req("kill", ScopeKind::Key, 2)]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal"])
+        .query_async(&mut raw(&server.url()).await)
+        .await
+        .unwrap();
+    assert!(killed >= 1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced, "the first check after the drop is enforced");
+    assert!(d.admitted);
+    assert_eq!(store.stats().replays, 1);
+    assert_eq!(store.stats().outages, 0);
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced && !d.admitted, "the replay charged once");
+}
+
+#[tokio::test]
+async fn decisions_work_after_script_flush() {
+    let Some(url) = redis_url("decisions_work_after_script_flush") else {
+        return;
+    };
+    let store = store(&url).await;
+    let chain = Chain::new(vec![req("flush", ScopeKind::Key, 1)]);
+    let bucket: TokenBucket<str> = TokenBucket::new("flush", 1, Rate::per_second(1));
+    assert!(chain.admit_at(&store, 1, pinned(1)).await.unwrap().admitted);
+    assert!(bucket.acquire(&store, "x", 1).await.unwrap().is_allowed());
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut raw(&url).await)
+        .await
+        .unwrap();
+    let d = chain.admit_at(&store, 1, pinned(2)).await.unwrap();
+    assert!(d.enforced && !d.admitted);
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut raw(&url).await)
+        .await
+        .unwrap();
+    let a = bucket.acquire(&store, "x", 1).await.unwrap();
+    assert!(matches!(a, Admission::Denied { .. }));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_fails_open_or_closed_at_once_and_enforcement_resumes() {
+    let test = "outage_fails_open_or_closed_at_once_and_enforcement_resumes";
+    let Some(_) = redis_url(test) else { return };
+    let Some(mut server) = Server::start(test) else {
+        return;
+    };
+    let timeout = Duration::from_millis(500);
+    let url = server.url();
+    let cfg = |on_error| RedisConfig {
+        on_error,
+        timeout,
+        probe_interval: Duration::from_millis(50),
+        ..config(&url)
+    };
+    let open = RedisStore::connect(cfg(OnError::Open)).await.unwrap();
+    let closed = RedisStore::connect(cfg(OnError::Closed)).await.unwrap();
+    open.ping().await.unwrap();
+    let chain = Chain::new(vec![req("down", ScopeKind::Key, 1000)]);
+    let bucket: TokenBucket<str> = TokenBucket::new("down", 3, Rate::per_second(1));
+    assert!(chain.admit(&open, 1).await.unwrap().enforced);
+    assert!(chain.admit(&closed, 1).await.unwrap().enforced);
+
+    server.stop();
+    let d = chain.admit(&open, 1).await.unwrap();
+    assert!(d.admitted && !d.enforced, "fails open");
+    let e = chain.admit(&closed, 1).await.unwrap_err();
+    assert!(matches!(e, Error::Unavailable(_)), "fails closed: {e}");
+    for _ in 0..20 {
+        let started = Instant::now();
+        let d = chain.admit(&open, 1).await.unwrap();
+        assert!(d.admitted && !d.enforced);
+        let e = chain.admit(&closed, 1).await.unwrap_err();
+        assert!(matches!(e, Error::Unavailable(_)));
+        assert_eq!(
+            bucket.acquire(&open, "x", 1).await.unwrap(),
+            Admission::Allowed { remaining: 3 }
+        );
+        assert!(bucket.acquire(&closed, "x", 1).await.is_err());
+        assert!(chain.record(&open, 1).await.is_ok(), "no reactive limit");
+        assert!(open.ping().await.is_err());
+        assert!(
+            started.elapsed() < timeout / 4,
+            "the breaker answers at once: {:?}",
+            started.elapsed()
+        );
+    }
+    let stats = open.stats();
+    assert!(stats.breaker_open);
+    assert_eq!(stats.outages, 1);
+    assert_eq!(stats.failed_open, 41);
+    assert_eq!(closed.stats().failed_closed, 41);
+
+    // A process starting during the outage still gets a store, which fails open.
+    let late = RedisStore::connect(cfg(OnError::Open)).await.unwrap();
+    assert!(!chain.admit(&late, 1).await.unwrap().enforced);
+
+    server.restart();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for store in [&open, &closed, &late] {
+        loop {
+            if let Ok(d) = chain.admit(store, 1).await
+                && d.enforced
+            {
+                break;
+            }
+            assert!(Instant::now() < deadline, "enforcement did not resume");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(!store.stats().breaker_open);
+    }
+    // Enforcing again (the restarted server is empty): a fresh limit of 2 admits 2.
+    let two = Chain::new(vec![req("back", ScopeKind::Key, 2)]);
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.push(two.admit(&open, 1).await.unwrap().admitted);
+    }
+    assert_eq!(got, [true, true, false]);
+    assert_eq!(open.stats().outages, 1);
+}
+
+#[tokio::test]
+async fn state_expires_after_two_windows_and_full_buckets_leave_nothing() {
+    let Some(url) = redis_url("state_expires_after_two_windows_and_full_buckets_leave_nothing")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    let mut conn = raw(&url).await;
+    let second = WindowLimit::new(5, Duration::from_secs(1));
+    let limits = vec![
+        ChainLimit::new("org:x", ScopeKind::Key, "e", Charge::Admission, second),
+        ChainLimit::new("org:x", ScopeKind::Key, "e", Charge::Reactive, second),
+    ];
+    let chain = Chain::new(limits.clone());
+    assert!(chain.admit(&store, 1).await.unwrap().admitted);
+    chain.record(&store, 3).await.unwrap();
+    for l in &limits {
+        let ttl: i64 = conn.pttl(store.redis_key(l.key())).await.unwrap();
+        assert!(ttl > 1_500 && ttl <= 2_000, "ttl {ttl} ms for {}", l.key());
+    }
+    let bucket: TokenBucket<str> =
+        TokenBucket::new("exp", 2, Rate::new(1, Duration::from_millis(300)));
+    let bkey = store.redis_key(&bucket.key("x"));
+    assert!(bucket.acquire(&store, "x", 1).await.unwrap().is_allowed());
+    let ttl: i64 = conn.pttl(&bkey).await.unwrap();
+    assert!(ttl > 0 && ttl <= 300, "bucket ttl {ttl} ms");
+    // Refilled to full on the pinned clock: the state is deleted at once.
+    let t = Timestamp::now();
+    assert!(
+        bucket
+            .acquire_at(&store, "y", 1, t)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    let ykey = store.redis_key(&bucket.key("y"));
+    assert!(conn.exists::<_, bool>(&ykey).await.unwrap());
+    let later = t.saturating_add(Duration::from_secs(1));
+    assert_eq!(
+        bucket.acquire_at(&store, "y", 0, later).await.unwrap(),
+        Admission::Allowed { remaining: 2 }
+    );
+    assert!(!conn.exists::<_, bool>(&ykey).await.unwrap());
+
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    for l in &limits {
+        let exists: bool = conn.exists(store.redis_key(l.key())).await.unwrap();
+        assert!(!exists, "{} outlived 2W", l.key());
+    }
+    assert!(!conn.exists::<_, bool>(&bkey).await.unwrap());
+}
+
+#[tokio::test]
+async fn token_bucket_cases() {
+    let Some(url) = redis_url("token_bucket_cases") else {
+        return;
+    };
+    let store = store(&url).await;
+    const LOGIN: TokenBucket<str> =
+        TokenBucket::new("login", 20, Rate::new(1, Duration::from_secs(3)));
+    let t = pinned(5);
+    for left in (0..20).rev() {
+        assert_eq!(
+            LOGIN.acquire_at(&store, "alice", 1, t).await.unwrap(),
+            Admission::Allowed { remaining: left }
+        );
+    }
+    assert_eq!(
+        LOGIN.acquire_at(&store, "alice", 1, t).await.unwrap(),
+        Admission::Denied {
+            retry_after: Some(Duration::from_secs(3))
+        }
+    );
+    // Half a token later: 1.5 s to go.
+    assert_eq!(
+        LOGIN
+            .acquire_at(
+                &store,
+                "alice",
+                1,
+                t.saturating_add(Duration::from_millis(1500))
+            )
+            .await
+            .unwrap(),
+        Admission::Denied {
+            retry_after: Some(Duration::from_millis(1500))
+        }
+    );
+    assert_eq!(
+        LOGIN.acquire_at(&store, "bob", 21, t).await.unwrap(),
+        Admission::Denied { retry_after: None }
+    );
+    // Capacity 0 admits only zero-cost requests.
+    const NONE: TokenBucket<str> = TokenBucket::new("none", 0, Rate::per_second(1));
+    assert_eq!(
+        NONE.acquire_at(&store, "x", 0, t).await.unwrap(),
+        Admission::Allowed { remaining: 0 }
+    );
+    assert_eq!(
+        NONE.acquire_at(&store, "x", 1, t).await.unwrap(),
+        Admission::Denied { retry_after: None }
+    );
+    // Reset: used once, then not.
+    assert!(LOGIN.reset_at(&store, "alice", t).await.unwrap());
+    assert!(!LOGIN.reset_at(&store, "alice", t).await.unwrap());
+    assert!(!LOGIN.reset_at(&store, "carol", t).await.unwrap());
+    assert_eq!(
+        LOGIN.acquire_at(&store, "alice", 1, t).await.unwrap(),
+        Admission::Allowed { remaining: 19 }
+    );
+    // Typed names.
+    const USERS: TokenBucket<u64> = TokenBucket::new("users", 1, Rate::per_second(1));
+    assert!(USERS.acquire(&store, &7, 1).await.unwrap().is_allowed());
+    assert!(!USERS.acquire(&store, &7, 1).await.unwrap().is_allowed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn two_hundred_concurrent_acquires_against_capacity_twenty_admit_twenty() {
+    let Some(url) =
+        redis_url("two_hundred_concurrent_acquires_against_capacity_twenty_admit_twenty")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    const SLOW: TokenBucket<str> =
+        TokenBucket::new("slow", 20, Rate::new(1, Duration::from_secs(3600)));
+    let mut tasks = JoinSet::new();
+    for _ in 0..200 {
+        let store = store.clone();
+        tasks.spawn(async move { SLOW.acquire(&store, "shared", 1).await.unwrap() });
+    }
+    let results = tasks.join_all().await;
+    assert_eq!(results.iter().filter(|a| a.is_allowed()).count(), 20);
+    assert_eq!(store.stats().admitted, 20);
+    assert_eq!(store.stats().refused, 180);
+}
+
+#[tokio::test]
+async fn both_clocks_decide_at_about_now() {
+    let Some(url) = redis_url("both_clocks_decide_at_about_now") else {
+        return;
+    };
+    for clock in [RedisClock::Server, RedisClock::Client] {
+        let store = RedisStore::connect(RedisConfig {
+            clock,
+            ..config(&url)
+        })
+        .await
+        .unwrap();
+        let chain = Chain::new(vec![req("clock", ScopeKind::Key, 1)]);
+        let d = chain.admit(&store, 1).await.unwrap();
+        assert!(d.enforced && d.admitted, "{clock:?}");
+        let skew = Timestamp::now().as_micros().abs_diff(d.now.as_micros());
+        assert!(skew < 5_000_000, "{clock:?}: {skew} µs off");
+        assert!(!chain.admit(&store, 1).await.unwrap().admitted, "{clock:?}");
+    }
+}
+
+#[tokio::test]
+async fn bad_urls_are_refused_and_passwords_never_printed() {
+    let err = RedisStore::connect(RedisConfig::new("nonsense://x"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)));
+    let cfg = RedisConfig::new("redis://:hunter2@127.0.0.1:1/0");
+    assert!(!format!("{cfg:?}").contains("hunter2"));
+}
