@@ -101,7 +101,7 @@ async fn healthz() -> &'static str {
 }
 
 async fn readyz(State(state): State<AppState>) -> Response {
-    match state.store().ping().await {
+    match crate::store::ping(state.store()).await {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "not ready: the store does not answer");

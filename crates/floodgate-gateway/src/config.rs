@@ -115,6 +115,7 @@ struct RawStore {
     backend: Option<Spanned<Backend>>,
     url: Option<Spanned<String>>,
     on_error: Option<OnError>,
+    prefix: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -191,6 +192,8 @@ pub struct StoreConfig {
     pub url: Option<String>,
     /// Fail open or closed when the store is unreachable.
     pub on_error: OnError,
+    /// The Redis key prefix (the library's default `fg:` when `None`).
+    pub prefix: Option<String>,
 }
 
 /// `[upstream]`.
@@ -401,7 +404,14 @@ impl Validator<'_> {
         // A table header: `[name]` or `[[name]]`.
         let header = self.text[start..].lines().next().unwrap_or("").trim();
         let name = header.trim_start_matches('[').trim_end_matches(']').trim();
-        (header.starts_with('[') && !name.is_empty()).then(|| name.to_owned())
+        if header.starts_with('[') && !name.is_empty() {
+            return Some(name.to_owned());
+        }
+        // A broken value: the key its line assigns.
+        let line = self.text[line_start..].lines().next().unwrap_or("");
+        let (key, _) = line.split_once('=')?;
+        let key = key.trim();
+        (!key.is_empty() && key.chars().all(is_key)).then(|| key.to_owned())
     }
 
     fn resolve(
@@ -517,16 +527,14 @@ impl Validator<'_> {
             let team = attr("team", k.team)?;
             let project = attr("project", k.project)?;
             let business_unit = attr("business_unit", k.business_unit)?;
-            if org.is_none() {
-                if let Some(s) = team_span {
-                    // Team, project and business unit counters are kept per org (the chain's
-                    // hash tag); without an org they would silently not be shared between keys.
-                    return Err(self.error(
-                        s,
-                        field("org"),
-                        "a key with a team, project or business_unit must name its org",
-                    ));
-                }
+            if let (None, Some(s)) = (&org, team_span) {
+                // Team, project and business unit counters are kept per org (the chain's
+                // hash tag); without an org they would silently not be shared between keys.
+                return Err(self.error(
+                    s,
+                    field("org"),
+                    "a key with a team, project or business_unit must name its org",
+                ));
             }
             if let Some(w) = k.rate_limit {
                 let limit = self.window(&w, &field("rate_limit"))?;
@@ -639,9 +647,9 @@ impl Validator<'_> {
         raw: Option<RawStore>,
         env_url: Option<String>,
     ) -> Result<StoreConfig, ConfigError> {
-        let (backend, url, on_error) = match raw {
-            None => (None, None, None),
-            Some(s) => (s.backend, s.url, s.on_error),
+        let (backend, url, on_error, prefix) = match raw {
+            None => (None, None, None, None),
+            Some(s) => (s.backend, s.url, s.on_error, s.prefix),
         };
         let backend_span = backend.as_ref().map(|b| b.span());
         let backend = backend.map_or(Backend::Memory, Spanned::into_inner);
@@ -669,6 +677,7 @@ impl Validator<'_> {
             backend,
             url,
             on_error: on_error.unwrap_or(OnError::Open),
+            prefix,
         })
     }
 

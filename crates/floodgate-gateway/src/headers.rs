@@ -79,11 +79,9 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision) {
         headers.insert(REMAINING_TOK, t.remaining.into());
         insert_str(headers, RESET_TOK, &openai_duration(t.reset));
     }
-    if !decision.admitted {
-        if let Some(wait) = decision.retry_after {
-            headers.insert(RETRY_AFTER, ceil_secs(wait).into());
-            headers.insert(RETRY_AFTER_MS, ceil_millis(wait).into());
-        }
+    if let (false, Some(wait)) = (decision.admitted, decision.retry_after) {
+        headers.insert(RETRY_AFTER, ceil_secs(wait).into());
+        headers.insert(RETRY_AFTER_MS, ceil_millis(wait).into());
     }
 }
 
@@ -102,7 +100,7 @@ pub fn ceil_secs(d: Duration) -> u64 {
 /// Whole milliseconds, rounded up.
 pub fn ceil_millis(d: Duration) -> u64 {
     let ms = d.as_millis();
-    let rounded = ms + u128::from(d.as_nanos() % 1_000_000 > 0);
+    let rounded = ms + u128::from(!d.as_nanos().is_multiple_of(1_000_000));
     u64::try_from(rounded).unwrap_or(u64::MAX)
 }
 

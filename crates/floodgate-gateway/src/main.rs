@@ -8,7 +8,6 @@ use clap::{Parser, Subcommand};
 use floodgate::ScopeKind;
 use floodgate_gateway::auth::Keys;
 use floodgate_gateway::config::{Config, GATEWAY_ID, OnError, UpstreamTarget};
-use floodgate_gateway::store::GatewayStore;
 use floodgate_gateway::{AppState, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -146,7 +145,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
             }
         }
     }
-    for ((kind, id), _) in &config.limits {
+    for (kind, id) in config.limits.keys() {
         let used = match kind {
             ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => true,
             _ => config
@@ -176,7 +175,7 @@ async fn serve(path: &PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (store, _store_guard) = match GatewayStore::open(&config.store).await {
+    let (store, _store_guard) = match floodgate_gateway::store::open(&config.store).await {
         Ok(s) => s,
         Err(e) => {
             tracing::error!(error = %e, "cannot open the store");
@@ -205,7 +204,7 @@ async fn serve(path: &PathBuf) -> ExitCode {
     }
     tracing::info!(
         %addr,
-        store = state.store().name(),
+        store = floodgate_gateway::store::name(state.store()),
         keys = state.keys().len(),
         config = %path.display(),
         "floodgate gateway listening"

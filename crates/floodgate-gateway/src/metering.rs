@@ -276,10 +276,8 @@ impl Drop for MeteredBody {
         if let Mode::Sse(f) = &self.mode {
             self.tokens = f.tokens.or(self.tokens);
         }
-        if let Some((store, chain)) = self.charge.take() {
-            if let Some(t) = self.tokens {
-                record_later(&store, &chain, t);
-            }
+        if let (Some((store, chain)), Some(t)) = (self.charge.take(), self.tokens) {
+            record_later(&store, &chain, t);
         }
         self.log.emit(self.tokens);
     }

@@ -1,23 +1,19 @@
-//! The store the gateway decides on, selected at start from `[store] backend`.
-//!
-//! A small enum over the library's stores, so that the rest of the gateway is not generic: one
-//! `match` per call is cheaper than it reads, and far simpler than threading a type parameter
-//! through every handler.
+//! The store the gateway decides on, selected at start from `[store] backend`: the library's
+//! [`AnyStore`], so that the rest of the gateway is not generic over the store.
 
-use floodgate::bucket::BucketLimit;
-use floodgate::chain::ChainLimit;
-use floodgate::store::{BucketObservation, MemoryStore, Observation, Store, SweeperGuard};
-use floodgate::{Error, Timestamp};
 use std::time::Duration;
 
-use crate::config::{Backend, StoreConfig};
+use floodgate::Error;
+use floodgate::store::redis::{OnError as RedisOnError, RedisConfig, RedisStore};
+use floodgate::store::{AnyStore, MemoryStore, SweeperGuard};
+
+use crate::config::{Backend, OnError, StoreConfig};
 
 /// The gateway's store: cheap to clone (clones share state).
-#[derive(Clone, Debug)]
-pub enum GatewayStore {
-    /// The embedded store.
-    Memory(MemoryStore),
-}
+pub type GatewayStore = AnyStore;
+
+/// How often the memory store sweeps expired state.
+const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
 /// Keeps a store's background work (the memory store's sweeper) alive; drop it on shutdown.
 #[derive(Debug)]
@@ -25,85 +21,53 @@ pub struct StoreGuard {
     _sweeper: Option<SweeperGuard>,
 }
 
-impl GatewayStore {
-    /// Opens the store `config` names. The memory store gets a sweeper that runs while the
-    /// returned guard lives.
-    pub async fn open(config: &StoreConfig) -> Result<(GatewayStore, StoreGuard), Error> {
-        match config.backend {
-            Backend::Memory => {
-                let store = MemoryStore::new();
-                let sweeper = store.spawn_sweeper(Duration::from_secs(30));
-                Ok((
-                    GatewayStore::Memory(store),
-                    StoreGuard {
-                        _sweeper: Some(sweeper),
-                    },
-                ))
+/// Opens the store `config` names.
+///
+/// The memory store gets a sweeper that runs while the returned guard lives. A Redis store
+/// that cannot be reached yet is not an error: it starts with its circuit breaker open, applies
+/// `on_error`, and connects as soon as Redis answers (`/readyz` says when); only a malformed URL
+/// fails here.
+pub async fn open(config: &StoreConfig) -> Result<(GatewayStore, StoreGuard), Error> {
+    match config.backend {
+        Backend::Memory => {
+            let store = MemoryStore::new();
+            let sweeper = store.spawn_sweeper(SWEEP_INTERVAL);
+            let guard = StoreGuard {
+                _sweeper: Some(sweeper),
+            };
+            Ok((AnyStore::Memory(store), guard))
+        }
+        Backend::Redis => {
+            let url = config
+                .url
+                .clone()
+                .ok_or_else(|| Error::Backend("the redis backend needs a URL".into()))?;
+            let mut redis = RedisConfig::new(url);
+            redis.on_error = match config.on_error {
+                OnError::Open => RedisOnError::Open,
+                OnError::Closed => RedisOnError::Closed,
+            };
+            if let Some(prefix) = &config.prefix {
+                redis.prefix = prefix.clone();
             }
-            Backend::Redis => Err(Error::Unavailable(
-                "this build of the gateway has no Redis store yet".into(),
-            )),
-        }
-    }
-
-    /// Whether the store answers (always, in memory).
-    pub async fn ping(&self) -> Result<(), Error> {
-        match self {
-            GatewayStore::Memory(_) => Ok(()),
-        }
-    }
-
-    /// A short name for logs.
-    pub fn name(&self) -> &'static str {
-        match self {
-            GatewayStore::Memory(_) => "memory",
+            let store = RedisStore::connect(redis).await?;
+            Ok((AnyStore::Redis(store), StoreGuard { _sweeper: None }))
         }
     }
 }
 
-impl Store for GatewayStore {
-    async fn admit(
-        &self,
-        limits: &[ChainLimit],
-        cost: u64,
-        now: Option<Timestamp>,
-    ) -> Result<Observation, Error> {
-        match self {
-            GatewayStore::Memory(s) => s.admit(limits, cost, now).await,
-        }
+/// Whether the store answers now (always, in memory).
+pub async fn ping(store: &GatewayStore) -> Result<(), Error> {
+    match store {
+        AnyStore::Memory(_) => Ok(()),
+        AnyStore::Redis(r) => r.ping().await,
     }
+}
 
-    async fn record(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        now: Option<Timestamp>,
-    ) -> Result<(), Error> {
-        match self {
-            GatewayStore::Memory(s) => s.record(limits, units, now).await,
-        }
-    }
-
-    async fn acquire(
-        &self,
-        key: &str,
-        limit: BucketLimit,
-        cost: u64,
-        now: Option<Timestamp>,
-    ) -> Result<BucketObservation, Error> {
-        match self {
-            GatewayStore::Memory(s) => s.acquire(key, limit, cost, now).await,
-        }
-    }
-
-    async fn reset(
-        &self,
-        key: &str,
-        limit: BucketLimit,
-        now: Option<Timestamp>,
-    ) -> Result<bool, Error> {
-        match self {
-            GatewayStore::Memory(s) => s.reset(key, limit, now).await,
-        }
+/// A short name for logs.
+pub fn name(store: &GatewayStore) -> &'static str {
+    match store {
+        AnyStore::Memory(_) => "memory",
+        AnyStore::Redis(_) => "redis",
     }
 }

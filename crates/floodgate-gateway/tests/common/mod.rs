@@ -165,7 +165,7 @@ pub fn config(text: &str, upstream: &str) -> Config {
 
 pub async fn gateway(text: &str, upstream: &str) -> Gateway {
     let c = config(text, upstream);
-    let store = GatewayStore::open(&c.store).await.unwrap().0;
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
     gateway_on(&c, store).await
 }
 

@@ -1,0 +1,133 @@
+//! Bad configs are refused with the file, the line and the field: one fixture per mistake in
+//! `tests/bad-configs/`, each listed here with where its error must point.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use floodgate_gateway::Config;
+
+/// `(fixture, line, field)`.
+const CASES: &[(&str, usize, &str)] = &[
+    ("bad-backend.toml", 2, "backend"),
+    ("bad-listen.toml", 2, "server.listen"),
+    ("bad-secret-sha256.toml", 6, "keys[0].secret_sha256"),
+    ("duplicate-key-id.toml", 9, "keys[1].id"),
+    ("duplicate-rate-limit.toml", 10, "rate_limits[1].scope"),
+    ("https-upstream.toml", 2, "upstream.base_url"),
+    ("missing-upstream.toml", 1, "upstream"),
+    ("negative-requests.toml", 7, "requests"),
+    ("neither-rpm-nor-tpm.toml", 4, "rate_limits[0].rpm"),
+    ("no-secret.toml", 4, "keys[0].secret"),
+    ("no-upstream-target.toml", 1, "upstream.base_url"),
+    ("rate-limit-for-unknown-key.toml", 8, "rate_limits[0].id"),
+    ("redis-without-url.toml", 2, "store.url"),
+    ("rpm-wrong-type.toml", 7, "rpm"),
+    ("secret-and-hash.toml", 6, "keys[0].secret"),
+    ("shared-secret.toml", 10, "keys[1].secret"),
+    ("team-without-org.toml", 7, "keys[0].org"),
+    ("unknown-field.toml", 3, "port"),
+    ("unknown-rate-limit-field.toml", 5, "burst"),
+    ("unknown-scope.toml", 5, "rate_limits[0].scope"),
+    ("unterminated-string.toml", 5, "id"),
+    ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),
+];
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/bad-configs")
+}
+
+#[test]
+fn every_bad_config_names_file_line_and_field() {
+    for (file, line, field) in CASES {
+        let path = fixtures().join(file);
+        let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
+            .expect_err(file);
+        assert_eq!(
+            (err.line, err.field.as_str()),
+            (*line, *field),
+            "{file}: {err}"
+        );
+        let shown = err.to_string();
+        assert!(
+            shown.starts_with(&format!("{}:{line}:", path.display())),
+            "{file}: {shown}"
+        );
+        assert!(shown.contains(&format!("field `{field}`")), "{shown}");
+    }
+}
+
+#[test]
+fn every_fixture_has_a_case() {
+    for entry in std::fs::read_dir(fixtures()).unwrap() {
+        let name = entry.unwrap().file_name().into_string().unwrap();
+        assert!(
+            CASES.iter().any(|(f, ..)| *f == name),
+            "{name} has no expected line and field in CASES"
+        );
+    }
+}
+
+#[test]
+fn check_config_exits_non_zero_and_says_where() {
+    let path = fixtures().join("zero-window.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(&format!("{}:7:", path.display()))
+            && stderr.contains("keys[0].rate_limit.window_sec"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn check_config_prints_chains_but_never_secrets() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let mut examples: Vec<PathBuf> = std::fs::read_dir(root.join("examples"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    examples.sort();
+    assert!(!examples.is_empty());
+    for path in examples {
+        let text = std::fs::read_to_string(&path).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .arg("check-config")
+            .arg(&path)
+            .env("FLOODGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{}: {}",
+            path.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(stdout.contains("OK"), "{stdout}");
+        for line in text.lines() {
+            if let Some(secret) = line.trim().strip_prefix("secret = ") {
+                let secret = secret.trim_matches('"');
+                assert!(
+                    !stdout.contains(secret),
+                    "{} leaks {secret}",
+                    path.display()
+                );
+            }
+        }
+    }
+    let quickstart = root.join("examples/quickstart.toml");
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(&quickstart)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("key alice"), "{stdout}");
+    assert!(stdout.contains("5 requests / 60s"), "{stdout}");
+}
