@@ -1,0 +1,287 @@
+//! The gateway on Redis: three gateway processes sharing one Redis hold one limit between them;
+//! a Redis outage fails open; once Redis is back, limits hold again.
+//!
+//! Needs `FLOODGATE_TEST_REDIS_URL` (scripts/test sets it); without it the tests skip with a
+//! note, unless `FLOODGATE_REQUIRE_REDIS=1`, when they fail. The outage test starts its own
+//! `redis-server` (it kills and restarts it).
+
+mod common;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use common::*;
+
+fn redis_url() -> Option<String> {
+    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+                "FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is not set"
+            );
+            eprintln!(
+                "note: FLOODGATE_TEST_REDIS_URL is not set: skipping the gateway's Redis tests"
+            );
+            None
+        }
+    }
+}
+
+fn unique() -> String {
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("{}-{nanos}", std::process::id())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A `floodgate serve` process, killed on drop.
+struct Process {
+    child: Child,
+    addr: SocketAddr,
+    _config: TempFile,
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+struct TempFile(PathBuf);
+
+impl Drop for TempFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+async fn spawn_gateway(redis: &str, prefix: &str, upstream: &str) -> Process {
+    let port = free_port();
+    let text = format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+[store]
+backend = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "shared"
+secret = "sk-shared"
+org = "acme"
+rate_limit = {{ requests = 5, window_sec = 60 }}
+"#
+    );
+    let path = std::env::temp_dir().join(format!("floodgate-gw-{}.toml", unique()));
+    std::fs::write(&path, text).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env("RUST_LOG", "warn")
+        .env_remove("FLOODGATE_REDIS_URL")
+        .stdout(Stdio::null())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    Process {
+        child,
+        addr,
+        _config: TempFile(path),
+    }
+}
+
+async fn post(client: &reqwest_lite::Client, addr: SocketAddr) -> u16 {
+    client.chat(addr, "sk-shared").await
+}
+
+/// A tiny HTTP client over hyper, enough for these tests.
+mod reqwest_lite {
+    use std::net::SocketAddr;
+
+    use axum::body::Body;
+    use http_body_util::BodyExt;
+    use hyper_util::client::legacy::Client as Inner;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+
+    #[derive(Clone)]
+    pub struct Client(Inner<HttpConnector, Body>);
+
+    impl Client {
+        pub fn new() -> Self {
+            Client(Inner::builder(TokioExecutor::new()).build_http())
+        }
+        pub async fn chat(&self, addr: SocketAddr, key: &str) -> u16 {
+            self.chat_enforced(addr, key).await.0
+        }
+        /// The status, and whether the answer carried rate-limit state (a store decided).
+        pub async fn chat_enforced(&self, addr: SocketAddr, key: &str) -> (u16, bool) {
+            let req = axum::http::Request::post(format!("http://{addr}/v1/chat/completions"))
+                .header("authorization", format!("Bearer {key}"))
+                .header("content-type", "application/json")
+                .body(Body::from(super::CHAT))
+                .unwrap();
+            let resp = self.0.request(req).await.unwrap();
+            let status = resp.status().as_u16();
+            let enforced = resp.headers().contains_key("x-ratelimit-limit");
+            let _ = resp.into_body().collect().await;
+            (status, enforced)
+        }
+        pub async fn get(&self, url: String) -> u16 {
+            let req = axum::http::Request::get(url).body(Body::empty()).unwrap();
+            match self.0.request(req).await {
+                Ok(r) => r.status().as_u16(),
+                Err(_) => 0,
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_gateways_share_one_limit() {
+    let Some(redis) = redis_url() else { return };
+    let up = fake_upstream().await;
+    let prefix = format!("fgtest:{}:", unique());
+    let gateways = [
+        spawn_gateway(&redis, &prefix, &up.url()).await,
+        spawn_gateway(&redis, &prefix, &up.url()).await,
+        spawn_gateway(&redis, &prefix, &up.url()).await,
+    ];
+    let client = reqwest_lite::Client::new();
+    for g in &gateways {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while client.get(format!("http://{}/readyz", g.addr)).await != 200 {
+            assert!(Instant::now() < deadline, "gateway not ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let mut tasks = Vec::new();
+    for i in 0..96 {
+        let client = client.clone();
+        let addr = gateways[i % 3].addr;
+        tasks.push(tokio::spawn(async move { post(&client, addr).await }));
+    }
+    let mut ok = 0;
+    let mut refused = 0;
+    for t in tasks {
+        match t.await.unwrap() {
+            200 => ok += 1,
+            429 => refused += 1,
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert_eq!((ok, refused), (5, 91));
+    assert_eq!(up.seen.hits(), 5, "exactly 5 reached the upstream");
+}
+
+/// Starts `redis-server` on `port`; killed on drop.
+struct RedisServer(Child);
+
+impl RedisServer {
+    async fn start(port: u16) -> RedisServer {
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed for this test (scripts/test installs it)");
+        let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(Instant::now() < deadline, "redis-server did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        RedisServer(child)
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_redis_outage_fails_open_and_limits_return_with_redis() {
+    if redis_url().is_none() {
+        return;
+    }
+    let up = fake_upstream().await;
+    let port = free_port();
+    let server = RedisServer::start(port).await;
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let gw = spawn_gateway(&url, "fg:", &up.url()).await;
+    let client = reqwest_lite::Client::new();
+    let statuses = |n: usize| {
+        let client = client.clone();
+        let addr = gw.addr;
+        async move {
+            let mut v = Vec::new();
+            for _ in 0..n {
+                v.push(client.chat(addr, "sk-shared").await);
+            }
+            v
+        }
+    };
+    assert_eq!(statuses(6).await, [200, 200, 200, 200, 200, 429]);
+
+    drop(server);
+    // Redis is gone: admission fails open, traffic keeps flowing.
+    assert_eq!(statuses(10).await, [200; 10]);
+    assert_eq!(client.get(format!("http://{}/readyz", gw.addr)).await, 503);
+
+    let _server = RedisServer::start(port).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.get(format!("http://{}/readyz", gw.addr)).await != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway did not see Redis come back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The breaker closes within its probe interval; the restarted Redis is empty, so 5 requests
+    // are admitted under its limit, then the limit holds again.
+    let mut enforced_ok = 0;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        assert!(Instant::now() < deadline, "limits never came back");
+        match client.chat_enforced(gw.addr, "sk-shared").await {
+            (200, true) => enforced_ok += 1,
+            (200, false) => tokio::time::sleep(Duration::from_millis(50)).await,
+            (429, true) => break,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+    assert_eq!(enforced_ok, 5);
+}
