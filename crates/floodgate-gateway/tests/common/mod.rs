@@ -144,16 +144,14 @@ pub async fn fake_upstream() -> FakeUpstream {
 pub struct Gateway {
     pub addr: SocketAddr,
     pub state: AppState,
-    stop: Option<oneshot::Sender<()>>,
+    stop: Mutex<Option<oneshot::Sender<()>>>,
     pub server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     client: Client<HttpConnector, Body>,
 }
 
 impl Drop for Gateway {
     fn drop(&mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
+        self.shutdown();
     }
 }
 
@@ -184,7 +182,7 @@ pub async fn gateway_on(c: &Config, store: GatewayStore) -> Gateway {
     Gateway {
         addr,
         state,
-        stop: Some(stop),
+        stop: Mutex::new(Some(stop)),
         server: Some(server),
         client: Client::builder(TokioExecutor::new()).build_http(),
     }
@@ -210,8 +208,8 @@ impl Reply {
 
 impl Gateway {
     /// Stops accepting; the server task then drains.
-    pub fn shutdown(&mut self) {
-        if let Some(s) = self.stop.take() {
+    pub fn shutdown(&self) {
+        if let Some(s) = self.stop.lock().unwrap().take() {
             let _ = s.send(());
         }
     }

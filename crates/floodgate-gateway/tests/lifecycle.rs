@@ -1,0 +1,113 @@
+//! Graceful shutdown: requests in flight (streams included) finish; new ones are not accepted.
+
+mod common;
+
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+
+#[tokio::test]
+async fn shutdown_drains_a_stream_in_flight() {
+    let up = fake_upstream().await;
+    let mut gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 1000
+"#,
+        &up.url(),
+    )
+    .await;
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    req.headers_mut()
+        .insert("x-test-last-delay-ms", "600".parse().unwrap());
+    let stream = gw.frames(req);
+    let stop = async {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        gw.shutdown();
+    };
+    let ((status, _, frames), ()) = tokio::join!(stream, stop);
+    assert_eq!(status, 200);
+    let body: Vec<u8> = frames.iter().flat_map(|(_, b)| b.to_vec()).collect();
+    assert_eq!(
+        events(&body).last().map(String::as_str),
+        Some("[DONE]"),
+        "the stream ran to its end"
+    );
+    let server = gw.server.take().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), server)
+        .await
+        .expect("the server stops once drained")
+        .unwrap()
+        .unwrap();
+    assert!(tokio::net::TcpStream::connect(gw.addr).await.is_err());
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn sigterm_drains_and_exits_cleanly() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let path = std::env::temp_dir().join(format!("floodgate-sigterm-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(&addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<axum::body::Body>();
+    let req = axum::http::Request::post(format!("http://{addr}/v1/chat/completions"))
+        .header("authorization", "Bearer sk-k")
+        .body(axum::body::Body::from(CHAT_STREAM))
+        .unwrap();
+    let resp = client.request(req).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let pid = child.id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    assert_eq!(events(&body).last().map(String::as_str), Some("[DONE]"));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "the gateway did not exit");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = std::fs::remove_file(&path);
+    assert!(status.success(), "{status:?}");
+}
