@@ -3,6 +3,9 @@
 //!
 //! `cargo bench -p floodgate --bench decisions`
 
+// criterion's macros generate undocumented public items.
+#![allow(missing_docs)]
+
 use std::future::Future;
 use std::hint::black_box;
 use std::num::NonZeroU32;
@@ -14,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use floodgate::store::MemoryStore;
-use floodgate::{Chain, ChainLimit, Charge, Rate, ScopeKind, TokenBucket, WindowLimit};
+use floodgate::{Chain, ChainLimit, Charge, Rate, ScopeKind, Timestamp, TokenBucket, WindowLimit};
 use governor::{Quota, RateLimiter};
 
 /// Distinct names the loops cycle through, as a keyed limiter in a service would see.
@@ -102,6 +105,20 @@ fn token_bucket(c: &mut Criterion) {
                     iters,
                     Arc::new(move |i| {
                         let _ = black_box(ready(BUCKET.acquire(&s, &(i % NAMES), 1)));
+                    }),
+                )
+            })
+        });
+        let store = MemoryStore::new();
+        let now = Timestamp::now();
+        group.bench_function(format!("floodgate_memory_pinned_clock/{threads}t"), |b| {
+            b.iter_custom(|iters| {
+                let s = store.clone();
+                parallel(
+                    threads,
+                    iters,
+                    Arc::new(move |i| {
+                        let _ = black_box(ready(BUCKET.acquire_at(&s, &(i % NAMES), 1, now)));
                     }),
                 )
             })

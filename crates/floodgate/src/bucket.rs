@@ -47,7 +47,7 @@ impl Rate {
         let micros = period.as_micros();
         assert!(micros > 0, "a rate's period must not be zero");
         assert!(
-            period.subsec_nanos() % 1_000 == 0,
+            period.subsec_nanos().is_multiple_of(1_000),
             "a rate's period must be whole microseconds"
         );
         assert!(micros <= u64::MAX as u128, "a rate's period is too long");

@@ -8,7 +8,7 @@ use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
 use crate::chain::{ChainDecision, ChainLimit};
 use crate::clock::Timestamp;
-use crate::store::Store;
+use crate::store::{BucketKey, Store};
 use crate::window::Charge;
 
 /// A chain of sliding-window limits, narrowest scope first, admitted as one atomic step.
@@ -131,7 +131,7 @@ impl Chain {
 }
 
 /// A token bucket per name: up to `capacity` tokens, refilled continuously at a [`Rate`],
-/// starting full. Names are typed: `TokenBucket<str>`, `TokenBucket<u64>`, any `Display`.
+/// starting full. Names are typed: `TokenBucket<str>`, `TokenBucket<u64>`, any [`BucketName`].
 ///
 /// ```
 /// use floodgate::{Admission, Rate, TokenBucket};
@@ -174,7 +174,7 @@ impl<N: ?Sized> fmt::Debug for TokenBucket<N> {
     }
 }
 
-impl<N: ?Sized + fmt::Display> TokenBucket<N> {
+impl<N: ?Sized + BucketName> TokenBucket<N> {
     /// A bucket of `capacity` tokens per name, refilled at `rate`; `name` names the limiter
     /// (it is part of every storage key).
     pub const fn new(name: &'static str, capacity: u64, rate: Rate) -> Self {
@@ -190,9 +190,14 @@ impl<N: ?Sized + fmt::Display> TokenBucket<N> {
         self.limit
     }
 
-    /// The storage key of `name`'s bucket, hash-tagged on the name.
+    /// The storage key of `name`'s bucket, hash-tagged on the name: `{tb:limiter:name}`.
     pub fn key(&self, name: &N) -> String {
-        format!("{{tb:{}:{}}}", self.name, name)
+        let text = name.text();
+        BucketKey {
+            limiter: self.name,
+            name: text.as_str(),
+        }
+        .to_string()
     }
 
     /// Takes `cost` tokens from `name`'s bucket on the store's clock.
@@ -228,9 +233,12 @@ impl<N: ?Sized + fmt::Display> TokenBucket<N> {
         if !self.limit.fits(cost) {
             return Ok(Admission::Denied { retry_after: None });
         }
-        let seen = store
-            .acquire(&self.key(name), self.limit, cost, now)
-            .await?;
+        let text = name.text();
+        let key = BucketKey {
+            limiter: self.name,
+            name: text.as_str(),
+        };
+        let seen = store.acquire(key, self.limit, cost, now).await?;
         if !seen.enforced {
             return Ok(Admission::Allowed {
                 remaining: self.limit.capacity,
@@ -241,7 +249,12 @@ impl<N: ?Sized + fmt::Display> TokenBucket<N> {
 
     /// Deletes `name`'s bucket; says whether it had been used (was not full).
     pub async fn reset<S: Store>(&self, store: &S, name: &N) -> Result<bool, Error> {
-        store.reset(&self.key(name), self.limit, None).await
+        let text = name.text();
+        let key = BucketKey {
+            limiter: self.name,
+            name: text.as_str(),
+        };
+        store.reset(key, self.limit, None).await
     }
 
     /// Deletes `name`'s bucket; says whether it had been used (was not full at `now`).
@@ -251,6 +264,158 @@ impl<N: ?Sized + fmt::Display> TokenBucket<N> {
         name: &N,
         now: Timestamp,
     ) -> Result<bool, Error> {
-        store.reset(&self.key(name), self.limit, Some(now)).await
+        let text = name.text();
+        let key = BucketKey {
+            limiter: self.name,
+            name: text.as_str(),
+        };
+        store.reset(key, self.limit, Some(now)).await
+    }
+}
+
+/// A type that names token buckets: its text becomes part of the storage key.
+///
+/// Implemented for `str`, `String` and the integers; implement it for your own id types:
+///
+/// ```
+/// use floodgate::{BucketName, NameText};
+///
+/// struct UserId(String);
+///
+/// impl BucketName for UserId {
+///     fn text(&self) -> NameText<'_> {
+///         NameText::from(self.0.as_str())
+///     }
+/// }
+/// ```
+pub trait BucketName {
+    /// This name as text.
+    fn text(&self) -> NameText<'_>;
+}
+
+/// A bucket name's text: borrowed, or formatted without allocating (integers), or owned.
+#[derive(Clone, Debug)]
+pub struct NameText<'a>(TextRepr<'a>);
+
+#[derive(Clone, Debug)]
+enum TextRepr<'a> {
+    Borrowed(&'a str),
+    Digits { buf: [u8; 40], start: usize },
+    Owned(String),
+}
+
+impl<'a> From<&'a str> for NameText<'a> {
+    fn from(text: &'a str) -> Self {
+        NameText(TextRepr::Borrowed(text))
+    }
+}
+
+impl From<String> for NameText<'_> {
+    fn from(text: String) -> Self {
+        NameText(TextRepr::Owned(text))
+    }
+}
+
+impl NameText<'_> {
+    /// `magnitude` in decimal, with a `-` first if `negative`. By hand: `core::fmt` costs as
+    /// much as a whole memory-store decision.
+    fn decimal(negative: bool, magnitude: u128) -> Self {
+        let mut buf = [0u8; 40];
+        let mut start = buf.len();
+        // Divide as u64 where the value fits: u128 division is a library call.
+        if let Ok(mut n) = u64::try_from(magnitude) {
+            loop {
+                start -= 1;
+                buf[start] = b'0' + (n % 10) as u8;
+                n /= 10;
+                if n == 0 {
+                    break;
+                }
+            }
+        } else {
+            let mut n = magnitude;
+            while n > 0 {
+                start -= 1;
+                buf[start] = b'0' + (n % 10) as u8;
+                n /= 10;
+            }
+        }
+        if negative {
+            start -= 1;
+            buf[start] = b'-';
+        }
+        NameText(TextRepr::Digits { buf, start })
+    }
+
+    /// The text.
+    pub fn as_str(&self) -> &str {
+        match &self.0 {
+            TextRepr::Borrowed(s) => s,
+            TextRepr::Owned(s) => s,
+            // Only ASCII digits and '-' were written.
+            TextRepr::Digits { buf, start } => std::str::from_utf8(&buf[*start..]).unwrap_or(""),
+        }
+    }
+}
+
+impl BucketName for str {
+    fn text(&self) -> NameText<'_> {
+        NameText::from(self)
+    }
+}
+
+impl BucketName for String {
+    fn text(&self) -> NameText<'_> {
+        NameText::from(self.as_str())
+    }
+}
+
+macro_rules! integer_names {
+    ($($t:ty => |$v:ident| $magnitude:expr),* $(,)?) => {$(
+        impl BucketName for $t {
+            fn text(&self) -> NameText<'_> {
+                let $v = *self;
+                let (negative, magnitude) = $magnitude;
+                NameText::decimal(negative, magnitude as u128)
+            }
+        }
+    )*};
+}
+
+integer_names!(
+    u8 => |v| (false, v),
+    u16 => |v| (false, v),
+    u32 => |v| (false, v),
+    u64 => |v| (false, v),
+    u128 => |v| (false, v),
+    usize => |v| (false, v),
+    i8 => |v| (v < 0, v.unsigned_abs()),
+    i16 => |v| (v < 0, v.unsigned_abs()),
+    i32 => |v| (v < 0, v.unsigned_abs()),
+    i64 => |v| (v < 0, v.unsigned_abs()),
+    i128 => |v| (v < 0, v.unsigned_abs()),
+    isize => |v| (v < 0, v.unsigned_abs()),
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Rate;
+
+    #[test]
+    fn keys_are_tagged_on_the_name() {
+        const S: TokenBucket<str> = TokenBucket::new("login", 1, Rate::per_second(1));
+        const U: TokenBucket<u64> = TokenBucket::new("api", 1, Rate::per_second(1));
+        const I: TokenBucket<i32> = TokenBucket::new("api", 1, Rate::per_second(1));
+        assert_eq!(S.key("alice"), "{tb:login:alice}");
+        assert_eq!(U.key(&0), "{tb:api:0}");
+        assert_eq!(U.key(&u64::MAX), "{tb:api:18446744073709551615}");
+        assert_eq!(I.key(&-42), "{tb:api:-42}");
+        assert_eq!(I.key(&i32::MIN), "{tb:api:-2147483648}");
+        const W: TokenBucket<i128> = TokenBucket::new("w", 1, Rate::per_second(1));
+        assert_eq!(W.key(&i128::MIN), format!("{{tb:w:{}}}", i128::MIN));
+        assert_eq!(W.key(&7), "{tb:w:7}");
+        let long = "x".repeat(300);
+        assert_eq!(S.key(&long), format!("{{tb:login:{long}}}"));
     }
 }

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
-use floodgate::store::{AnyStore, MemoryStore, Store};
+use floodgate::store::{AnyStore, BucketKey, MemoryStore, Store};
 use floodgate::{
     Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
     WindowLimit,
@@ -328,11 +328,12 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                 }
                 6 => {
                     let b = rng.below(4) as usize;
-                    let key = format!("{{tb:diff:{}}}:{b}", rng.below(2));
+                    let name = format!("{}-{b}", rng.below(2));
+                    let key = BucketKey { limiter: "diff", name: &name };
                     let limit = buckets[b];
                     let cost = rng.below(limit.capacity + 1).min(1 + rng.below(4));
-                    let m = memory.acquire(&key, limit, cost, now).await.unwrap();
-                    let r = redis.acquire(&key, limit, cost, now).await.unwrap();
+                    let m = memory.acquire(key, limit, cost, now).await.unwrap();
+                    let r = redis.acquire(key, limit, cost, now).await.unwrap();
                     assert!(r.enforced, "{ctx}");
                     assert_eq!(m.tokens.to_bits(), r.tokens.to_bits(), "{ctx}: tokens");
                     assert_eq!(m, r, "{ctx}: acquire");
@@ -340,9 +341,10 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                 }
                 _ => {
                     let b = rng.below(4) as usize;
-                    let key = format!("{{tb:diff:{}}}:{b}", rng.below(2));
-                    let m = memory.reset(&key, buckets[b], now).await.unwrap();
-                    let r = redis.reset(&key, buckets[b], now).await.unwrap();
+                    let name = format!("{}-{b}", rng.below(2));
+                    let key = BucketKey { limiter: "diff", name: &name };
+                    let m = memory.reset(key, buckets[b], now).await.unwrap();
+                    let r = redis.reset(key, buckets[b], now).await.unwrap();
                     assert_eq!(m, r, "{ctx}: reset");
                 }
             }

@@ -1,7 +1,7 @@
 //! A store chosen at run time: the gateway's configuration names the backend.
 
 use super::redis::RedisStore;
-use super::{BucketObservation, MemoryStore, Observation, Store};
+use super::{BucketKey, BucketObservation, MemoryStore, Observation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
@@ -62,7 +62,7 @@ impl Store for AnyStore {
 
     async fn acquire(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
@@ -75,7 +75,7 @@ impl Store for AnyStore {
 
     async fn reset(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> Result<bool, Error> {

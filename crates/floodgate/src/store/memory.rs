@@ -1,6 +1,5 @@
 //! The embedded store: the same decisions as Redis, under its own locks, in one process.
 
-use std::collections::HashMap;
 use std::future::{Future, ready};
 use std::hash::BuildHasher;
 use std::sync::mpsc::{self, RecvTimeoutError};
@@ -9,8 +8,9 @@ use std::thread;
 use std::time::Duration;
 
 use foldhash::fast::RandomState;
+use hashbrown::HashTable;
 
-use super::{BucketObservation, Observation, Store};
+use super::{BucketKey, BucketObservation, Observation, Store};
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
 use crate::chain::{ChainLimit, first_refusal};
@@ -50,8 +50,17 @@ struct Inner {
 
 #[derive(Debug)]
 struct Shard {
-    map: HashMap<Box<str>, Entry, RandomState>,
+    /// Keyed by the store-wide hash of the key, computed once per operation (it also picks the
+    /// shard).
+    table: HashTable<Slot>,
     sweep_at_len: usize,
+}
+
+#[derive(Debug)]
+struct Slot {
+    key: Box<str>,
+    hash: u64,
+    entry: Entry,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -75,34 +84,50 @@ impl Entry {
 }
 
 impl Shard {
-    fn window(&self, key: &str, now: Timestamp) -> Option<WindowState> {
-        match self.map.get(key) {
-            Some(Entry::Window { state, expires }) if *expires > now => Some(*state),
+    fn slot(&mut self, hash: u64, key: &str) -> Option<&mut Slot> {
+        self.table.find_mut(hash, |s| &*s.key == key)
+    }
+
+    fn bucket_slot(&mut self, hash: u64, key: BucketKey<'_>) -> Option<&mut Slot> {
+        self.table.find_mut(hash, |s| key.is(&s.key))
+    }
+
+    /// The live window state at `key`.
+    fn window(&mut self, hash: u64, key: &str, now: Timestamp) -> Option<WindowState> {
+        match self.slot(hash, key).map(|s| s.entry) {
+            Some(Entry::Window { state, expires }) if expires > now => Some(state),
             _ => None,
         }
     }
 
-    fn bucket(&self, key: &str, now: Timestamp) -> Option<BucketState> {
-        match self.map.get(key) {
-            Some(Entry::Bucket { state, expires }) if *expires > now => Some(*state),
-            _ => None,
-        }
-    }
-
-    fn put(&mut self, key: &str, entry: Entry, now: Timestamp) {
-        if let Some(slot) = self.map.get_mut(key) {
-            *slot = entry;
+    /// Writes `entry` at `key`, in place when the key is present.
+    fn put(&mut self, hash: u64, key: &str, entry: Entry, now: Timestamp) {
+        if let Some(slot) = self.slot(hash, key) {
+            slot.entry = entry;
             return;
         }
-        if self.map.len() >= self.sweep_at_len {
+        self.insert(hash, key.into(), entry, now);
+    }
+
+    /// Adds a slot for a key known to be absent.
+    fn insert(&mut self, hash: u64, key: Box<str>, entry: Entry, now: Timestamp) {
+        if self.table.len() >= self.sweep_at_len {
             self.sweep(now);
         }
-        self.map.insert(key.into(), entry);
+        let slot = Slot { key, hash, entry };
+        self.table.insert_unique(hash, slot, |s| s.hash);
+    }
+
+    fn remove_bucket(&mut self, hash: u64, key: BucketKey<'_>) -> Option<Entry> {
+        match self.table.find_entry(hash, |s| key.is(&s.key)) {
+            Ok(found) => Some(found.remove().0.entry),
+            Err(_) => None,
+        }
     }
 
     fn sweep(&mut self, now: Timestamp) {
-        self.map.retain(|_, e| e.expires() > now);
-        self.sweep_at_len = (self.map.len() * 2).max(MIN_SWEEP);
+        self.table.retain(|s| s.entry.expires() > now);
+        self.sweep_at_len = (self.table.len() * 2).max(MIN_SWEEP);
     }
 }
 
@@ -123,7 +148,7 @@ impl MemoryStore {
         let shards = (0..SHARDS)
             .map(|_| {
                 Mutex::new(Shard {
-                    map: HashMap::with_hasher(RandomState::default()),
+                    table: HashTable::new(),
                     sweep_at_len: MIN_SWEEP,
                 })
             })
@@ -144,7 +169,7 @@ impl MemoryStore {
 
     /// How many entries the store holds, expired ones not yet swept included.
     pub fn len(&self) -> usize {
-        (0..SHARDS).map(|i| self.lock(i).map.len()).sum()
+        (0..SHARDS).map(|i| self.lock(i).table.len()).sum()
     }
 
     /// Whether the store holds no entries.
@@ -182,9 +207,16 @@ impl MemoryStore {
         }
     }
 
-    fn shard_of(&self, key: &str) -> usize {
-        // High bits: the shard's HashMap uses the low ones of its own hash.
-        (self.inner.hasher.hash_one(key) >> 58) as usize % SHARDS
+    /// The key's hash and its shard: the high bits pick the shard, the table uses the rest.
+    fn locate(&self, key: &str) -> (u64, usize) {
+        let hash = self.inner.hasher.hash_one(key);
+        (hash, (hash >> 58) as usize % SHARDS)
+    }
+
+    /// [`locate`](Self::locate) for a bucket, hashed by its parts: no key text is built.
+    fn locate_bucket(&self, key: BucketKey<'_>) -> (u64, usize) {
+        let hash = self.inner.hasher.hash_one((key.limiter, key.name));
+        (hash, (hash >> 58) as usize % SHARDS)
     }
 
     fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
@@ -203,8 +235,8 @@ impl MemoryStore {
         now: Option<Timestamp>,
     ) -> Observation {
         let now = now.unwrap_or_else(|| self.now());
-        let shard_ids: Vec<usize> = limits.iter().map(|l| self.shard_of(l.key())).collect();
-        let mut order = shard_ids.clone();
+        let located: Vec<(u64, usize)> = limits.iter().map(|l| self.locate(l.key())).collect();
+        let mut order: Vec<usize> = located.iter().map(|&(_, shard)| shard).collect();
         order.sort_unstable();
         order.dedup();
         // Ascending order: two chains sharing shards take them in the same order, so they
@@ -213,21 +245,21 @@ impl MemoryStore {
             order.iter().map(|&i| (i, self.lock(i))).collect();
         let snapshots: Vec<Snapshot> = limits
             .iter()
-            .zip(&shard_ids)
-            .map(|(l, &s)| {
-                let state = locked(&mut guards, s).window(l.key(), now);
+            .zip(&located)
+            .map(|(l, &(hash, shard))| {
+                let state = locked(&mut guards, shard).window(hash, l.key(), now);
                 Snapshot::at(state, now, l.limit())
             })
             .collect();
         let admitted = first_refusal(limits, &snapshots, cost).is_none();
         if admitted {
-            for ((l, s), &shard) in limits.iter().zip(&snapshots).zip(&shard_ids) {
+            for ((l, s), &(hash, shard)) in limits.iter().zip(&snapshots).zip(&located) {
                 if l.charge() == Charge::Admission {
                     let entry = Entry::Window {
                         state: s.charged(cost),
                         expires: now.saturating_add(l.limit().ttl()),
                     };
-                    locked(&mut guards, shard).put(l.key(), entry, now);
+                    locked(&mut guards, shard).put(hash, l.key(), entry, now);
                 }
             }
         }
@@ -244,38 +276,47 @@ impl MemoryStore {
         let now = now.unwrap_or_else(|| self.now());
         // Each limit's write is atomic on its own; recording has no decision to keep whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
-            let mut shard = self.lock(self.shard_of(l.key()));
-            let snapshot = Snapshot::at(shard.window(l.key(), now), now, l.limit());
+            let (hash, shard) = self.locate(l.key());
+            let mut shard = self.lock(shard);
+            let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
             let entry = Entry::Window {
                 state: snapshot.charged(units),
                 expires: now.saturating_add(l.limit().ttl()),
             };
-            shard.put(l.key(), entry, now);
+            shard.put(hash, l.key(), entry, now);
         }
     }
 
     /// [`Store::acquire`], without the future.
     pub fn acquire_sync(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
     ) -> BucketObservation {
         let now = now.unwrap_or_else(|| self.now());
-        let mut shard = self.lock(self.shard_of(key));
-        let tokens = limit.tokens_at(shard.bucket(key, now), now);
-        let (allowed, tokens) = limit.take(tokens, cost);
+        let (hash, shard) = self.locate_bucket(key);
+        let mut shard = self.lock(shard);
+        let slot = shard.bucket_slot(hash, key);
+        let stored = match slot.as_ref().map(|s| s.entry) {
+            Some(Entry::Bucket { state, expires }) if expires > now => Some(state),
+            _ => None,
+        };
+        let (allowed, tokens) = limit.take(limit.tokens_at(stored, now), cost);
         let ttl = limit.ttl_micros(tokens);
-        if ttl == 0 {
+        let entry = Entry::Bucket {
+            state: BucketState { tokens, ts: now },
+            expires: Timestamp::from_micros(now.as_micros().saturating_add(ttl)),
+        };
+        match slot {
             // Full: a missing bucket reads as full, so nothing needs keeping.
-            shard.map.remove(key);
-        } else {
-            let entry = Entry::Bucket {
-                state: BucketState { tokens, ts: now },
-                expires: Timestamp::from_micros(now.as_micros().saturating_add(ttl)),
-            };
-            shard.put(key, entry, now);
+            Some(_) if ttl == 0 => {
+                shard.remove_bucket(hash, key);
+            }
+            Some(slot) => slot.entry = entry,
+            None if ttl == 0 => {}
+            None => shard.insert(hash, key.to_string().into(), entry, now),
         }
         BucketObservation {
             now,
@@ -286,14 +327,15 @@ impl MemoryStore {
     }
 
     /// [`Store::reset`], without the future.
-    pub fn reset_sync(&self, key: &str, limit: BucketLimit, now: Option<Timestamp>) -> bool {
+    pub fn reset_sync(&self, key: BucketKey<'_>, limit: BucketLimit, now: Option<Timestamp>) -> bool {
         let now = now.unwrap_or_else(|| self.now());
-        let mut shard = self.lock(self.shard_of(key));
-        let used = shard
-            .bucket(key, now)
-            .is_some_and(|s| limit.tokens_at(Some(s), now) < limit.capacity as f64);
-        shard.map.remove(key);
-        used
+        let (hash, shard) = self.locate_bucket(key);
+        match self.lock(shard).remove_bucket(hash, key) {
+            Some(Entry::Bucket { state, expires }) if expires > now => {
+                limit.tokens_at(Some(state), now) < limit.capacity as f64
+            }
+            _ => false,
+        }
     }
 }
 
@@ -325,7 +367,7 @@ impl Store for MemoryStore {
 
     fn acquire(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
@@ -335,7 +377,7 @@ impl Store for MemoryStore {
 
     fn reset(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<bool, Error>> + Send {

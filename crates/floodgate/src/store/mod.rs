@@ -7,6 +7,7 @@
 //! sequence with the same clock gives the same decisions on both: `tests/vectors.rs` holds the
 //! shared cases.
 
+use std::fmt;
 use std::future::Future;
 
 use crate::Error;
@@ -15,11 +16,11 @@ use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
 use crate::window::Snapshot;
 
+#[cfg(feature = "redis")]
+mod any;
 mod memory;
 #[cfg(feature = "redis")]
 pub mod redis;
-#[cfg(feature = "redis")]
-mod any;
 #[cfg(feature = "redis")]
 pub use any::AnyStore;
 
@@ -51,6 +52,38 @@ pub struct BucketObservation {
     pub enforced: bool,
 }
 
+/// Where a token bucket lives: the limiter's name and the bucket's name within it.
+///
+/// Its text form, the storage key, is `{tb:limiter:name}`: hash-tagged on the name. The memory
+/// store looks buckets up by the two parts without ever building that text.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BucketKey<'a> {
+    /// The limiter's name (`TokenBucket::new`'s first argument).
+    pub limiter: &'a str,
+    /// The bucket's name, as text.
+    pub name: &'a str,
+}
+
+impl BucketKey<'_> {
+    /// Whether `key` is this bucket's storage key, compared without building it.
+    pub fn is(&self, key: &str) -> bool {
+        let (l, n) = (self.limiter.len(), self.name.len());
+        let b = key.as_bytes();
+        b.len() == l + n + 6
+            && b.starts_with(b"{tb:")
+            && &b[4..4 + l] == self.limiter.as_bytes()
+            && b[4 + l] == b':'
+            && &b[5 + l..5 + l + n] == self.name.as_bytes()
+            && b[5 + l + n] == b'}'
+    }
+}
+
+impl fmt::Display for BucketKey<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{{tb:{}:{}}}", self.limiter, self.name)
+    }
+}
+
 /// A place where limit state lives and decisions are taken atomically.
 ///
 /// Every method takes `now`: `Some` pins the clock (tests, replays); `None` asks the store for
@@ -77,11 +110,11 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// Takes `cost` tokens from the bucket stored at `key` if it holds enough. The caller has
-    /// checked that `cost` fits the capacity.
+    /// Takes `cost` tokens from the bucket at `key` if it holds enough. The caller has checked
+    /// that `cost` fits the capacity.
     fn acquire(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
@@ -90,7 +123,7 @@ pub trait Store: Send + Sync {
     /// Deletes the bucket at `key`; says whether it had been used (was not full at `now`).
     fn reset(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<bool, Error>> + Send;

@@ -44,7 +44,7 @@ use ::redis::{
     Client, ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, ServerErrorKind,
 };
 
-use super::{BucketObservation, Observation, Store};
+use super::{BucketKey, BucketObservation, Observation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
@@ -575,13 +575,13 @@ impl RedisStore {
 
     async fn acquire_inner(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
     ) -> Result<BucketObservation, Failure> {
         let mut inv = self.invocation(&ACQUIRE, now);
-        inv.key(self.redis_key(key));
+        inv.key(self.redis_key(&key.to_string()));
         inv.arg(limit.capacity)
             .arg(limit.rate.tokens())
             .arg(limit.rate.period_micros())
@@ -652,7 +652,7 @@ impl Store for RedisStore {
 
     async fn acquire(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
@@ -673,12 +673,12 @@ impl Store for RedisStore {
 
     async fn reset(
         &self,
-        key: &str,
+        key: BucketKey<'_>,
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> Result<bool, Error> {
         let mut inv = self.invocation(&RESET, now);
-        inv.key(self.redis_key(key));
+        inv.key(self.redis_key(&key.to_string()));
         inv.arg(limit.capacity)
             .arg(limit.rate.tokens())
             .arg(limit.rate.period_micros());
