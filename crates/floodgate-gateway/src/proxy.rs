@@ -10,6 +10,7 @@ use std::time::Duration;
 use axum::Router;
 use axum::body::Body;
 use axum::http::header::{self, HeaderName};
+use axum::http::uri::{Authority, Parts, PathAndQuery, Scheme};
 use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -49,6 +50,9 @@ enum Target {
     Http {
         client: Client<HttpConnector, Body>,
         base: String,
+        /// `base` split once at load: scheme and authority, and the path prefix (may be empty).
+        authority: Authority,
+        prefix: String,
         auth: Option<HeaderValue>,
     },
     Demo(Router),
@@ -98,9 +102,19 @@ impl Upstream {
                 let client = Client::builder(TokioExecutor::new())
                     .pool_idle_timeout(POOL_IDLE_TIMEOUT)
                     .build(connector);
+                let rest = base_url.strip_prefix("http://").unwrap_or(base_url);
+                let (host, prefix) = match rest.find('/') {
+                    Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+                    None => (rest, ""),
+                };
+                let authority = host
+                    .parse::<Authority>()
+                    .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
                 Target::Http {
                     client,
                     base: base_url.clone(),
+                    authority,
+                    prefix: prefix.to_owned(),
                     auth,
                 }
             }
@@ -131,16 +145,35 @@ impl Upstream {
                     .map_err(|e| AppError::Internal(format!("demo upstream: {e}")))?;
                 Ok(resp)
             }
-            Target::Http { client, base, auth } => {
+            Target::Http {
+                client,
+                authority,
+                prefix,
+                auth,
+                ..
+            } => {
                 headers.remove(header::HOST);
                 if let Some(auth) = auth {
                     headers.insert(header::AUTHORIZATION, auth.clone());
                 }
-                let pq = req.uri().path_and_query().map_or("/", |pq| pq.as_str());
-                let uri: Uri = format!("{base}{pq}")
-                    .parse()
-                    .map_err(|e| AppError::BadRequest(format!("cannot forward this path: {e}")))?;
-                *req.uri_mut() = uri;
+                let path_and_query = match (prefix.is_empty(), req.uri().path_and_query()) {
+                    // The common case: no prefix; the request's path is reused as is.
+                    (true, Some(pq)) => pq.clone(),
+                    (_, pq) => {
+                        let pq = pq.map_or("/", PathAndQuery::as_str);
+                        format!("{prefix}{pq}")
+                            .parse::<PathAndQuery>()
+                            .map_err(|e| {
+                                AppError::BadRequest(format!("cannot forward this path: {e}"))
+                            })?
+                    }
+                };
+                let mut uri = Parts::default();
+                uri.scheme = Some(Scheme::HTTP);
+                uri.authority = Some(authority.clone());
+                uri.path_and_query = Some(path_and_query);
+                *req.uri_mut() = Uri::from_parts(uri)
+                    .map_err(|e| AppError::Internal(format!("upstream URI: {e}")))?;
                 *req.version_mut() = Version::HTTP_11;
                 let resp = match tokio::time::timeout(self.timeout, client.request(req)).await {
                     Err(_) => return Err(AppError::UpstreamTimeout),

@@ -1,4 +1,5 @@
-//! Upstream failures: 502 when it cannot be reached, 504 when it is too slow; each counts once.
+//! Forwarding: base URL prefixes and query strings; upstream failures: 502 when it cannot be
+//! reached, 504 when it is too slow; each counts once.
 
 mod common;
 
@@ -48,4 +49,22 @@ async fn a_slow_upstream_is_504() {
     assert_eq!(r.status, 504);
     assert_eq!(r.json()["error"]["code"], "upstream_timeout");
     assert_eq!(r.header("x-ratelimit-remaining"), Some("2"));
+}
+
+#[tokio::test]
+async fn base_url_prefix_and_query_are_kept() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        "[upstream]\nbase_url = \"{upstream}/api/\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n",
+        &up.url(),
+    )
+    .await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(up.seen.hits(), 1);
+    let r = gw
+        .send(gw.request("GET", "/v1/models?limit=2&after=x", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.json()["query"], "limit=2&after=x");
 }

@@ -126,14 +126,17 @@ async fn slow() -> &'static str {
 
 pub async fn fake_upstream() -> FakeUpstream {
     let seen = Seen::default();
-    let app = Router::new()
+    let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/slow", get(slow))
         .route(
             "/v1/models",
-            get(|| async { axum::Json(json!({"object": "list", "data": []})) }),
-        )
-        .with_state(seen.clone());
+            get(|uri: axum::http::Uri| async move {
+                axum::Json(json!({"object": "list", "data": [], "query": uri.query()}))
+            }),
+        );
+    // The same API under a path prefix, for base URLs like http://host/api.
+    let app = routes.clone().nest("/api", routes).with_state(seen.clone());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
