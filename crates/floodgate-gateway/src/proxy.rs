@@ -45,6 +45,8 @@ pub struct Upstream {
     timeout: Duration,
 }
 
+// One per process: the size difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone)]
 enum Target {
     Http {
