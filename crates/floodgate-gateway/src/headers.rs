@@ -21,9 +21,10 @@ const RESET_TOK: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens"
 const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
 const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
-/// Every header name this module writes: upstream copies of them are removed from proxied
-/// responses so that a caller only ever sees the gateway's view.
-pub const ALL: [HeaderName; 12] = [
+/// The rate-limit state headers this module writes: upstream copies of them are removed from
+/// proxied responses so that a caller only ever sees the gateway's view. (An upstream's own
+/// `Retry-After` on its 429 or 503 is kept: it is still true for the caller.)
+pub const ALL: [HeaderName; 10] = [
     X_LIMIT,
     X_REMAINING,
     POLICY,
@@ -34,8 +35,6 @@ pub const ALL: [HeaderName; 12] = [
     LIMIT_TOK,
     REMAINING_TOK,
     RESET_TOK,
-    RETRY_AFTER,
-    RETRY_AFTER_MS,
 ];
 
 /// The limit the generic headers describe: the refusing one on a refusal, else the most

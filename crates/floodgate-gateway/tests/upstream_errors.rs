@@ -68,3 +68,38 @@ async fn base_url_prefix_and_query_are_kept() {
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["query"], "limit=2&after=x");
 }
+
+#[tokio::test]
+async fn an_upstream_retry_after_is_kept() {
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        post(|| async {
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                [
+                    ("retry-after", "7"),
+                    ("x-ratelimit-remaining-requests", "0"),
+                ],
+                "{\"error\":{}}",
+            )
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let gw = gateway(CONFIG, &format!("http://{addr}")).await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(
+        r.header("retry-after"),
+        Some("7"),
+        "the upstream's own wait"
+    );
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("2"),
+        "the gateway's view"
+    );
+}
