@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use floodgate::ScopeKind;
 use floodgate_gateway::auth::Keys;
-use floodgate_gateway::config::{Config, GATEWAY_ID, OnError, UpstreamTarget};
+use floodgate_gateway::config::{Backend, Config, GATEWAY_ID, OnError, UpstreamTarget};
 use floodgate_gateway::{AppState, run};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -72,12 +72,13 @@ fn check_config(file: &PathBuf) -> ExitCode {
         OnError::Open => "open",
         OnError::Closed => "closed",
     };
+    let backend = match config.store.backend {
+        Backend::Memory => "memory",
+        Backend::Redis => "redis",
+    };
     match &config.store.url {
-        Some(_) => println!(
-            "store: {:?} (url set, on_error = {on_error})",
-            config.store.backend
-        ),
-        None => println!("store: {:?} (on_error = {on_error})", config.store.backend),
+        Some(_) => println!("store: {backend} (url set, on_error = {on_error})"),
+        None => println!("store: {backend} (on_error = {on_error})"),
     }
     match &config.upstream.target {
         UpstreamTarget::Demo => println!("upstream: built-in DEMO (fixed replies, not a model)"),
