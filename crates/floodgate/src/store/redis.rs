@@ -1,7 +1,7 @@
 //! The Redis store: many replicas, one shared truth.
 //!
-//! Each decision is one Lua script (`store/*.lua`, run with EVALSHA and loaded again on
-//! NOSCRIPT by [`redis::Script`]). Redis runs a script to completion before any other command,
+//! Each decision is one Lua script (`store/*.lua`, hashed and loaded by [`redis::Script`], run
+//! with EVALSHA, and loaded again and retried once on NOSCRIPT, as after a restart). Redis runs a script to completion before any other command,
 //! so a chain's reads, decision and increments cannot interleave with another request's: no two
 //! requests, on one replica or many, take the same free slot. The scripts mirror
 //! [`window`](crate::window) and [`bucket`](crate::bucket) operation for operation, so the same
@@ -41,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{
-    Client, ErrorKind, FromRedisValue, RedisError, Script, ScriptInvocation, ServerErrorKind,
+    Client, Cmd, ErrorKind, FromRedisValue, RedisError, RedisWrite, Script, ServerErrorKind,
 };
 
 use super::{BucketKey, BucketObservation, Observation, Store};
@@ -319,7 +319,9 @@ impl RedisStore {
         })?;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
-            .set_response_timeout(Some(config.timeout))
+            // No per-request timer inside the connection: every call already runs under one
+            // deadline of its own (see `Inner::run`), which also covers connecting.
+            .set_response_timeout(None)
             // Reconnection is driven by calls and by the breaker's probe, not by a long
             // backoff inside the connection manager that requests would queue behind.
             .set_number_of_retries(1)
@@ -383,8 +385,8 @@ impl RedisStore {
         k
     }
 
-    /// `ARGV[1]`: the pinned time, the client's clock, or empty for the server's `TIME`.
-    fn time_arg(&self, now: Option<Timestamp>) -> Option<u64> {
+    /// The time to send: pinned, the client's clock, or none for the server's `TIME`.
+    fn time_of(&self, now: Option<Timestamp>) -> Option<u64> {
         match (now, self.inner.config.clock) {
             (Some(t), _) => Some(t.as_micros()),
             (None, RedisClock::Client) => Some(Timestamp::now().as_micros()),
@@ -392,13 +394,39 @@ impl RedisStore {
         }
     }
 
-    fn invocation(&self, op: &'static Op, now: Option<Timestamp>) -> ScriptInvocation<'static> {
-        let mut inv = op.script.prepare_invoke();
-        match self.time_arg(now) {
-            Some(t) => inv.arg(t),
-            None => inv.arg(""),
+    /// `EVALSHA sha numkeys`: keys and arguments follow, written straight into the command's one
+    /// buffer (a [`ScriptInvocation`](::redis::ScriptInvocation) would hold each in a `Vec` of
+    /// its own and copy them all again into a command on every call).
+    fn evalsha(&self, op: &Op, keys: usize, args: usize) -> Cmd {
+        let mut cmd = Cmd::with_capacity(3 + keys + args, 64 + 48 * (keys + args));
+        cmd.arg("EVALSHA").arg(op.script.get_hash()).arg(keys);
+        cmd
+    }
+
+    /// Appends a key: the prefix and `parts`, as one argument.
+    fn key_arg(&self, cmd: &mut Cmd, parts: &[&str]) {
+        let mut w = cmd.writer_for_next_arg();
+        let mut put = |b: &str| {
+            // Writing into a Vec cannot fail.
+            let _ = std::io::Write::write_all(&mut w, b.as_bytes());
         };
-        inv
+        put(&self.inner.config.prefix);
+        for part in parts {
+            put(part);
+        }
+    }
+
+    /// Appends `ARGV[1]`: the pinned time, the client's clock, or empty for the server's `TIME`.
+    fn time_arg(&self, cmd: &mut Cmd, now: Option<Timestamp>) {
+        match self.time_of(now) {
+            Some(t) => cmd.arg(t),
+            None => cmd.arg(""),
+        };
+    }
+
+    /// Appends a token bucket's key, `{tb:limiter:name}` after the prefix.
+    fn bucket_key_arg(&self, cmd: &mut Cmd, key: BucketKey<'_>) {
+        self.key_arg(cmd, &["{tb:", key.limiter, ":", key.name, "}"]);
     }
 
     /// The decision a failed admission or acquire gets: unchecked, or an error.
@@ -449,11 +477,12 @@ impl Inner {
         tokio::spawn(probe(Arc::downgrade(self), Instant::now()));
     }
 
-    /// Runs `op` once, or twice if its connection dropped and its policy allows a replay.
+    /// Runs `op` (the command `cmd`) once, or twice if its connection dropped and its policy
+    /// allows a replay.
     async fn run<T: FromRedisValue>(
         self: &Arc<Self>,
         op: &'static Op,
-        inv: &ScriptInvocation<'static>,
+        cmd: &Cmd,
     ) -> Result<T, Failure> {
         if self.open.load(Ordering::Acquire) {
             // The breaker answers at once; the probe task closes it when Redis is back.
@@ -467,7 +496,7 @@ impl Inner {
         };
         loop {
             let mut conn = self.conn.clone();
-            let attempt = tokio::time::timeout_at(deadline, inv.invoke_async::<T>(&mut conn));
+            let attempt = tokio::time::timeout_at(deadline, evalsha(op, cmd, &mut conn));
             let err = match attempt.await {
                 Ok(Ok(value)) => return Ok(value),
                 Ok(Err(e)) => e,
@@ -492,6 +521,23 @@ impl Inner {
                 Class::Answered => return Err(Failure::Backend(format!("{}: {err}", op.name))),
             }
         }
+    }
+}
+
+/// `EVALSHA`, and on NOSCRIPT (a restarted or flushed server) `SCRIPT LOAD` and once more: what
+/// [`ScriptInvocation::invoke_async`](::redis::ScriptInvocation::invoke_async) does, for a
+/// command built in one buffer.
+async fn evalsha<T: FromRedisValue>(
+    op: &Op,
+    cmd: &Cmd,
+    conn: &mut ConnectionManager,
+) -> Result<T, RedisError> {
+    match cmd.query_async(conn).await {
+        Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+            op.script.load_async(conn).await?;
+            cmd.query_async(conn).await
+        }
+        other => other,
     }
 }
 
@@ -536,19 +582,22 @@ impl RedisStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> Result<Observation, Failure> {
-        let mut inv = self.invocation(&ADMIT, now);
-        inv.arg(cost);
+        let mut cmd = self.evalsha(&ADMIT, limits.len(), 2 + 4 * limits.len());
+        for l in limits {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(cost);
         for l in limits {
             let w = l.limit().window_micros();
-            inv.key(self.redis_key(l.key()));
-            inv.arg(w).arg(l.limit().max());
-            inv.arg(match l.charge() {
+            cmd.arg(w).arg(l.limit().max());
+            cmd.arg(match l.charge() {
                 Charge::Admission => "a",
                 Charge::Reactive => "r",
             });
-            inv.arg(ttl_millis(w));
+            cmd.arg(ttl_millis(w));
         }
-        let reply: Vec<::redis::Value> = self.inner.run(&ADMIT, &inv).await?;
+        let reply: Vec<::redis::Value> = self.inner.run(&ADMIT, &cmd).await?;
         if reply.len() != 2 + 2 * limits.len() {
             return Err(bad_reply());
         }
@@ -580,13 +629,14 @@ impl RedisStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> Result<BucketObservation, Failure> {
-        let mut inv = self.invocation(&ACQUIRE, now);
-        inv.key(self.redis_key(&key.to_string()));
-        inv.arg(limit.capacity)
+        let mut cmd = self.evalsha(&ACQUIRE, 1, 5);
+        self.bucket_key_arg(&mut cmd, key);
+        self.time_arg(&mut cmd, now);
+        cmd.arg(limit.capacity)
             .arg(limit.rate.tokens())
             .arg(limit.rate.period_micros())
             .arg(cost);
-        let (allowed, tokens, t): (u64, String, u64) = self.inner.run(&ACQUIRE, &inv).await?;
+        let (allowed, tokens, t): (u64, String, u64) = self.inner.run(&ACQUIRE, &cmd).await?;
         // 17 significant digits: parses back to the very f64 the script computed.
         let tokens: f64 = tokens.parse().map_err(|_| bad_reply())?;
         let allowed = allowed == 1;
@@ -632,19 +682,22 @@ impl Store for RedisStore {
         units: u64,
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
-        let mut inv = self.invocation(&RECORD, now);
-        inv.arg(units);
-        let mut any = false;
-        for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
-            let w = l.limit().window_micros();
-            inv.key(self.redis_key(l.key()));
-            inv.arg(w).arg(ttl_millis(w));
-            any = true;
-        }
-        if !any {
+        let reactive = || limits.iter().filter(|l| l.charge() == Charge::Reactive);
+        let n = reactive().count();
+        if n == 0 {
             return Ok(());
         }
-        self.inner.run::<()>(&RECORD, &inv).await.map_err(|f| {
+        let mut cmd = self.evalsha(&RECORD, n, 2 + 2 * n);
+        for l in reactive() {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(units);
+        for l in reactive() {
+            let w = l.limit().window_micros();
+            cmd.arg(w).arg(ttl_millis(w));
+        }
+        self.inner.run::<()>(&RECORD, &cmd).await.map_err(|f| {
             bump(&self.inner.counters.errors);
             f.into()
         })
@@ -677,12 +730,13 @@ impl Store for RedisStore {
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> Result<bool, Error> {
-        let mut inv = self.invocation(&RESET, now);
-        inv.key(self.redis_key(&key.to_string()));
-        inv.arg(limit.capacity)
+        let mut cmd = self.evalsha(&RESET, 1, 4);
+        self.bucket_key_arg(&mut cmd, key);
+        self.time_arg(&mut cmd, now);
+        cmd.arg(limit.capacity)
             .arg(limit.rate.tokens())
             .arg(limit.rate.period_micros());
-        match self.inner.run::<u64>(&RESET, &inv).await {
+        match self.inner.run::<u64>(&RESET, &cmd).await {
             Ok(used) => Ok(used == 1),
             Err(f) => {
                 bump(&self.inner.counters.errors);
