@@ -107,6 +107,7 @@ struct RawConfig {
 #[serde(deny_unknown_fields)]
 struct RawServer {
     listen: Option<Spanned<String>>,
+    workers: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]
@@ -172,6 +173,9 @@ pub struct Config {
     pub path: PathBuf,
     /// Where to listen.
     pub listen: SocketAddr,
+    /// Worker threads, each with its own event loop and listening socket (`None`: the default,
+    /// see [`default_workers`]).
+    pub workers: Option<usize>,
     /// Where limit state lives.
     pub store: StoreConfig,
     /// Where admitted requests go.
@@ -284,6 +288,11 @@ impl fmt::Display for ScopeLimit {
             self.limit.window().as_secs()
         )
     }
+}
+
+/// Worker threads when `[server] workers` is absent: one per CPU.
+pub fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The id under which gateway-wide limits are kept.
@@ -419,7 +428,17 @@ impl Validator<'_> {
         raw: RawConfig,
         redis_url_env: Option<String>,
     ) -> Result<Config, ConfigError> {
-        let listen = match raw.server.and_then(|s| s.listen) {
+        let (listen, workers) = match raw.server {
+            None => (None, None),
+            Some(s) => (s.listen, s.workers),
+        };
+        let workers = match workers {
+            Some(w) if *w.get_ref() == 0 || *w.get_ref() > 1024 => {
+                return Err(self.error(w.span(), "server.workers", "must be between 1 and 1024"));
+            }
+            w => w.map(Spanned::into_inner),
+        };
+        let listen = match listen {
             None => DEFAULT_LISTEN
                 .parse()
                 .map_err(|_| self.error(0..0, "server.listen", "bad built-in default"))?,
@@ -635,6 +654,7 @@ impl Validator<'_> {
         Ok(Config {
             path: self.file.to_path_buf(),
             listen,
+            workers,
             store,
             upstream,
             keys,

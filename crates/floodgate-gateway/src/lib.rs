@@ -5,6 +5,7 @@
 //! - [`config`]: the TOML config, validated with file/line/field errors;
 //! - [`auth`]: bearer secret -> key -> precomputed chain;
 //! - [`app`]: the router and the server loop;
+//! - [`server`]: the process: worker threads, store, signals, draining;
 //! - [`proxy`]: forwarding, streaming both ways;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
 //! - [`headers`]: rate-limit response headers;
@@ -21,6 +22,7 @@ pub mod error;
 pub mod headers;
 pub mod metering;
 pub mod proxy;
+pub mod server;
 pub mod store;
 
 pub use app::{AppState, app, run};

@@ -2,18 +2,12 @@
 
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use floodgate::ScopeKind;
 use floodgate_gateway::auth::Keys;
 use floodgate_gateway::config::{Backend, Config, GATEWAY_ID, OnError, UpstreamTarget};
-use floodgate_gateway::{AppState, run};
-use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
-
-/// How long a graceful shutdown waits for requests in flight before exiting anyway.
-const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// floodgate: an OpenAI-compatible gateway that rate-limits every scope of a caller's chain.
 #[derive(Parser)]
@@ -42,19 +36,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.command {
         Command::CheckConfig { file } => check_config(&file),
-        Command::Serve { config } => {
-            let runtime = match tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("error: cannot start the runtime: {e}");
-                    return ExitCode::FAILURE;
-                }
-            };
-            runtime.block_on(serve(&config))
-        }
+        Command::Serve { config } => serve(&config),
     }
 }
 
@@ -161,7 +143,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
     ExitCode::SUCCESS
 }
 
-async fn serve(path: &PathBuf) -> ExitCode {
+fn serve(path: &PathBuf) -> ExitCode {
     tracing_subscriber::fmt()
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
@@ -176,91 +158,11 @@ async fn serve(path: &PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let (store, _store_guard) = match floodgate_gateway::store::open(&config.store).await {
-        Ok(s) => s,
+    match floodgate_gateway::server::serve(&config) {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "cannot open the store");
-            return ExitCode::FAILURE;
+            tracing::error!("{}: {e}", path.display());
+            ExitCode::FAILURE
         }
-    };
-    let state = match AppState::new(&config, store) {
-        Ok(s) => s,
-        Err(e) => {
-            eprintln!("error: {}: {e}", path.display());
-            return ExitCode::FAILURE;
-        }
-    };
-    let listener = match TcpListener::bind(config.listen).await {
-        Ok(l) => l,
-        Err(e) => {
-            tracing::error!(error = %e, listen = %config.listen, "cannot listen");
-            return ExitCode::FAILURE;
-        }
-    };
-    let addr = listener.local_addr().map_or(config.listen, |a| a);
-    if state.upstream().is_demo() {
-        tracing::warn!(
-            "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
-        );
-    }
-    tracing::info!(
-        %addr,
-        store = floodgate_gateway::store::name(state.store()),
-        keys = state.keys().len(),
-        config = %path.display(),
-        "floodgate gateway listening"
-    );
-    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
-    let shutdown = async move {
-        shutdown_signal().await;
-        tracing::info!("shutting down: draining requests in flight");
-        let _ = stopping_tx.send(());
-    };
-    let drain_deadline = async move {
-        if stopping_rx.await.is_ok() {
-            tokio::time::sleep(DRAIN_TIMEOUT).await;
-        } else {
-            std::future::pending::<()>().await;
-        }
-    };
-    tokio::select! {
-        r = run(listener, state, shutdown) => match r {
-            Ok(()) => {
-                tracing::info!("stopped");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "server failed");
-                ExitCode::FAILURE
-            }
-        },
-        () = drain_deadline => {
-            tracing::warn!(timeout_s = DRAIN_TIMEOUT.as_secs(), "drain timed out: exiting with requests still in flight");
-            ExitCode::SUCCESS
-        }
-    }
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
     }
 }

@@ -1,0 +1,231 @@
+//! The process: worker threads, each a single-threaded event loop with its own listening socket
+//! (`SO_REUSEPORT`, so the kernel spreads connections), and a background runtime for the
+//! store's connection and the signal handler.
+//!
+//! Why not one multi-threaded runtime: a proxied request hops between the caller's connection,
+//! the upstream connection (a task of its own) and back; on a work-stealing runtime those hops
+//! wake other threads. A worker keeps a request's whole life on one thread, as nginx's workers
+//! do. Measured on a loaded 2-core machine against nginx as a plain proxy hop: 77-80% of its
+//! throughput with two workers, 50-85% (erratic) with one work-stealing runtime.
+
+use std::net::SocketAddr;
+use std::sync::mpsc;
+use std::time::Duration;
+
+use tokio::net::TcpSocket;
+use tokio::sync::{mpsc as tmpsc, watch};
+
+use crate::app::{AppState, run};
+use crate::config::{Config, default_workers};
+use crate::store::{self, GatewayStore};
+
+/// How long a graceful shutdown waits for requests in flight before exiting anyway.
+pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
+/// After a worker has drained, how long its spawned token-recording tasks get to finish.
+const RECORD_GRACE: Duration = Duration::from_millis(300);
+
+/// Runs the gateway for `config` until SIGTERM or Ctrl-C, then drains. Blocks the calling
+/// thread. Errors are for a gateway that could not start (store, listen address, upstream key).
+pub fn serve(config: &Config) -> Result<(), String> {
+    let background = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("floodgate-bg")
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let (store, _store_guard) = background
+        .block_on(store::open(&config.store))
+        .map_err(|e| format!("cannot open the store: {e}"))?;
+    let workers = if cfg!(unix) {
+        config.workers.unwrap_or_else(default_workers)
+    } else {
+        1
+    };
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
+    let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
+    let mut addr = config.listen;
+    for i in 0..workers {
+        let worker = Worker {
+            bind: addr,
+            reuse_port: workers > 1,
+            config: config.clone(),
+            store: store.clone(),
+            stop: stop_rx.clone(),
+            ready: ready_tx.clone(),
+            done: done_tx.clone(),
+        };
+        std::thread::Builder::new()
+            .name(format!("floodgate-{i}"))
+            .spawn(move || worker.run())
+            .map_err(|e| format!("cannot start a worker thread: {e}"))?;
+        match ready_rx.recv() {
+            // With `listen = "...:0"` the first worker's port is everyone's.
+            Ok(Ok(bound)) => addr = bound,
+            Ok(Err(e)) => {
+                let _ = stop_tx.send(true);
+                return Err(e);
+            }
+            Err(_) => {
+                let _ = stop_tx.send(true);
+                return Err("a worker thread died at start".into());
+            }
+        }
+    }
+    drop(done_tx);
+
+    let probe = AppState::new(config, store.clone())?;
+    if probe.upstream().is_demo() {
+        tracing::warn!(
+            "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
+        );
+    }
+    tracing::info!(
+        %addr,
+        workers,
+        store = store::name(&store),
+        keys = probe.keys().len(),
+        config = %config.path.display(),
+        "floodgate gateway listening"
+    );
+
+    background.block_on(async move {
+        tokio::spawn(async move {
+            shutdown_signal().await;
+            tracing::info!("shutting down: draining requests in flight");
+            let _ = stop_tx.send(true);
+        });
+        let mut stopping = stop_rx.clone();
+        let deadline = async move {
+            let _ = stopping.wait_for(|s| *s).await;
+            tokio::time::sleep(DRAIN_TIMEOUT).await;
+        };
+        tokio::pin!(deadline);
+        let mut failure = None;
+        loop {
+            tokio::select! {
+                done = done_rx.recv() => match done {
+                    Some(Ok(())) => {}
+                    Some(Err(e)) => failure = Some(format!("server failed: {e}")),
+                    None => break,
+                },
+                () = &mut deadline => {
+                    tracing::warn!(
+                        timeout_s = DRAIN_TIMEOUT.as_secs(),
+                        "drain timed out: exiting with requests still in flight"
+                    );
+                    break;
+                }
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => {
+                tracing::info!("stopped");
+                Ok(())
+            }
+        }
+    })
+}
+
+struct Worker {
+    bind: SocketAddr,
+    reuse_port: bool,
+    config: Config,
+    store: GatewayStore,
+    stop: watch::Receiver<bool>,
+    ready: mpsc::Sender<Result<SocketAddr, String>>,
+    done: tmpsc::UnboundedSender<std::io::Result<()>>,
+}
+
+impl Worker {
+    fn run(self) {
+        let runtime = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => {
+                let _ = self.ready.send(Err(format!("cannot start a worker: {e}")));
+                return;
+            }
+        };
+        let Worker {
+            bind,
+            reuse_port,
+            config,
+            store,
+            mut stop,
+            ready,
+            done,
+        } = self;
+        let result = runtime.block_on(async move {
+            let listener = match listen(bind, reuse_port) {
+                Ok(l) => l,
+                Err(e) => {
+                    let _ = ready.send(Err(format!("cannot listen on {bind}: {e}")));
+                    return Ok(());
+                }
+            };
+            // Each worker has its own upstream client (and connection pool): no cross-thread
+            // hand-offs on the hot path.
+            let state = match AppState::new(&config, store) {
+                Ok(s) => s,
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return Ok(());
+                }
+            };
+            let _ = ready.send(listener.local_addr().map_err(|e| e.to_string()));
+            let shutdown = async move {
+                let _ = stop.wait_for(|s| *s).await;
+            };
+            let result = run(listener, state, shutdown).await;
+            tokio::time::sleep(RECORD_GRACE).await;
+            result
+        });
+        let _ = done.send(result);
+    }
+}
+
+fn listen(addr: SocketAddr, reuse_port: bool) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    #[cfg(unix)]
+    if reuse_port {
+        socket.set_reuseport(true)?;
+    }
+    #[cfg(not(unix))]
+    let _ = reuse_port;
+    socket.bind(addr)?;
+    socket.listen(1024)
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        () = ctrl_c => {},
+        () = term => {},
+    }
+}
