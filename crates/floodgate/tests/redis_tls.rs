@@ -1,0 +1,53 @@
+//! The Redis store over `rediss://` (TLS via rustls and ring).
+//!
+//! Needs the `tls` feature and a TLS-enabled server named by `FLOODGATE_TEST_REDIS_TLS_URL`;
+//! certificates are verified against the system roots, or the file `SSL_CERT_FILE` names (a
+//! test server's self-signed certificate):
+//!
+//! ```text
+//! SSL_CERT_FILE=cert.pem FLOODGATE_TEST_REDIS_TLS_URL=rediss://127.0.0.1:6380/0 \
+//!     cargo test -p floodgate --features tls --test redis_tls
+//! ```
+//!
+//! CI builds without `tls`, so this file is a manual check; without the URL it skips.
+#![cfg(feature = "tls")]
+
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use floodgate::store::redis::{RedisConfig, RedisStore};
+use floodgate::{Chain, ChainLimit, Charge, Rate, ScopeKind, TokenBucket, WindowLimit};
+
+#[tokio::test]
+async fn decisions_over_tls() {
+    let Ok(url) = std::env::var("FLOODGATE_TEST_REDIS_TLS_URL") else {
+        eprintln!("decisions_over_tls: skipped, FLOODGATE_TEST_REDIS_TLS_URL is unset");
+        return;
+    };
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let store = RedisStore::connect(RedisConfig {
+        prefix: format!("fgtls:{nanos:x}:"),
+        timeout: Duration::from_secs(2),
+        ..RedisConfig::new(url)
+    })
+    .await
+    .unwrap();
+    store.ping().await.unwrap();
+    let chain = Chain::new(vec![ChainLimit::new(
+        "org:tls",
+        ScopeKind::Key,
+        "k",
+        Charge::Admission,
+        WindowLimit::per_minute(1),
+    )]);
+    let first = chain.admit(&store, 1).await.unwrap();
+    assert!(first.enforced && first.admitted);
+    let second = chain.admit(&store, 1).await.unwrap();
+    assert!(second.enforced && !second.admitted);
+    const B: TokenBucket<str> = TokenBucket::new("tls", 1, Rate::per_second(1));
+    assert!(B.acquire(&store, "x", 1).await.unwrap().is_allowed());
+    assert!(!B.acquire(&store, "x", 1).await.unwrap().is_allowed());
+    assert_eq!(store.stats().failed_open, 0);
+}
