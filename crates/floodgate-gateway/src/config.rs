@@ -902,6 +902,17 @@ tpm = 10
     }
 
     #[test]
+    fn redis_url_from_the_environment_wins() {
+        let text =
+            "[store]\nbackend = \"redis\"\nurl = \"redis://file:6379\"\n[upstream]\ndemo = true\n";
+        let c = Config::parse_with_env("t.toml", text, Some("redis://env:6379".into())).unwrap();
+        assert_eq!(c.store.url.as_deref(), Some("redis://env:6379"));
+        let text = "[store]\nbackend = \"redis\"\n[upstream]\ndemo = true\n";
+        let c = Config::parse_with_env("t.toml", text, Some("redis://env:6379".into())).unwrap();
+        assert_eq!(c.store.url.as_deref(), Some("redis://env:6379"));
+    }
+
+    #[test]
     fn sha256_hex() {
         let h = "ab".repeat(32);
         assert_eq!(parse_sha256(&h), Some([0xab; 32]));

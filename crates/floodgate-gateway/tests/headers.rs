@@ -160,3 +160,29 @@ tpm = 1000
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.status, 429);
 }
+
+#[tokio::test]
+async fn a_limit_of_zero_refuses_without_retry_after() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 0 }
+"#,
+        &up.url(),
+    )
+    .await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 429);
+    assert_eq!(r.header("retry-after"), None, "it can never pass");
+    assert_eq!(r.header("retry-after-ms"), None);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("0"));
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("never"), "{message}");
+    assert_eq!(up.seen.hits(), 0);
+}
