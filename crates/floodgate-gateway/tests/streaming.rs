@@ -23,7 +23,7 @@ rpm = 100
 tpm = 100000
 "#;
 
-const DELAY: Duration = Duration::from_millis(800);
+const DELAY: Duration = Duration::from_millis(1200);
 
 #[tokio::test]
 async fn sse_chunks_arrive_before_the_stream_ends() {
