@@ -417,26 +417,39 @@ impl SseFilter {
         let mut start = 0;
         while start < events.len() {
             let end = event_end(&events[start..]).map_or(events.len(), |e| start + e);
-            let keep = self.inspect(&events[start..end]);
-            match (&mut out, keep) {
-                (None, true) => {}
-                (None, false) => {
-                    let mut b = BytesMut::with_capacity(events.len());
-                    b.extend_from_slice(&events[..start]);
-                    out = Some(b);
+            let event = &events[start..end];
+            let action = self.inspect(event);
+            if out.is_none() && !matches!(action, Action::Keep) {
+                // The first change: copy what came before, then build the rest.
+                let mut b = BytesMut::with_capacity(events.len());
+                b.extend_from_slice(&events[..start]);
+                out = Some(b);
+            }
+            if let Some(b) = &mut out {
+                match action {
+                    Action::Keep => b.extend_from_slice(event),
+                    Action::Drop => {}
+                    Action::StripNullUsage => strip_null_usage(event, b),
                 }
-                (Some(b), true) => b.extend_from_slice(&events[start..end]),
-                (Some(_), false) => {}
             }
             start = end;
         }
         out.map_or(events, BytesMut::freeze)
     }
 
-    /// Reads an event's usage; says whether to forward it.
-    fn inspect(&mut self, event: &[u8]) -> bool {
-        if !event.windows(7).any(|w| w == b"\"usage\"") {
-            return true;
+    /// Reads an event's usage; says what to forward.
+    fn inspect(&mut self, event: &[u8]) -> Action {
+        if !contains(event, b"\"usage\"") {
+            return Action::Keep;
+        }
+        // With include_usage, every chunk carries `"usage":null`; a caller that did not ask for
+        // usage would not have seen that field.
+        if self.strip_usage && !contains(event, b"\"usage\":{") {
+            return if contains(event, NULL_USAGE) {
+                Action::StripNullUsage
+            } else {
+                Action::Keep
+            };
         }
         let mut data: Vec<u8> = Vec::new();
         for line in event.split(|&b| b == b'\n') {
@@ -449,15 +462,45 @@ impl SseFilter {
             }
         }
         let Ok(chunk) = serde_json::from_slice::<UsageCarrier>(&data) else {
-            return true;
+            return Action::Keep;
         };
         let Some(tokens) = chunk.tokens() else {
-            return true;
+            return Action::Keep;
         };
         self.tokens = Some(tokens);
         let usage_only = chunk.choices.as_ref().is_none_or(Vec::is_empty) && chunk.usage.is_some();
-        !(self.strip_usage && usage_only)
+        if self.strip_usage && usage_only {
+            Action::Drop
+        } else {
+            Action::Keep
+        }
     }
+}
+
+/// What to do with one event.
+enum Action {
+    Keep,
+    Drop,
+    StripNullUsage,
+}
+
+/// `"usage":null` as OpenAI-compatible servers write it inside a chunk.
+const NULL_USAGE: &[u8] = b",\"usage\":null";
+
+fn contains(haystack: &[u8], needle: &[u8]) -> bool {
+    haystack.windows(needle.len()).any(|w| w == needle)
+}
+
+/// Appends `event` to `out` without its `,"usage":null` fields.
+fn strip_null_usage(mut event: &[u8], out: &mut BytesMut) {
+    while let Some(i) = event
+        .windows(NULL_USAGE.len())
+        .position(|w| w == NULL_USAGE)
+    {
+        out.extend_from_slice(&event[..i]);
+        event = &event[i + NULL_USAGE.len()..];
+    }
+    out.extend_from_slice(event);
 }
 
 /// The end of the last complete event in `buf` (0 if none).
@@ -515,7 +558,11 @@ mod tests {
         let a = f.push(Bytes::from_static(
             b"data: {\"choices\":[{}],\"usage\":null}\n\ndata: {\"cho",
         ));
-        assert_eq!(&a[..], b"data: {\"choices\":[{}],\"usage\":null}\n\n");
+        assert_eq!(
+            &a[..],
+            b"data: {\"choices\":[{}]}\n\n",
+            "usage: null not asked for"
+        );
         let b = f.push(Bytes::from_static(
             b"ices\":[],\"usage\":{\"total_tokens\":9}}\n\ndata: [DONE]\n\n",
         ));
