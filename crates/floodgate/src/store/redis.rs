@@ -189,31 +189,46 @@ struct Op {
     replay: Replay,
 }
 
-/// Each script is prepended with `clock.lua`, which sets `now`.
-macro_rules! op {
-    ($name:literal, $file:literal, $replay:expr) => {
-        LazyLock::new(|| Op {
-            name: $name,
-            script: Script::new(concat!(include_str!("clock.lua"), include_str!($file))),
-            replay: $replay,
-        })
+/// Each script is `clock.lua`, which sets `now`, followed by the operation's own file.
+macro_rules! lua {
+    ($file:literal) => {
+        concat!(include_str!("clock.lua"), include_str!($file))
     };
 }
 
-static ADMIT: LazyLock<Op> = op!("admit", "admit.lua", Replay::Once);
-static RECORD: LazyLock<Op> = op!("record", "record.lua", Replay::Never);
-static ACQUIRE: LazyLock<Op> = op!("acquire", "acquire.lua", Replay::Once);
-static RESET: LazyLock<Op> = op!("reset", "reset.lua", Replay::Once);
+const ADMIT_LUA: &str = lua!("admit.lua");
+const RECORD_LUA: &str = lua!("record.lua");
+const ACQUIRE_LUA: &str = lua!("acquire.lua");
+const RESET_LUA: &str = lua!("reset.lua");
+
+fn op(name: &'static str, source: &str, replay: Replay) -> Op {
+    Op {
+        name,
+        script: Script::new(source),
+        replay,
+    }
+}
+
+// Hashed once, on first use.
+static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Once));
+static RECORD: LazyLock<Op> = LazyLock::new(|| op("record", RECORD_LUA, Replay::Never));
+static ACQUIRE: LazyLock<Op> = LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
+static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
 /// name: `admit`, `record`, `acquire`, `reset`. For benchmarks and operators who preload scripts
 /// (`SCRIPT LOAD`); the store loads them itself on first use.
+///
+/// ```
+/// let admit = floodgate::store::redis::script_source("admit").unwrap();
+/// assert!(admit.contains("redis.call('MGET'"));
+/// ```
 pub fn script_source(op: &str) -> Option<&'static str> {
     Some(match op {
-        "admit" => concat!(include_str!("clock.lua"), include_str!("admit.lua")),
-        "record" => concat!(include_str!("clock.lua"), include_str!("record.lua")),
-        "acquire" => concat!(include_str!("clock.lua"), include_str!("acquire.lua")),
-        "reset" => concat!(include_str!("clock.lua"), include_str!("reset.lua")),
+        "admit" => ADMIT_LUA,
+        "record" => RECORD_LUA,
+        "acquire" => ACQUIRE_LUA,
+        "reset" => RESET_LUA,
         _ => return None,
     })
 }
