@@ -12,6 +12,20 @@
 //! - [`demo`]: the built-in demo upstream;
 //! - [`error`]: OpenAI-style errors;
 //! - [`store`]: the store selected by the config.
+//!
+//! Embedding the gateway (what `floodgate serve` does, minus worker threads and signals):
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
+//! use floodgate_gateway::{AppState, Config};
+//!
+//! let config = Config::parse_with_env("inline.toml", "[upstream]\ndemo = true\n", None)?;
+//! let (store, _sweeper) = floodgate_gateway::store::open(&config.store).await?;
+//! let state = AppState::new(&config, store)?;
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! floodgate_gateway::run(listener, state, std::future::pending()).await?;
+//! # Ok(()) }
+//! ```
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 pub mod app;
