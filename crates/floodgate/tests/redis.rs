@@ -329,7 +329,10 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                 6 => {
                     let b = rng.below(4) as usize;
                     let name = format!("{}-{b}", rng.below(2));
-                    let key = BucketKey { limiter: "diff", name: &name };
+                    let key = BucketKey {
+                        limiter: "diff",
+                        name: &name,
+                    };
                     let limit = buckets[b];
                     let cost = rng.below(limit.capacity + 1).min(1 + rng.below(4));
                     let m = memory.acquire(key, limit, cost, now).await.unwrap();
@@ -342,7 +345,10 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                 _ => {
                     let b = rng.below(4) as usize;
                     let name = format!("{}-{b}", rng.below(2));
-                    let key = BucketKey { limiter: "diff", name: &name };
+                    let key = BucketKey {
+                        limiter: "diff",
+                        name: &name,
+                    };
                     let m = memory.reset(key, buckets[b], now).await.unwrap();
                     let r = redis.reset(key, buckets[b], now).await.unwrap();
                     assert_eq!(m, r, "{ctx}: reset");
@@ -607,13 +613,56 @@ async fn decisions_work_after_script_flush() {
     assert!(matches!(a, Admission::Denied { .. }));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// Counts the store's log lines by level: warnings and infos from `floodgate`.
+#[derive(Clone, Default)]
+struct LogCount(Arc<[std::sync::atomic::AtomicUsize; 2]>);
+
+impl LogCount {
+    fn warns(&self) -> usize {
+        self.0[0].load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn infos(&self) -> usize {
+        self.0[1].load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl tracing::Subscriber for LogCount {
+    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
+        true
+    }
+    fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
+        tracing::span::Id::from_u64(1)
+    }
+    fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
+    fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
+    fn event(&self, event: &tracing::Event<'_>) {
+        let meta = event.metadata();
+        if !meta.target().starts_with("floodgate") {
+            return;
+        }
+        let slot = match *meta.level() {
+            tracing::Level::WARN => 0,
+            tracing::Level::INFO => 1,
+            _ => return,
+        };
+        self.0[slot].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+    fn enter(&self, _: &tracing::span::Id) {}
+    fn exit(&self, _: &tracing::span::Id) {}
+}
+
+// A current-thread runtime: the log counter is installed for this thread, where the stores'
+// probe tasks run too.
+#[tokio::test]
 async fn outage_fails_open_or_closed_at_once_and_enforcement_resumes() {
     let test = "outage_fails_open_or_closed_at_once_and_enforcement_resumes";
     let Some(_) = redis_url(test) else { return };
     let Some(mut server) = Server::start(test) else {
         return;
     };
+    let logs = LogCount::default();
+    let _logging = tracing::subscriber::set_default(logs.clone());
     let timeout = Duration::from_millis(500);
     let url = server.url();
     let cfg = |on_error| RedisConfig {
@@ -686,6 +735,9 @@ async fn outage_fails_open_or_closed_at_once_and_enforcement_resumes() {
     }
     assert_eq!(got, [true, true, false]);
     assert_eq!(open.stats().outages, 1);
+    // One warning per store's outage (three stores), one info line each when it ended; never
+    // one per request.
+    assert_eq!((logs.warns(), logs.infos()), (3, 3));
 }
 
 #[tokio::test]
