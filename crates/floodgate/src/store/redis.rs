@@ -13,7 +13,8 @@
 //! - one multiplexed, auto-reconnecting connection per store (a [`ConnectionManager`]), a timeout
 //!   on every call, connected lazily so that a process can start while Redis is down;
 //! - an operation that is safe to run twice (admission, acquire, reset) is replayed once when its
-//!   connection dropped under it; recording (an increment) never is: see [`Replay`];
+//!   connection dropped under it; recording (an increment) never is (each script declares its
+//!   replay policy beside its source);
 //! - when Redis is unreachable, admissions fail open (or closed, by [`OnError`]), a circuit
 //!   breaker answers at once instead of waiting for a timeout on every request, and a background
 //!   task probes Redis until it answers. One warning per outage, one info line when it ends;
