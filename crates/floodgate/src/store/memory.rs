@@ -327,7 +327,12 @@ impl MemoryStore {
     }
 
     /// [`Store::reset`], without the future.
-    pub fn reset_sync(&self, key: BucketKey<'_>, limit: BucketLimit, now: Option<Timestamp>) -> bool {
+    pub fn reset_sync(
+        &self,
+        key: BucketKey<'_>,
+        limit: BucketLimit,
+        now: Option<Timestamp>,
+    ) -> bool {
         let now = now.unwrap_or_else(|| self.now());
         let (hash, shard) = self.locate_bucket(key);
         match self.lock(shard).remove_bucket(hash, key) {
