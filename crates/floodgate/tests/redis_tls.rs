@@ -9,16 +9,29 @@
 //!     cargo test -p floodgate --features tls --test redis_tls
 //! ```
 //!
-//! CI builds without `tls`, so this file is a manual check; without the URL it skips.
-#![cfg(feature = "tls")]
-
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+//! CI builds without `tls`, so that test is a manual check (without the URL it skips); what CI
+//! checks here is that `rediss://` without the feature is refused at once.
+#![cfg(feature = "redis")]
 
 use floodgate::store::redis::{RedisConfig, RedisStore};
-use floodgate::{Chain, ChainLimit, Charge, Rate, ScopeKind, TokenBucket, WindowLimit};
 
+#[cfg(not(feature = "tls"))]
+#[tokio::test]
+async fn rediss_without_the_tls_feature_is_a_configuration_error() {
+    use floodgate::Error;
+    let err = RedisStore::connect(RedisConfig::new("rediss://:secret@127.0.0.1:1/0"))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(!err.to_string().contains("secret"), "{err}");
+}
+
+#[cfg(feature = "tls")]
 #[tokio::test]
 async fn decisions_over_tls() {
+    use floodgate::{Chain, ChainLimit, Charge, Rate, ScopeKind, TokenBucket, WindowLimit};
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
     let Ok(url) = std::env::var("FLOODGATE_TEST_REDIS_TLS_URL") else {
         eprintln!("decisions_over_tls: skipped, FLOODGATE_TEST_REDIS_TLS_URL is unset");
         return;
