@@ -165,8 +165,9 @@ impl BucketLimit {
     /// The answer for a request of `cost` tokens that found `before` and left `after` tokens.
     pub fn admission(&self, allowed: bool, after: f64, cost: u64) -> Admission {
         if allowed {
+            // `after` is never negative, so truncation is floor, without a libm call.
             return Admission::Allowed {
-                remaining: after.floor() as u64,
+                remaining: after as u64,
             };
         }
         if !self.fits(cost) {
@@ -190,9 +191,15 @@ impl BucketLimit {
     pub fn ttl_micros(&self, tokens: f64) -> u64 {
         let missing = self.capacity as f64 - tokens;
         if missing <= 0.0 {
-            0
+            return 0;
+        }
+        // Ceiling of a positive value by truncation: no libm call on the hot path.
+        let micros = self.rate.time_for(missing);
+        let whole = micros as u64;
+        if (whole as f64) < micros {
+            whole + 1
         } else {
-            self.rate.time_for(missing).ceil() as u64
+            whole
         }
     }
 }

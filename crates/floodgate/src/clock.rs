@@ -45,7 +45,8 @@ impl Timestamp {
         let since = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or(Duration::ZERO);
-        Timestamp(u64::try_from(since.as_micros()).unwrap_or(u64::MAX))
+        // Not as_micros(): its u128 arithmetic shows on the memory store's hot path.
+        Timestamp(since.as_secs() * 1_000_000 + u64::from(since.subsec_micros()))
     }
 
     /// This instant plus `d`, saturating, truncated to whole microseconds.
@@ -79,6 +80,51 @@ pub struct SystemClock;
 impl Clock for SystemClock {
     fn now(&self) -> Timestamp {
         Timestamp::now()
+    }
+}
+
+/// The wall clock read through the CPU's time-stamp counter: a few nanoseconds a reading
+/// where `clock_gettime` can cost tens (as in many VMs), which shows in a memory-store decision.
+///
+/// It is anchored to the system clock when created and then counts elapsed time, so it never
+/// goes backwards and does not follow later steps or slews of the system clock: over a day it
+/// may drift from it by the TSC calibration's error (parts per million). That is harmless to a
+/// store whose decisions stay in one process, and the memory store uses it by default; decisions
+/// shared across processes use one clock of their own (the Redis server's `TIME`). Where the CPU
+/// has no usable counter it falls back to the monotonic clock.
+#[derive(Clone, Debug)]
+pub struct FastClock {
+    counter: quanta::Clock,
+    start_raw: u64,
+    start: Timestamp,
+}
+
+impl Default for FastClock {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl FastClock {
+    /// A clock anchored to the system clock now.
+    pub fn new() -> Self {
+        let counter = quanta::Clock::new();
+        let start_raw = counter.raw();
+        FastClock {
+            counter,
+            start_raw,
+            start: Timestamp::now(),
+        }
+    }
+}
+
+impl Clock for FastClock {
+    #[inline]
+    fn now(&self) -> Timestamp {
+        let nanos = self
+            .counter
+            .delta_as_nanos(self.start_raw, self.counter.raw());
+        Timestamp(self.start.0 + nanos / 1_000)
     }
 }
 

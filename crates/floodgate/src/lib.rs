@@ -41,7 +41,7 @@ pub use bucket::{Admission, Rate};
 pub use chain::{ChainDecision, ChainLimit, LimitStatus, ScopeKind};
 pub use clock::Timestamp;
 pub use error::Error;
-pub use limiter::{BucketName, Chain, NameText, TokenBucket};
+pub use limiter::{BucketName, Chain, TokenBucket};
 pub use window::{Charge, WindowLimit};
 
 /// The README's library example, compiled and run as a doctest.

@@ -8,7 +8,7 @@ use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
 use crate::chain::{ChainDecision, ChainLimit};
 use crate::clock::Timestamp;
-use crate::store::{BucketKey, Store};
+use crate::store::{BucketKey, NameRef, Store};
 use crate::window::Charge;
 
 /// A chain of sliding-window limits, narrowest scope first, admitted as one atomic step.
@@ -192,12 +192,14 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
 
     /// The storage key of `name`'s bucket, hash-tagged on the name: `{tb:limiter:name}`.
     pub fn key(&self, name: &N) -> String {
-        let text = name.text();
+        self.bucket(name).to_string()
+    }
+
+    fn bucket<'a>(&self, name: &'a N) -> BucketKey<'a> {
         BucketKey {
             limiter: self.name,
-            name: text.as_str(),
+            name: name.name_ref(),
         }
-        .to_string()
     }
 
     /// Takes `cost` tokens from `name`'s bucket on the store's clock.
@@ -233,11 +235,7 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
         if !self.limit.fits(cost) {
             return Ok(Admission::Denied { retry_after: None });
         }
-        let text = name.text();
-        let key = BucketKey {
-            limiter: self.name,
-            name: text.as_str(),
-        };
+        let key = self.bucket(name);
         let seen = store.acquire(key, self.limit, cost, now).await?;
         if !seen.enforced {
             return Ok(Admission::Allowed {
@@ -249,11 +247,7 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
 
     /// Deletes `name`'s bucket; says whether it had been used (was not full).
     pub async fn reset<S: Store>(&self, store: &S, name: &N) -> Result<bool, Error> {
-        let text = name.text();
-        let key = BucketKey {
-            limiter: self.name,
-            name: text.as_str(),
-        };
+        let key = self.bucket(name);
         store.reset(key, self.limit, None).await
     }
 
@@ -264,138 +258,71 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
         name: &N,
         now: Timestamp,
     ) -> Result<bool, Error> {
-        let text = name.text();
-        let key = BucketKey {
-            limiter: self.name,
-            name: text.as_str(),
-        };
+        let key = self.bucket(name);
         store.reset(key, self.limit, Some(now)).await
     }
 }
 
-/// A type that names token buckets: its text becomes part of the storage key.
+/// A type that names token buckets: text or an integer, part of the storage key.
 ///
-/// Implemented for `str`, `String` and the integers; implement it for your own id types:
+/// Implemented for `str`, `String` and the integers up to 64 bits; implement it for your own id
+/// types:
 ///
 /// ```
-/// use floodgate::{BucketName, NameText};
+/// use floodgate::BucketName;
+/// use floodgate::store::NameRef;
 ///
 /// struct UserId(String);
 ///
 /// impl BucketName for UserId {
-///     fn text(&self) -> NameText<'_> {
-///         NameText::from(self.0.as_str())
+///     fn name_ref(&self) -> NameRef<'_> {
+///         NameRef::Text(&self.0)
 ///     }
 /// }
 /// ```
 pub trait BucketName {
-    /// This name as text.
-    fn text(&self) -> NameText<'_>;
-}
-
-/// A bucket name's text: borrowed, or formatted without allocating (integers), or owned.
-#[derive(Clone, Debug)]
-pub struct NameText<'a>(TextRepr<'a>);
-
-#[derive(Clone, Debug)]
-enum TextRepr<'a> {
-    Borrowed(&'a str),
-    Digits { buf: [u8; 40], start: usize },
-    Owned(String),
-}
-
-impl<'a> From<&'a str> for NameText<'a> {
-    fn from(text: &'a str) -> Self {
-        NameText(TextRepr::Borrowed(text))
-    }
-}
-
-impl From<String> for NameText<'_> {
-    fn from(text: String) -> Self {
-        NameText(TextRepr::Owned(text))
-    }
-}
-
-impl NameText<'_> {
-    /// `magnitude` in decimal, with a `-` first if `negative`. By hand: `core::fmt` costs as
-    /// much as a whole memory-store decision.
-    fn decimal(negative: bool, magnitude: u128) -> Self {
-        let mut buf = [0u8; 40];
-        let mut start = buf.len();
-        // Divide as u64 where the value fits: u128 division is a library call.
-        if let Ok(mut n) = u64::try_from(magnitude) {
-            loop {
-                start -= 1;
-                buf[start] = b'0' + (n % 10) as u8;
-                n /= 10;
-                if n == 0 {
-                    break;
-                }
-            }
-        } else {
-            let mut n = magnitude;
-            while n > 0 {
-                start -= 1;
-                buf[start] = b'0' + (n % 10) as u8;
-                n /= 10;
-            }
-        }
-        if negative {
-            start -= 1;
-            buf[start] = b'-';
-        }
-        NameText(TextRepr::Digits { buf, start })
-    }
-
-    /// The text.
-    pub fn as_str(&self) -> &str {
-        match &self.0 {
-            TextRepr::Borrowed(s) => s,
-            TextRepr::Owned(s) => s,
-            // Only ASCII digits and '-' were written.
-            TextRepr::Digits { buf, start } => std::str::from_utf8(&buf[*start..]).unwrap_or(""),
-        }
-    }
+    /// This name as a store sees it.
+    fn name_ref(&self) -> NameRef<'_>;
 }
 
 impl BucketName for str {
-    fn text(&self) -> NameText<'_> {
-        NameText::from(self)
+    fn name_ref(&self) -> NameRef<'_> {
+        NameRef::Text(self)
     }
 }
 
 impl BucketName for String {
-    fn text(&self) -> NameText<'_> {
-        NameText::from(self.as_str())
+    fn name_ref(&self) -> NameRef<'_> {
+        NameRef::Text(self)
     }
 }
 
-macro_rules! integer_names {
-    ($($t:ty => |$v:ident| $magnitude:expr),* $(,)?) => {$(
+macro_rules! unsigned_names {
+    ($($t:ty),*) => {$(
         impl BucketName for $t {
-            fn text(&self) -> NameText<'_> {
-                let $v = *self;
-                let (negative, magnitude) = $magnitude;
-                NameText::decimal(negative, magnitude as u128)
+            fn name_ref(&self) -> NameRef<'_> {
+                NameRef::Unsigned(*self as u64)
             }
         }
     )*};
 }
 
-integer_names!(
-    u8 => |v| (false, v),
-    u16 => |v| (false, v),
-    u32 => |v| (false, v),
-    u64 => |v| (false, v),
-    u128 => |v| (false, v),
-    usize => |v| (false, v),
-    i8 => |v| (v < 0, v.unsigned_abs()),
-    i16 => |v| (v < 0, v.unsigned_abs()),
-    i32 => |v| (v < 0, v.unsigned_abs()),
-    i64 => |v| (v < 0, v.unsigned_abs()),
-    i128 => |v| (v < 0, v.unsigned_abs()),
-    isize => |v| (v < 0, v.unsigned_abs()),
-);
+macro_rules! signed_names {
+    ($($t:ty),*) => {$(
+        impl BucketName for $t {
+            fn name_ref(&self) -> NameRef<'_> {
+                // Non-negative values name the same bucket as the unsigned integer.
+                match u64::try_from(*self) {
+                    Ok(n) => NameRef::Unsigned(n),
+                    Err(_) => NameRef::Negative(*self as i64),
+                }
+            }
+        }
+    )*};
+}
+
+unsigned_names!(u8, u16, u32, u64, usize);
+signed_names!(i8, i16, i32, i64, isize);
 
 #[cfg(test)]
 mod tests {
@@ -412,9 +339,10 @@ mod tests {
         assert_eq!(U.key(&u64::MAX), "{tb:api:18446744073709551615}");
         assert_eq!(I.key(&-42), "{tb:api:-42}");
         assert_eq!(I.key(&i32::MIN), "{tb:api:-2147483648}");
-        const W: TokenBucket<i128> = TokenBucket::new("w", 1, Rate::per_second(1));
-        assert_eq!(W.key(&i128::MIN), format!("{{tb:w:{}}}", i128::MIN));
-        assert_eq!(W.key(&7), "{tb:w:7}");
+        const W: TokenBucket<i64> = TokenBucket::new("api", 1, Rate::per_second(1));
+        assert_eq!(W.key(&i64::MIN), format!("{{tb:api:{}}}", i64::MIN));
+        // A non-negative signed name is the same bucket as the unsigned one.
+        assert_eq!(W.bucket(&7), U.bucket(&7));
         let long = "x".repeat(300);
         assert_eq!(S.key(&long), format!("{{tb:login:{long}}}"));
     }

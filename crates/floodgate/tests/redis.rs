@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
-use floodgate::store::{AnyStore, BucketKey, MemoryStore, Store};
+use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Store};
 use floodgate::{
     Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
     WindowLimit,
@@ -331,7 +331,7 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                     let name = format!("{}-{b}", rng.below(2));
                     let key = BucketKey {
                         limiter: "diff",
-                        name: &name,
+                        name: NameRef::Text(&name),
                     };
                     let limit = buckets[b];
                     let cost = rng.below(limit.capacity + 1).min(1 + rng.below(4));
@@ -347,7 +347,7 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                     let name = format!("{}-{b}", rng.below(2));
                     let key = BucketKey {
                         limiter: "diff",
-                        name: &name,
+                        name: NameRef::Text(&name),
                     };
                     let m = memory.reset(key, buckets[b], now).await.unwrap();
                     let r = redis.reset(key, buckets[b], now).await.unwrap();

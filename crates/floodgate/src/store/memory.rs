@@ -10,11 +10,11 @@ use std::time::Duration;
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
-use super::{BucketKey, BucketObservation, Observation, Store};
+use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
 use crate::chain::{ChainLimit, first_refusal};
-use crate::clock::{Clock, SystemClock, Timestamp};
+use crate::clock::{Clock, FastClock, Timestamp};
 use crate::window::{Charge, Snapshot, WindowState};
 
 /// Shards of the key space; a power of two. Enough that two cores rarely meet on one lock.
@@ -51,83 +51,110 @@ struct Inner {
 #[derive(Debug)]
 struct Shard {
     /// Keyed by the store-wide hash of the key, computed once per operation (it also picks the
-    /// shard).
-    table: HashTable<Slot>,
+    /// shard). Windows and buckets live apart so that each slot stays small: a bucket slot is
+    /// one cache line.
+    windows: HashTable<WindowSlot>,
+    buckets: HashTable<BucketSlot>,
     sweep_at_len: usize,
 }
 
 #[derive(Debug)]
-struct Slot {
+struct WindowSlot {
     key: Box<str>,
-    hash: u64,
-    entry: Entry,
+    state: WindowState,
+    expires: Timestamp,
 }
 
-#[derive(Clone, Copy, Debug)]
-enum Entry {
-    Window {
-        state: WindowState,
-        expires: Timestamp,
-    },
-    Bucket {
-        state: BucketState,
-        expires: Timestamp,
-    },
+/// A bucket, keyed by its parts: an integer name is kept as an integer, so a lookup builds and
+/// compares no text for it.
+#[derive(Debug)]
+struct BucketSlot {
+    limiter: &'static str,
+    name: StoredName,
+    state: BucketState,
+    expires: Timestamp,
 }
 
-impl Entry {
-    fn expires(&self) -> Timestamp {
-        match self {
-            Entry::Window { expires, .. } | Entry::Bucket { expires, .. } => *expires,
+#[derive(Debug)]
+enum StoredName {
+    Text(Box<str>),
+    Unsigned(u64),
+    Negative(i64),
+}
+
+impl BucketSlot {
+    fn is(&self, key: BucketKey<'_>) -> bool {
+        let same_name = match (&self.name, key.name) {
+            (StoredName::Unsigned(a), NameRef::Unsigned(b)) => *a == b,
+            (StoredName::Negative(a), NameRef::Negative(b)) => *a == b,
+            (StoredName::Text(a), NameRef::Text(b)) => &**a == b,
+            _ => false,
+        };
+        // A limiter's name is usually the very same static string: compare addresses first.
+        same_name && (std::ptr::eq(self.limiter, key.limiter) || self.limiter == key.limiter)
+    }
+
+    fn key(&self) -> BucketKey<'_> {
+        BucketKey {
+            limiter: self.limiter,
+            name: match &self.name {
+                StoredName::Text(t) => NameRef::Text(t),
+                StoredName::Unsigned(n) => NameRef::Unsigned(*n),
+                StoredName::Negative(n) => NameRef::Negative(*n),
+            },
         }
     }
 }
 
 impl Shard {
-    fn slot(&mut self, hash: u64, key: &str) -> Option<&mut Slot> {
-        self.table.find_mut(hash, |s| &*s.key == key)
-    }
-
-    fn bucket_slot(&mut self, hash: u64, key: BucketKey<'_>) -> Option<&mut Slot> {
-        self.table.find_mut(hash, |s| key.is(&s.key))
+    fn len(&self) -> usize {
+        self.windows.len() + self.buckets.len()
     }
 
     /// The live window state at `key`.
-    fn window(&mut self, hash: u64, key: &str, now: Timestamp) -> Option<WindowState> {
-        match self.slot(hash, key).map(|s| s.entry) {
-            Some(Entry::Window { state, expires }) if expires > now => Some(state),
-            _ => None,
-        }
+    fn window(&self, hash: u64, key: &str, now: Timestamp) -> Option<WindowState> {
+        self.windows
+            .find(hash, |s| &*s.key == key)
+            .filter(|s| s.expires > now)
+            .map(|s| s.state)
     }
 
-    /// Writes `entry` at `key`, in place when the key is present.
-    fn put(&mut self, hash: u64, key: &str, entry: Entry, now: Timestamp) {
-        if let Some(slot) = self.slot(hash, key) {
-            slot.entry = entry;
+    /// Writes a window's state, in place when the key is present.
+    fn put_window(
+        &mut self,
+        hasher: &RandomState,
+        hash: u64,
+        key: &str,
+        state: WindowState,
+        expires: Timestamp,
+        now: Timestamp,
+    ) {
+        if let Some(slot) = self.windows.find_mut(hash, |s| &*s.key == key) {
+            slot.state = state;
+            slot.expires = expires;
             return;
         }
-        self.insert(hash, key.into(), entry, now);
+        self.grow(now);
+        let slot = WindowSlot {
+            key: key.into(),
+            state,
+            expires,
+        };
+        self.windows
+            .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
     }
 
-    /// Adds a slot for a key known to be absent.
-    fn insert(&mut self, hash: u64, key: Box<str>, entry: Entry, now: Timestamp) {
-        if self.table.len() >= self.sweep_at_len {
+    /// Sweeps before an insert once the shard has doubled since its last sweep.
+    fn grow(&mut self, now: Timestamp) {
+        if self.len() >= self.sweep_at_len {
             self.sweep(now);
-        }
-        let slot = Slot { key, hash, entry };
-        self.table.insert_unique(hash, slot, |s| s.hash);
-    }
-
-    fn remove_bucket(&mut self, hash: u64, key: BucketKey<'_>) -> Option<Entry> {
-        match self.table.find_entry(hash, |s| key.is(&s.key)) {
-            Ok(found) => Some(found.remove().0.entry),
-            Err(_) => None,
         }
     }
 
     fn sweep(&mut self, now: Timestamp) {
-        self.table.retain(|s| s.entry.expires() > now);
-        self.sweep_at_len = (self.table.len() * 2).max(MIN_SWEEP);
+        self.windows.retain(|s| s.expires > now);
+        self.buckets.retain(|s| s.expires > now);
+        self.sweep_at_len = (self.len() * 2).max(MIN_SWEEP);
     }
 }
 
@@ -138,9 +165,9 @@ impl Default for MemoryStore {
 }
 
 impl MemoryStore {
-    /// An empty store on the system clock.
+    /// An empty store on the wall clock (read as a [`FastClock`]).
     pub fn new() -> Self {
-        Self::with_clock(SystemClock)
+        Self::with_clock(FastClock::new())
     }
 
     /// An empty store reading `clock` when a call does not pin the time.
@@ -148,7 +175,8 @@ impl MemoryStore {
         let shards = (0..SHARDS)
             .map(|_| {
                 Mutex::new(Shard {
-                    table: HashTable::new(),
+                    windows: HashTable::new(),
+                    buckets: HashTable::new(),
                     sweep_at_len: MIN_SWEEP,
                 })
             })
@@ -169,7 +197,7 @@ impl MemoryStore {
 
     /// How many entries the store holds, expired ones not yet swept included.
     pub fn len(&self) -> usize {
-        (0..SHARDS).map(|i| self.lock(i).table.len()).sum()
+        (0..SHARDS).map(|i| self.lock(i).len()).sum()
     }
 
     /// Whether the store holds no entries.
@@ -215,7 +243,7 @@ impl MemoryStore {
 
     /// [`locate`](Self::locate) for a bucket, hashed by its parts: no key text is built.
     fn locate_bucket(&self, key: BucketKey<'_>) -> (u64, usize) {
-        let hash = self.inner.hasher.hash_one((key.limiter, key.name));
+        let hash = self.inner.hasher.hash_one(key);
         (hash, (hash >> 58) as usize % SHARDS)
     }
 
@@ -255,11 +283,16 @@ impl MemoryStore {
         if admitted {
             for ((l, s), &(hash, shard)) in limits.iter().zip(&snapshots).zip(&located) {
                 if l.charge() == Charge::Admission {
-                    let entry = Entry::Window {
-                        state: s.charged(cost),
-                        expires: now.saturating_add(l.limit().ttl()),
-                    };
-                    locked(&mut guards, shard).put(hash, l.key(), entry, now);
+                    let expires = now.saturating_add(l.limit().ttl());
+                    let hasher = &self.inner.hasher;
+                    locked(&mut guards, shard).put_window(
+                        hasher,
+                        hash,
+                        l.key(),
+                        s.charged(cost),
+                        expires,
+                        now,
+                    );
                 }
             }
         }
@@ -279,11 +312,9 @@ impl MemoryStore {
             let (hash, shard) = self.locate(l.key());
             let mut shard = self.lock(shard);
             let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
-            let entry = Entry::Window {
-                state: snapshot.charged(units),
-                expires: now.saturating_add(l.limit().ttl()),
-            };
-            shard.put(hash, l.key(), entry, now);
+            let expires = now.saturating_add(l.limit().ttl());
+            let state = snapshot.charged(units);
+            shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, now);
         }
     }
 
@@ -298,25 +329,43 @@ impl MemoryStore {
         let now = now.unwrap_or_else(|| self.now());
         let (hash, shard) = self.locate_bucket(key);
         let mut shard = self.lock(shard);
-        let slot = shard.bucket_slot(hash, key);
-        let stored = match slot.as_ref().map(|s| s.entry) {
-            Some(Entry::Bucket { state, expires }) if expires > now => Some(state),
-            _ => None,
-        };
+        let shard = &mut *shard;
+        let slot = shard.buckets.find_mut(hash, |s| s.is(key));
+        let stored = slot.as_ref().filter(|s| s.expires > now).map(|s| s.state);
         let (allowed, tokens) = limit.take(limit.tokens_at(stored, now), cost);
         let ttl = limit.ttl_micros(tokens);
-        let entry = Entry::Bucket {
-            state: BucketState { tokens, ts: now },
-            expires: Timestamp::from_micros(now.as_micros().saturating_add(ttl)),
-        };
+        let state = BucketState { tokens, ts: now };
+        let expires = Timestamp::from_micros(now.as_micros().saturating_add(ttl));
         match slot {
             // Full: a missing bucket reads as full, so nothing needs keeping.
             Some(_) if ttl == 0 => {
-                shard.remove_bucket(hash, key);
+                if let Ok(found) = shard.buckets.find_entry(hash, |s| s.is(key)) {
+                    found.remove();
+                }
             }
-            Some(slot) => slot.entry = entry,
+            Some(slot) => {
+                slot.state = state;
+                slot.expires = expires;
+            }
             None if ttl == 0 => {}
-            None => shard.insert(hash, key.to_string().into(), entry, now),
+            None => {
+                shard.grow(now);
+                let name = match key.name {
+                    NameRef::Text(t) => StoredName::Text(t.into()),
+                    NameRef::Unsigned(n) => StoredName::Unsigned(n),
+                    NameRef::Negative(n) => StoredName::Negative(n),
+                };
+                let slot = BucketSlot {
+                    limiter: key.limiter,
+                    name,
+                    state,
+                    expires,
+                };
+                let hasher = &self.inner.hasher;
+                shard
+                    .buckets
+                    .insert_unique(hash, slot, |s| hasher.hash_one(s.key()));
+            }
         }
         BucketObservation {
             now,
@@ -335,11 +384,12 @@ impl MemoryStore {
     ) -> bool {
         let now = now.unwrap_or_else(|| self.now());
         let (hash, shard) = self.locate_bucket(key);
-        match self.lock(shard).remove_bucket(hash, key) {
-            Some(Entry::Bucket { state, expires }) if expires > now => {
-                limit.tokens_at(Some(state), now) < limit.capacity as f64
+        match self.lock(shard).buckets.find_entry(hash, |s| s.is(key)) {
+            Ok(found) => {
+                let (slot, _) = found.remove();
+                slot.expires > now && limit.tokens_at(Some(slot.state), now) < limit.capacity as f64
             }
-            _ => false,
+            Err(_) => false,
         }
     }
 }

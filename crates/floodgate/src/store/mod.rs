@@ -55,26 +55,36 @@ pub struct BucketObservation {
 /// Where a token bucket lives: the limiter's name and the bucket's name within it.
 ///
 /// Its text form, the storage key, is `{tb:limiter:name}`: hash-tagged on the name. The memory
-/// store looks buckets up by the two parts without ever building that text.
+/// store looks buckets up by the parts (an integer name as an integer) without building text.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketKey<'a> {
     /// The limiter's name (`TokenBucket::new`'s first argument).
-    pub limiter: &'a str,
-    /// The bucket's name, as text.
-    pub name: &'a str,
+    pub limiter: &'static str,
+    /// The bucket's name.
+    pub name: NameRef<'a>,
 }
 
-impl BucketKey<'_> {
-    /// Whether `key` is this bucket's storage key, compared without building it.
-    pub fn is(&self, key: &str) -> bool {
-        let (l, n) = (self.limiter.len(), self.name.len());
-        let b = key.as_bytes();
-        b.len() == l + n + 6
-            && b.starts_with(b"{tb:")
-            && &b[4..4 + l] == self.limiter.as_bytes()
-            && b[4 + l] == b':'
-            && &b[5 + l..5 + l + n] == self.name.as_bytes()
-            && b[5 + l + n] == b'}'
+/// A bucket's name as a store sees it: text, or an integer kept as one.
+///
+/// An integer and the text of its digits give the same storage key on Redis but different
+/// buckets in memory, so one limiter should keep to one name type (a `TokenBucket<N>` does).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum NameRef<'a> {
+    /// A text name.
+    Text(&'a str),
+    /// A non-negative integer.
+    Unsigned(u64),
+    /// A negative integer.
+    Negative(i64),
+}
+
+impl fmt::Display for NameRef<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            NameRef::Text(s) => f.write_str(s),
+            NameRef::Unsigned(n) => write!(f, "{n}"),
+            NameRef::Negative(n) => write!(f, "{n}"),
+        }
     }
 }
 

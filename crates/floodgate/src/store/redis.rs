@@ -35,6 +35,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
@@ -45,7 +46,7 @@ use ::redis::{
     Client, Cmd, ErrorKind, FromRedisValue, RedisError, RedisWrite, Script, ServerErrorKind,
 };
 
-use super::{BucketKey, BucketObservation, Observation, Store};
+use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
@@ -442,7 +443,11 @@ impl RedisStore {
 
     /// Appends a token bucket's key, `{tb:limiter:name}` after the prefix.
     fn bucket_key_arg(&self, cmd: &mut Cmd, key: BucketKey<'_>) {
-        self.key_arg(cmd, &["{tb:", key.limiter, ":", key.name, "}"]);
+        let name = match key.name {
+            NameRef::Text(text) => Cow::Borrowed(text),
+            number => Cow::Owned(number.to_string()),
+        };
+        self.key_arg(cmd, &["{tb:", key.limiter, ":", &name, "}"]);
     }
 
     /// The decision a failed admission or acquire gets: unchecked, or an error.
