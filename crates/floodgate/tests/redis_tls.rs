@@ -9,8 +9,9 @@
 //!     cargo test -p floodgate --features tls --test redis_tls
 //! ```
 //!
-//! CI builds without `tls`, so that test is a manual check (without the URL it skips); what CI
-//! checks here is that `rediss://` without the feature is refused at once.
+//! `scripts/test` does exactly that against a throwaway TLS server and CA it makes with openssl;
+//! without the URL the test skips, unless `FLOODGATE_REQUIRE_REDIS=1` (CI), where it fails. Built
+//! without `tls`, the file checks that `rediss://` is refused at once.
 #![cfg(feature = "redis")]
 
 use floodgate::store::redis::{RedisConfig, RedisStore};
@@ -33,6 +34,10 @@ async fn decisions_over_tls() {
     use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
     let Ok(url) = std::env::var("FLOODGATE_TEST_REDIS_TLS_URL") else {
+        assert!(
+            std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+            "FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_TLS_URL is unset"
+        );
         eprintln!("decisions_over_tls: skipped, FLOODGATE_TEST_REDIS_TLS_URL is unset");
         return;
     };
