@@ -71,3 +71,11 @@ pub fn name(store: &GatewayStore) -> &'static str {
         AnyStore::Redis(_) => "redis",
     }
 }
+
+/// The short name of a configured backend, for logs.
+pub fn backend_name(backend: Backend) -> &'static str {
+    match backend {
+        Backend::Memory => "memory",
+        Backend::Redis => "redis",
+    }
+}
