@@ -11,15 +11,15 @@ use axum::extract::{Request, State};
 use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get};
+use axum::routing::get;
 use axum::serve::ListenerExt;
 use floodgate::{ChainDecision, Error as StoreError};
 use tokio::net::TcpListener;
 
-use crate::auth::{CUSTOMER_HEADER, Keys};
+use crate::auth::{CUSTOMER_HEADER, Keys, ResolvedChain};
 use crate::config::Config;
 use crate::error::AppError;
-use crate::headers;
+use crate::headers::{self, ChainHeaders};
 use crate::metering::{self, Meter, MeteredBody, RequestLog};
 use crate::proxy::Upstream;
 use crate::store::GatewayStore;
@@ -72,12 +72,21 @@ impl AppState {
 /// The gateway's router: `/v1/*` is proxied under the rate limits, `/healthz` and `/readyz`
 /// answer probes, everything else is 404.
 pub fn app(state: AppState) -> Router {
+    // `/v1/...` is told apart by its prefix in the fallback rather than by a `/v1/{*rest}`
+    // route: a wildcard route stores the rest of the path as a parameter (two strings and a
+    // map entry) on every request, for a value the proxy never reads.
     Router::new()
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
-        .route("/v1/{*rest}", any(proxy))
-        .fallback(not_found)
+        .fallback(proxy_or_not_found)
         .with_state(state)
+}
+
+async fn proxy_or_not_found(state: State<AppState>, req: Request) -> Response {
+    match req.uri().path().strip_prefix("/v1/") {
+        Some(rest) if !rest.is_empty() => proxy(state, req).await,
+        _ => not_found().await,
+    }
 }
 
 /// Serves `app(state)` on `listener` until `shutdown` completes, then stops accepting and waits
@@ -145,7 +154,10 @@ async fn proxy(State(state): State<AppState>, req: Request) -> Response {
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|c| !c.is_empty());
-    let chain = state.keys().chain_for(&key, customer);
+    let ResolvedChain {
+        chain,
+        headers: fixed,
+    } = state.keys().chain_for(&key, customer);
     let metered = chain.has_reactive();
 
     // A streaming completion is rewritten to ask the upstream for usage; the body is read
@@ -193,6 +205,7 @@ async fn proxy(State(state): State<AppState>, req: Request) -> Response {
             Request::from_parts(parts, Body::empty()),
             start,
             &decision,
+            &fixed,
         );
     }
     let decision_name = if decision.enforced {
@@ -217,13 +230,13 @@ async fn proxy(State(state): State<AppState>, req: Request) -> Response {
                 "request"
             );
             let mut resp = err.into_response();
-            headers::apply(resp.headers_mut(), &decision);
+            headers::apply(resp.headers_mut(), &decision, &fixed);
             return resp;
         }
     };
 
     let (mut head, body) = resp.into_parts();
-    headers::apply(&mut head.headers, &decision);
+    headers::apply(&mut head.headers, &decision, &fixed);
     let meter = if !metered || !head.status.is_success() {
         Meter::None
     } else {
@@ -257,7 +270,13 @@ async fn proxy(State(state): State<AppState>, req: Request) -> Response {
 }
 
 /// The 429 for a refused request, with the refusing limit's headers.
-fn refuse(key: &str, req: Request, start: Instant, decision: &ChainDecision) -> Response {
+fn refuse(
+    key: &str,
+    req: Request,
+    start: Instant,
+    decision: &ChainDecision,
+    fixed: &ChainHeaders,
+) -> Response {
     let err = match decision.refusing() {
         Some(r) => AppError::RateLimited {
             scope: r.scope,
@@ -278,6 +297,6 @@ fn refuse(key: &str, req: Request, start: Instant, decision: &ChainDecision) -> 
     });
     log_local(Some(key), &req, start, err.status(), name);
     let mut resp = err.into_response();
-    headers::apply(resp.headers_mut(), decision);
+    headers::apply(resp.headers_mut(), decision, fixed);
     resp
 }

@@ -13,6 +13,7 @@ use floodgate::{Chain, ChainLimit, ScopeKind};
 use sha2::{Digest, Sha256};
 
 use crate::config::{Config, GATEWAY_ID, ScopeLimit};
+use crate::headers::ChainHeaders;
 
 /// The header naming the end customer of a request, which adds the `customer` scope.
 pub const CUSTOMER_HEADER: &str = "x-floodgate-customer";
@@ -25,13 +26,31 @@ pub struct KeyEntry {
     /// The key's limits without customer and gateway: key, project, team, business unit, org.
     own: Vec<ChainLimit>,
     /// The full chain for requests that name no customer (own limits, then the gateway's).
-    chain: Arc<Chain>,
+    chain: ResolvedChain,
+}
+
+/// A request's chain, with the header values that are the same on every response it decides.
+#[derive(Clone, Debug)]
+pub struct ResolvedChain {
+    /// The limits, narrowest first.
+    pub chain: Arc<Chain>,
+    /// Their fixed header values.
+    pub headers: Arc<ChainHeaders>,
+}
+
+impl ResolvedChain {
+    fn new(chain: Chain) -> ResolvedChain {
+        ResolvedChain {
+            headers: Arc::new(ChainHeaders::new(&chain)),
+            chain: Arc::new(chain),
+        }
+    }
 }
 
 impl KeyEntry {
     /// The chain for requests naming no customer.
     pub fn chain(&self) -> &Arc<Chain> {
-        &self.chain
+        &self.chain.chain
     }
 }
 
@@ -81,7 +100,7 @@ impl Keys {
                 let entry = KeyEntry {
                     id: Arc::from(k.id.as_str()),
                     own,
-                    chain: Arc::new(chain),
+                    chain: ResolvedChain::new(chain),
                 };
                 (k.secret_sha256, Arc::new(entry))
             })
@@ -121,9 +140,9 @@ impl Keys {
 
     /// The chain of a request by `key` for end customer `customer`: the key's chain, with the
     /// customer's limits (if the config has any for it) between the org and the gateway.
-    pub fn chain_for(&self, key: &KeyEntry, customer: Option<&str>) -> Arc<Chain> {
+    pub fn chain_for(&self, key: &KeyEntry, customer: Option<&str>) -> ResolvedChain {
         let Some(extra) = customer.and_then(|c| self.customers.get(c)) else {
-            return Arc::clone(&key.chain);
+            return key.chain.clone();
         };
         let limits = key
             .own
@@ -132,7 +151,7 @@ impl Keys {
             .chain(&self.gateway)
             .cloned()
             .collect();
-        Arc::new(Chain::new(limits))
+        ResolvedChain::new(Chain::new(limits))
     }
 
     /// The customers that have limits, with them (for `check-config`).
@@ -186,11 +205,11 @@ rpm = 2
             ]
         );
         assert_eq!(k.chain().limits()[0].key(), "{org:acme}:key:alice:req");
-        let with = keys.chain_for(k, Some("bob"));
+        let with = keys.chain_for(k, Some("bob")).chain;
         assert_eq!(with.limits()[3].scope(), ScopeKind::Customer);
         assert_eq!(with.limits()[3].key(), "{customer:bob}:customer:bob:req");
         assert_eq!(with.limits()[4].scope(), ScopeKind::Gateway);
-        assert_eq!(keys.chain_for(k, Some("carol")).limits().len(), 4);
+        assert_eq!(keys.chain_for(k, Some("carol")).chain.limits().len(), 4);
         h.insert(AUTHORIZATION, "Bearer sk-nobody".parse().unwrap());
         assert!(keys.authenticate(&h).is_none());
     }

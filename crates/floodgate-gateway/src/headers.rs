@@ -2,11 +2,10 @@
 //! clients read (classic `X-RateLimit-*`, IETF `RateLimit-Policy`/`RateLimit`, OpenAI
 //! `x-ratelimit-*-{requests,tokens}`), plus `Retry-After`/`retry-after-ms` on a refusal.
 
-use std::fmt::Write as _;
 use std::time::Duration;
 
 use axum::http::{HeaderMap, HeaderName, HeaderValue};
-use floodgate::{ChainDecision, Charge, LimitStatus};
+use floodgate::{Chain, ChainDecision, Charge, LimitStatus, ScopeKind, WindowLimit};
 
 const X_LIMIT: HeaderName = HeaderName::from_static("x-ratelimit-limit");
 const X_REMAINING: HeaderName = HeaderName::from_static("x-ratelimit-remaining");
@@ -37,46 +36,138 @@ pub const ALL: [HeaderName; 10] = [
     RESET_TOK,
 ];
 
+/// The parts of a chain's headers that never change: each limit's maximum and its
+/// `RateLimit-Policy`, formatted once per chain (at config load for every key's chain) instead of
+/// on every response.
+#[derive(Debug)]
+pub struct ChainHeaders {
+    limits: Box<[LimitHeaders]>,
+}
+
+#[derive(Debug)]
+struct LimitHeaders {
+    max: HeaderValue,
+    policy: HeaderValue,
+}
+
+impl ChainHeaders {
+    /// The fixed header values of `chain`'s limits, in chain order.
+    pub fn new(chain: &Chain) -> ChainHeaders {
+        let limits = chain
+            .limits()
+            .iter()
+            .map(|l| LimitHeaders::of(l.scope(), l.limit()))
+            .collect();
+        ChainHeaders { limits }
+    }
+
+    fn from_statuses(statuses: &[LimitStatus]) -> ChainHeaders {
+        let limits = statuses
+            .iter()
+            .map(|s| LimitHeaders::of(s.scope, s.limit))
+            .collect();
+        ChainHeaders { limits }
+    }
+}
+
+impl LimitHeaders {
+    fn of(scope: ScopeKind, limit: WindowLimit) -> LimitHeaders {
+        let mut b = Buf::new();
+        b.quoted(scope.as_str());
+        b.push(b";q=");
+        b.u64(limit.max());
+        b.push(b";w=");
+        b.u64(ceil_secs(limit.window()));
+        LimitHeaders {
+            max: limit.max().into(),
+            policy: b.value().unwrap_or_else(|| HeaderValue::from_static("")),
+        }
+    }
+}
+
 /// The limit the generic headers describe: the refusing one on a refusal, else the most
 /// restrictive request limit, else the most restrictive token limit.
 pub fn primary(decision: &ChainDecision) -> Option<&LimitStatus> {
+    primary_index(decision).map(|i| &decision.statuses[i])
+}
+
+/// [`primary`], as an index into the chain.
+fn primary_index(decision: &ChainDecision) -> Option<usize> {
     decision
-        .refusing()
-        .or_else(|| decision.most_restrictive(Charge::Admission))
-        .or_else(|| decision.most_restrictive(Charge::Reactive))
+        .refused_by
+        .filter(|&i| i < decision.statuses.len())
+        .or_else(|| most_restrictive_index(decision, Charge::Admission))
+        .or_else(|| most_restrictive_index(decision, Charge::Reactive))
+}
+
+/// [`ChainDecision::most_restrictive`], as an index into the chain: the refusing limit if it
+/// counts `charge`, else the first of those with the fewest units left (the narrowest scope).
+fn most_restrictive_index(decision: &ChainDecision, charge: Charge) -> Option<usize> {
+    let statuses = &decision.statuses;
+    if let Some(r) = decision.refused_by
+        && statuses.get(r).is_some_and(|s| s.charge == charge)
+    {
+        return Some(r);
+    }
+    statuses
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| s.charge == charge)
+        .min_by_key(|(_, s)| s.remaining)
+        .map(|(i, _)| i)
 }
 
 /// Removes upstream rate-limit headers, then writes the decision's. A decision taken without the
-/// store (failed open) has no limit state: nothing is written.
-pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision) {
-    for name in &ALL {
-        headers.remove(name);
+/// store (failed open) has no limit state: nothing is written. `fixed` holds the fixed values of
+/// the decision's chain ([`ChainHeaders::new`] of that chain).
+pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHeaders) {
+    // One pass over the (few) headers present instead of ten hashed lookups: upstreams rarely
+    // send rate-limit headers of their own.
+    if headers.keys().any(is_rate_limit_header) {
+        for name in &ALL {
+            headers.remove(name);
+        }
     }
     if !decision.enforced {
         return;
     }
-    if let Some(p) = primary(decision) {
-        let reset = ceil_secs(p.reset);
-        headers.insert(X_LIMIT, p.limit.max().into());
+    // A decision on another chain than `fixed` (never, in the gateway) gets its values
+    // formatted here rather than wrong ones.
+    let own;
+    let fixed = if fixed.limits.len() == decision.statuses.len() {
+        fixed
+    } else {
+        own = ChainHeaders::from_statuses(&decision.statuses);
+        &own
+    };
+    let mut b = Buf::new();
+    if let Some(i) = primary_index(decision) {
+        let p = &decision.statuses[i];
+        headers.insert(X_LIMIT, fixed.limits[i].max.clone());
         headers.insert(X_REMAINING, p.remaining.into());
-        let scope = p.scope.as_str();
-        let window = ceil_secs(p.limit.window());
-        let mut s = String::with_capacity(48);
-        let _ = write!(s, "\"{scope}\";q={};w={window}", p.limit.max());
-        insert_str(headers, POLICY, &s);
-        s.clear();
-        let _ = write!(s, "\"{scope}\";r={};t={reset}", p.remaining);
-        insert_str(headers, RATELIMIT, &s);
+        headers.insert(POLICY, fixed.limits[i].policy.clone());
+        b.quoted(p.scope.as_str());
+        b.push(b";r=");
+        b.u64(p.remaining);
+        b.push(b";t=");
+        b.u64(ceil_secs(p.reset));
+        b.insert(headers, RATELIMIT);
     }
-    if let Some(r) = decision.most_restrictive(Charge::Admission) {
-        headers.insert(LIMIT_REQ, r.limit.max().into());
+    if let Some(i) = most_restrictive_index(decision, Charge::Admission) {
+        let r = &decision.statuses[i];
+        headers.insert(LIMIT_REQ, fixed.limits[i].max.clone());
         headers.insert(REMAINING_REQ, r.remaining.into());
-        insert_str(headers, RESET_REQ, &openai_duration(r.reset));
+        b.clear();
+        b.openai_duration(r.reset);
+        b.insert(headers, RESET_REQ);
     }
-    if let Some(t) = decision.most_restrictive(Charge::Reactive) {
-        headers.insert(LIMIT_TOK, t.limit.max().into());
+    if let Some(i) = most_restrictive_index(decision, Charge::Reactive) {
+        let t = &decision.statuses[i];
+        headers.insert(LIMIT_TOK, fixed.limits[i].max.clone());
         headers.insert(REMAINING_TOK, t.remaining.into());
-        insert_str(headers, RESET_TOK, &openai_duration(t.reset));
+        b.clear();
+        b.openai_duration(t.reset);
+        b.insert(headers, RESET_TOK);
     }
     if let (false, Some(wait)) = (decision.admitted, decision.retry_after) {
         headers.insert(RETRY_AFTER, ceil_secs(wait).into());
@@ -84,10 +175,90 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision) {
     }
 }
 
-fn insert_str(headers: &mut HeaderMap, name: HeaderName, value: &str) {
-    // Only digits, letters, quotes and `;=`: always a valid header value.
-    if let Ok(v) = HeaderValue::from_str(value) {
-        headers.insert(name, v);
+/// Whether `name` is one of [`ALL`]: all of them start with `x-ratelimit-` or `ratelimit`.
+fn is_rate_limit_header(name: &HeaderName) -> bool {
+    let n = name.as_str();
+    n.starts_with("x-ratelimit-") || n.starts_with("ratelimit")
+}
+
+/// A header value built on the stack: no `fmt` machinery and no `String` per value.
+struct Buf {
+    bytes: [u8; 64],
+    len: usize,
+}
+
+impl Buf {
+    fn new() -> Buf {
+        Buf {
+            bytes: [0; 64],
+            len: 0,
+        }
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Appends `b`, or as much as fits (never more than 64 bytes: the longest value, a
+    /// `"business_unit";q=<20 digits>;w=<20 digits>`, has 59).
+    fn push(&mut self, b: &[u8]) {
+        let n = b.len().min(self.bytes.len() - self.len);
+        self.bytes[self.len..self.len + n].copy_from_slice(&b[..n]);
+        self.len += n;
+    }
+
+    fn quoted(&mut self, s: &str) {
+        self.push(b"\"");
+        self.push(s.as_bytes());
+        self.push(b"\"");
+    }
+
+    fn u64(&mut self, mut n: u64) {
+        let mut digits = [0u8; 20];
+        let mut i = digits.len();
+        loop {
+            i -= 1;
+            digits[i] = b'0' + (n % 10) as u8;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        self.push(&digits[i..]);
+    }
+
+    /// See [`openai_duration`].
+    fn openai_duration(&mut self, d: Duration) {
+        if d.is_zero() {
+            return self.push(b"0s");
+        }
+        if d < Duration::from_secs(1) {
+            self.u64(ceil_millis(d));
+            return self.push(b"ms");
+        }
+        let total = ceil_secs(d);
+        let (h, m, s) = (total / 3600, total / 60 % 60, total % 60);
+        if h > 0 {
+            self.u64(h);
+            self.push(b"h");
+        }
+        if h > 0 || m > 0 {
+            self.u64(m);
+            self.push(b"m");
+        }
+        self.u64(s);
+        self.push(b"s");
+    }
+
+    fn value(&self) -> Option<HeaderValue> {
+        // Only digits, letters, quotes, `_` and `;=`: always a valid header value.
+        HeaderValue::from_bytes(&self.bytes[..self.len]).ok()
+    }
+
+    fn insert(&self, headers: &mut HeaderMap, name: HeaderName) {
+        if let Some(v) = self.value() {
+            headers.insert(name, v);
+        }
     }
 }
 
@@ -106,21 +277,9 @@ pub fn ceil_millis(d: Duration) -> u64 {
 /// A duration as OpenAI writes its resets: `12ms` below a second (rounded up), else whole
 /// seconds rounded up as `1s`, `6m0s`, `1h2m3s`; zero is `0s`.
 pub fn openai_duration(d: Duration) -> String {
-    if d.is_zero() {
-        return "0s".into();
-    }
-    if d < Duration::from_secs(1) {
-        return format!("{}ms", ceil_millis(d));
-    }
-    let total = ceil_secs(d);
-    let (h, m, s) = (total / 3600, total / 60 % 60, total % 60);
-    if h > 0 {
-        format!("{h}h{m}m{s}s")
-    } else if m > 0 {
-        format!("{m}m{s}s")
-    } else {
-        format!("{s}s")
-    }
+    let mut b = Buf::new();
+    b.openai_duration(d);
+    String::from_utf8_lossy(&b.bytes[..b.len]).into_owned()
 }
 
 #[cfg(test)]
