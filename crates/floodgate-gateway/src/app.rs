@@ -257,6 +257,11 @@ async fn proxy(State(state): State<AppState>, req: Request) -> Response {
             Meter::None
         }
     };
+    if matches!(meter, Meter::None) && !metering::request_log_enabled() {
+        // Nothing to read and no line to write when the body ends (the request log is off):
+        // the upstream body goes out as it is, without a wrapper.
+        return Response::from_parts(head, body);
+    }
     let log = RequestLog {
         key: Arc::clone(&key.id),
         method,

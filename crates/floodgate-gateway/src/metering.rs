@@ -169,6 +169,12 @@ pub struct RequestLog {
     pub decision: &'static str,
 }
 
+/// Whether [`RequestLog::emit`]'s line would be written (`RUST_LOG` lets `info` of this module
+/// through). Asked in this module so that a per-module filter sees the same target.
+pub fn request_log_enabled() -> bool {
+    tracing::enabled!(tracing::Level::INFO)
+}
+
 impl RequestLog {
     /// Logs the request's one line.
     pub fn emit(&self, tokens: Option<u64>) {

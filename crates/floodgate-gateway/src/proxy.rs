@@ -26,8 +26,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
 
-/// Headers that describe one connection, not the message: never forwarded.
-const HOP_BY_HOP: [HeaderName; 8] = [
+/// Headers that describe one connection, not the message: never forwarded. (A `static`: a
+/// `const` array would be built anew at each use.)
+static HOP_BY_HOP: [HeaderName; 8] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     header::PROXY_AUTHENTICATE,
@@ -54,6 +55,9 @@ enum Target {
         base: String,
         /// `base` split once at load: scheme and authority, and the path prefix (may be empty).
         authority: Authority,
+        /// The `Host` header for the authority, built once (the client would format it anew
+        /// on every request).
+        host: HeaderValue,
         prefix: String,
         auth: Option<HeaderValue>,
     },
@@ -112,10 +116,13 @@ impl Upstream {
                 let authority = host
                     .parse::<Authority>()
                     .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
+                let host = HeaderValue::from_str(authority.as_str())
+                    .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
                 Target::Http {
                     client,
                     base: base_url.clone(),
                     authority,
+                    host,
                     prefix: prefix.to_owned(),
                     auth,
                 }
@@ -150,11 +157,12 @@ impl Upstream {
             Target::Http {
                 client,
                 authority,
+                host,
                 prefix,
                 auth,
                 ..
             } => {
-                headers.remove(header::HOST);
+                headers.insert(header::HOST, host.clone());
                 if let Some(auth) = auth {
                     headers.insert(header::AUTHORIZATION, auth.clone());
                 }
