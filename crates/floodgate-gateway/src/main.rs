@@ -9,6 +9,13 @@ use floodgate_gateway::auth::Keys;
 use floodgate_gateway::config::{Backend, Config, GATEWAY_ID, OnError, UpstreamTarget};
 use tracing_subscriber::EnvFilter;
 
+/// mimalloc instead of the system allocator: a proxied request makes some 30 small, short-lived
+/// allocations (hyper's messages and channels, header values, the decision). Under load (callgrind,
+/// memory store) glibc's malloc and free took 12% of the gateway's user-space instructions;
+/// with mimalloc a request costs 6% fewer instructions in all.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// floodgate: an OpenAI-compatible gateway that rate-limits every scope of a caller's chain.
 #[derive(Parser)]
 #[command(name = "floodgate", version, about)]
