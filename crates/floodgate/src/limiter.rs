@@ -2,6 +2,7 @@
 //! unchanged on any [`Store`].
 
 use std::fmt;
+use std::future::Future;
 use std::marker::PhantomData;
 
 use crate::Error;
@@ -60,8 +61,12 @@ impl Chain {
     }
 
     /// Admits a request of `cost` units on the store's clock. See [`admit_at`](Self::admit_at).
-    pub async fn admit<S: Store>(&self, store: &S, cost: u64) -> Result<ChainDecision, Error> {
-        self.admit_inner(store, cost, None).await
+    pub fn admit<S: Store>(
+        &self,
+        store: &S,
+        cost: u64,
+    ) -> impl Future<Output = Result<ChainDecision, Error>> {
+        self.admit_inner(store, cost, None)
     }
 
     /// Admits a request of `cost` units at `now`: all limits pass or nothing is charged; the
@@ -70,13 +75,13 @@ impl Chain {
     ///
     /// A request that can never pass (`cost` above a charged limit's max, or a token limit of
     /// zero) is refused without a retry time and without touching the store.
-    pub async fn admit_at<S: Store>(
+    pub fn admit_at<S: Store>(
         &self,
         store: &S,
         cost: u64,
         now: Timestamp,
-    ) -> Result<ChainDecision, Error> {
-        self.admit_inner(store, cost, Some(now)).await
+    ) -> impl Future<Output = Result<ChainDecision, Error>> {
+        self.admit_inner(store, cost, Some(now))
     }
 
     async fn admit_inner<S: Store>(
@@ -103,18 +108,22 @@ impl Chain {
     }
 
     /// Adds `units` (tokens of a finished response) to every reactive limit of the chain.
-    pub async fn record<S: Store>(&self, store: &S, units: u64) -> Result<(), Error> {
-        self.record_inner(store, units, None).await
+    pub fn record<S: Store>(
+        &self,
+        store: &S,
+        units: u64,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.record_inner(store, units, None)
     }
 
     /// Adds `units` to every reactive limit of the chain at `now`.
-    pub async fn record_at<S: Store>(
+    pub fn record_at<S: Store>(
         &self,
         store: &S,
         units: u64,
         now: Timestamp,
-    ) -> Result<(), Error> {
-        self.record_inner(store, units, Some(now)).await
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.record_inner(store, units, Some(now))
     }
 
     async fn record_inner<S: Store>(
@@ -203,26 +212,26 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
     }
 
     /// Takes `cost` tokens from `name`'s bucket on the store's clock.
-    pub async fn acquire<S: Store>(
+    pub fn acquire<S: Store>(
         &self,
         store: &S,
         name: &N,
         cost: u64,
-    ) -> Result<Admission, Error> {
-        self.acquire_inner(store, name, cost, None).await
+    ) -> impl Future<Output = Result<Admission, Error>> {
+        self.acquire_inner(store, name, cost, None)
     }
 
     /// Takes `cost` tokens from `name`'s bucket at `now`. A denied request takes nothing (its
     /// refill is still stored); `cost > capacity` is denied with no retry time, without touching
     /// the store.
-    pub async fn acquire_at<S: Store>(
+    pub fn acquire_at<S: Store>(
         &self,
         store: &S,
         name: &N,
         cost: u64,
         now: Timestamp,
-    ) -> Result<Admission, Error> {
-        self.acquire_inner(store, name, cost, Some(now)).await
+    ) -> impl Future<Output = Result<Admission, Error>> {
+        self.acquire_inner(store, name, cost, Some(now))
     }
 
     async fn acquire_inner<S: Store>(
@@ -246,20 +255,22 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
     }
 
     /// Deletes `name`'s bucket; says whether it had been used (was not full).
-    pub async fn reset<S: Store>(&self, store: &S, name: &N) -> Result<bool, Error> {
-        let key = self.bucket(name);
-        store.reset(key, self.limit, None).await
+    pub fn reset<S: Store>(
+        &self,
+        store: &S,
+        name: &N,
+    ) -> impl Future<Output = Result<bool, Error>> {
+        store.reset(self.bucket(name), self.limit, None)
     }
 
     /// Deletes `name`'s bucket; says whether it had been used (was not full at `now`).
-    pub async fn reset_at<S: Store>(
+    pub fn reset_at<S: Store>(
         &self,
         store: &S,
         name: &N,
         now: Timestamp,
-    ) -> Result<bool, Error> {
-        let key = self.bucket(name);
-        store.reset(key, self.limit, Some(now)).await
+    ) -> impl Future<Output = Result<bool, Error>> {
+        store.reset(self.bucket(name), self.limit, Some(now))
     }
 }
 

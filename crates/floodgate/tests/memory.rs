@@ -243,3 +243,14 @@ fn the_sweeper_thread_stops_with_its_guard() {
     assert!(store.is_empty(), "the sweeper removed the expired window");
     drop(guard);
 }
+
+#[test]
+fn a_decision_happens_when_awaited_not_when_asked_for() {
+    let store = MemoryStore::new();
+    let chain = Chain::new(vec![limit(ScopeKind::Key, "lazy", Charge::Admission, 1)]);
+    drop(chain.admit(&store, 1));
+    drop(LOGIN.acquire(&store, "lazy", 20));
+    drop(LOGIN.reset(&store, "lazy"));
+    assert!(store.is_empty(), "futures dropped unpolled changed nothing");
+    assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
+}

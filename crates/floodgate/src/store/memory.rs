@@ -1,6 +1,5 @@
 //! The embedded store: the same decisions as Redis, under its own locks, in one process.
 
-use std::future::{Future, ready};
 use std::hash::BuildHasher;
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -17,8 +16,9 @@ use crate::chain::{ChainLimit, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::window::{Charge, Snapshot, WindowState};
 
-/// Shards of the key space; a power of two. Enough that two cores rarely meet on one lock.
-const SHARDS: usize = 64;
+/// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
+/// and tables stay in cache (each shard is a few more cache lines to touch).
+const SHARDS_PER_CORE: usize = 4;
 /// A shard is swept of expired state when it grows past twice its size after the last sweep
 /// (and past this floor), which bounds memory at about twice the live state at O(1) amortised
 /// cost per insert.
@@ -26,7 +26,7 @@ const MIN_SWEEP: usize = 1024;
 
 /// The embedded in-memory store: thread-safe, cheap to clone (clones share state).
 ///
-/// State is split over 64 shards, each a `HashMap` behind a `std::sync::Mutex`. A chain whose
+/// State is split over shards (four per core, at least 8), each a `HashMap` behind a `std::sync::Mutex`. A chain whose
 /// limits live in several shards locks them all in ascending shard order (so two chains can
 /// never deadlock), reads, decides and writes, then unlocks: the decision is atomic, with no
 /// torn reads. The locks are std ones because they are never held across an `.await`: every
@@ -172,7 +172,9 @@ impl MemoryStore {
 
     /// An empty store reading `clock` when a call does not pin the time.
     pub fn with_clock(clock: impl Clock) -> Self {
-        let shards = (0..SHARDS)
+        let cores = thread::available_parallelism().map_or(4, |n| n.get());
+        let count = (cores * SHARDS_PER_CORE).next_power_of_two().clamp(8, 1024);
+        let shards = (0..count)
             .map(|_| {
                 Mutex::new(Shard {
                     windows: HashTable::new(),
@@ -197,7 +199,9 @@ impl MemoryStore {
 
     /// How many entries the store holds, expired ones not yet swept included.
     pub fn len(&self) -> usize {
-        (0..SHARDS).map(|i| self.lock(i).len()).sum()
+        (0..self.inner.shards.len())
+            .map(|i| self.lock(i).len())
+            .sum()
     }
 
     /// Whether the store holds no entries.
@@ -212,7 +216,7 @@ impl MemoryStore {
 
     /// Removes every entry expired at `now`.
     pub fn sweep_at(&self, now: Timestamp) {
-        for i in 0..SHARDS {
+        for i in 0..self.inner.shards.len() {
             self.lock(i).sweep(now);
         }
     }
@@ -238,13 +242,19 @@ impl MemoryStore {
     /// The key's hash and its shard: the high bits pick the shard, the table uses the rest.
     fn locate(&self, key: &str) -> (u64, usize) {
         let hash = self.inner.hasher.hash_one(key);
-        (hash, (hash >> 58) as usize % SHARDS)
+        (hash, self.shard_of(hash))
     }
 
     /// [`locate`](Self::locate) for a bucket, hashed by its parts: no key text is built.
     fn locate_bucket(&self, key: BucketKey<'_>) -> (u64, usize) {
         let hash = self.inner.hasher.hash_one(key);
-        (hash, (hash >> 58) as usize % SHARDS)
+        (hash, self.shard_of(hash))
+    }
+
+    /// The shard of a hash: its high bits (the tables use the low ones). The count is a power
+    /// of two.
+    fn shard_of(&self, hash: u64) -> usize {
+        (hash >> 40) as usize & (self.inner.shards.len() - 1)
     }
 
     fn lock(&self, shard: usize) -> MutexGuard<'_, Shard> {
@@ -401,42 +411,43 @@ fn locked<'a>(guards: &'a mut [(usize, MutexGuard<'_, Shard>)], shard: usize) ->
 }
 
 impl Store for MemoryStore {
-    fn admit(
+    async fn admit(
         &self,
         limits: &[ChainLimit],
         cost: u64,
         now: Option<Timestamp>,
-    ) -> impl Future<Output = Result<Observation, Error>> + Send {
-        ready(Ok(self.admit_sync(limits, cost, now)))
+    ) -> Result<Observation, Error> {
+        // An async fn, so lazy like any future: nothing happens until it is polled.
+        Ok(self.admit_sync(limits, cost, now))
     }
 
-    fn record(
+    async fn record(
         &self,
         limits: &[ChainLimit],
         units: u64,
         now: Option<Timestamp>,
-    ) -> impl Future<Output = Result<(), Error>> + Send {
+    ) -> Result<(), Error> {
         self.record_sync(limits, units, now);
-        ready(Ok(()))
+        Ok(())
     }
 
-    fn acquire(
+    async fn acquire(
         &self,
         key: BucketKey<'_>,
         limit: BucketLimit,
         cost: u64,
         now: Option<Timestamp>,
-    ) -> impl Future<Output = Result<BucketObservation, Error>> + Send {
-        ready(Ok(self.acquire_sync(key, limit, cost, now)))
+    ) -> Result<BucketObservation, Error> {
+        Ok(self.acquire_sync(key, limit, cost, now))
     }
 
-    fn reset(
+    async fn reset(
         &self,
         key: BucketKey<'_>,
         limit: BucketLimit,
         now: Option<Timestamp>,
-    ) -> impl Future<Output = Result<bool, Error>> + Send {
-        ready(Ok(self.reset_sync(key, limit, now)))
+    ) -> Result<bool, Error> {
+        Ok(self.reset_sync(key, limit, now))
     }
 }
 
