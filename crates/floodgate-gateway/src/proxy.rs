@@ -1,21 +1,27 @@
-//! Forwarding to the upstream: one pooled HTTP/1 client, bodies streamed both ways.
+//! Forwarding to the upstream: a pool of kept-alive HTTP/1 connections per worker, bodies
+//! streamed both ways.
 //!
 //! The caller's `Authorization` (the gateway key) and `X-Floodgate-Customer` never leave the
 //! gateway; the upstream's own key, if configured, is sent instead. Hop-by-hop headers are
 //! dropped in both directions. Connect failures answer 502; no response headers within
 //! `[upstream] timeout_sec` answer 504.
 
-use std::time::Duration;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
 use axum::http::header::{self, HeaderName};
-use axum::http::uri::{Authority, Parts, PathAndQuery, Scheme};
+use axum::http::uri::{Authority, PathAndQuery, Scheme};
 use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
-use hyper_util::client::legacy::Client;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::SendRequest;
 use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-use tower::ServiceExt;
+use tower::{Service, ServiceExt};
 
 use crate::auth::CUSTOMER_HEADER;
 use crate::config::{UpstreamConfig, UpstreamTarget};
@@ -51,13 +57,11 @@ pub struct Upstream {
 #[derive(Clone)]
 enum Target {
     Http {
-        client: Client<HttpConnector, Body>,
+        pool: Arc<Pool>,
         base: String,
-        /// `base` split once at load: scheme and authority, and the path prefix (may be empty).
-        authority: Authority,
-        /// The `Host` header for the authority, built once (the client would format it anew
-        /// on every request).
+        /// The `Host` header for the upstream's authority, built once.
         host: HeaderValue,
+        /// The path prefix of `base` (may be empty), split off once at load.
         prefix: String,
         auth: Option<HeaderValue>,
     },
@@ -105,9 +109,6 @@ impl Upstream {
                 connector.set_nodelay(true);
                 connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
                 connector.enforce_http(true);
-                let client = Client::builder(TokioExecutor::new())
-                    .pool_idle_timeout(POOL_IDLE_TIMEOUT)
-                    .build(connector);
                 let rest = base_url.strip_prefix("http://").unwrap_or(base_url);
                 let (host, prefix) = match rest.find('/') {
                     Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
@@ -118,10 +119,19 @@ impl Upstream {
                     .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
                 let host = HeaderValue::from_str(authority.as_str())
                     .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
+                let connect_uri = Uri::builder()
+                    .scheme(Scheme::HTTP)
+                    .authority(authority.clone())
+                    .path_and_query("/")
+                    .build()
+                    .map_err(|e| format!("upstream.base_url: {e}"))?;
                 Target::Http {
-                    client,
+                    pool: Arc::new(Pool {
+                        connector,
+                        connect_uri,
+                        idle: Mutex::new(Vec::new()),
+                    }),
                     base: base_url.clone(),
-                    authority,
                     host,
                     prefix: prefix.to_owned(),
                     auth,
@@ -155,8 +165,7 @@ impl Upstream {
                 Ok(resp)
             }
             Target::Http {
-                client,
-                authority,
+                pool,
                 host,
                 prefix,
                 auth,
@@ -178,29 +187,171 @@ impl Upstream {
                             })?
                     }
                 };
-                let mut uri = Parts::default();
-                uri.scheme = Some(Scheme::HTTP);
-                uri.authority = Some(authority.clone());
-                uri.path_and_query = Some(path_and_query);
-                *req.uri_mut() = Uri::from_parts(uri)
-                    .map_err(|e| AppError::Internal(format!("upstream URI: {e}")))?;
+                // Origin form (`/v1/...`): the connection already names the upstream.
+                *req.uri_mut() = Uri::from(path_and_query);
                 *req.version_mut() = Version::HTTP_11;
-                let resp = match tokio::time::timeout(self.timeout, client.request(req)).await {
+                let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
                     Err(_) => return Err(AppError::UpstreamTimeout),
-                    Ok(Err(e)) => {
-                        let cause = match std::error::Error::source(&e) {
-                            Some(s) => format!("{e}: {s}"),
-                            None => e.to_string(),
-                        };
-                        return Err(AppError::UpstreamUnavailable(cause));
-                    }
+                    Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
                     Ok(Ok(resp)) => resp,
                 };
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
-                Ok(Response::from_parts(parts, Body::new(body)))
+                Ok(Response::from_parts(parts, body))
             }
         }
+    }
+}
+
+/// The upstream connections of one worker: HTTP/1 connections kept alive and reused, most
+/// recently used first.
+///
+/// In place of hyper-util's pooling client, which on every request hashed a pool key, raced a
+/// checkout against a lazily built connect future, formatted a `Host` header and spawned a task
+/// to put the connection back once the response body was done. Here a connection goes back into
+/// the idle list when its response body ends, from the body itself. A worker's requests all run
+/// on its one thread, so the lock is never contended.
+struct Pool {
+    connector: HttpConnector,
+    /// What the connector connects to: the upstream's scheme and authority.
+    connect_uri: Uri,
+    idle: Mutex<Vec<Idle>>,
+}
+
+struct Idle {
+    conn: SendRequest<Body>,
+    since: Instant,
+}
+
+impl Pool {
+    /// Sends `req` on an idle connection, or a new one. A request that an idle connection
+    /// refused before sending any of it (the upstream had just closed it) is sent again on
+    /// another; any other failure is the answer. Errors are causes for the log.
+    async fn send(self: &Arc<Self>, mut req: Request<Body>) -> Result<Response<Body>, String> {
+        loop {
+            let (mut conn, reused) = match self.checkout() {
+                Some(c) => (c, true),
+                None => (self.connect().await?, false),
+            };
+            if conn.ready().await.is_err() {
+                if reused {
+                    continue;
+                }
+                return Err("the upstream closed a new connection".into());
+            }
+            match conn.try_send_request(req).await {
+                Ok(resp) => {
+                    let (parts, body) = resp.into_parts();
+                    let body = PooledBody {
+                        inner: body,
+                        conn: Some((conn, Arc::downgrade(self))),
+                    };
+                    return Ok(Response::from_parts(parts, Body::new(body)));
+                }
+                Err(mut e) => match e.take_message() {
+                    Some(unsent) if reused => req = unsent,
+                    _ => return Err(cause(e.error())),
+                },
+            }
+        }
+    }
+
+    /// The most recently used idle connection that is still open and not idle for too long.
+    fn checkout(&self) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        while let Some(i) = idle.pop() {
+            if !i.conn.is_closed() && i.since.elapsed() < POOL_IDLE_TIMEOUT {
+                return Some(i.conn);
+            }
+        }
+        None
+    }
+
+    fn checkin(&self, conn: SendRequest<Body>) {
+        if conn.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        // Connections idle for too long leave from the bottom of the stack.
+        let stale = idle
+            .iter()
+            .take_while(|i| i.since.elapsed() >= POOL_IDLE_TIMEOUT)
+            .count();
+        idle.drain(..stale);
+        idle.push(Idle {
+            conn,
+            since: Instant::now(),
+        });
+    }
+
+    async fn connect(&self) -> Result<SendRequest<Body>, String> {
+        let io = self
+            .connector
+            .clone()
+            .call(self.connect_uri.clone())
+            .await
+            .map_err(|e| cause(&e))?;
+        let (conn, driver) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| cause(&e))?;
+        tokio::spawn(async move {
+            if let Err(e) = driver.await {
+                tracing::debug!(error = %e, "upstream connection ended");
+            }
+        });
+        Ok(conn)
+    }
+}
+
+/// An error and its source, for the log.
+fn cause(e: &(dyn std::error::Error + 'static)) -> String {
+    match e.source() {
+        Some(s) => format!("{e}: {s}"),
+        None => e.to_string(),
+    }
+}
+
+/// A response body that puts its connection back into the pool when it has been read to the
+/// end. (A body dropped before its end leaves the connection mid-message: it is closed.)
+struct PooledBody {
+    inner: Incoming,
+    conn: Option<(SendRequest<Body>, Weak<Pool>)>,
+}
+
+impl PooledBody {
+    fn release(&mut self) {
+        if let Some((conn, pool)) = self.conn.take()
+            && let Some(pool) = pool.upgrade()
+        {
+            pool.checkin(conn);
+        }
+    }
+}
+
+impl http_body::Body for PooledBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let polled = Pin::new(&mut self.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(None) => self.release(),
+            Poll::Ready(Some(Ok(_))) if self.inner.is_end_stream() => self.release(),
+            Poll::Ready(Some(Err(_))) => self.conn = None,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
     }
 }
 
