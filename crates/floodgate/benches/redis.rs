@@ -305,7 +305,9 @@ fn main() {
             .iter()
             .map(|l| format!("{PREFIX}{}", l.key()))
             .collect();
-        let mut args = vec![String::new(), "1".into()];
+        // The admit script's layout (see admit.lua): the time, each key's limit, then the
+        // requests; redis-benchmark sends a batch of one request per call.
+        let mut args = vec![String::new()];
         for l in template.limits() {
             let w = l.limit().window_micros();
             args.push(w.to_string());
@@ -313,6 +315,8 @@ fn main() {
             args.push("a".into());
             args.push((2 * w).div_ceil(1000).to_string());
         }
+        args.extend(["1".into(), "1".into(), template.limits().len().to_string()]);
+        args.extend((1..=template.limits().len()).map(|i| i.to_string()));
         let raw = |pipelined| {
             target
                 .as_ref()

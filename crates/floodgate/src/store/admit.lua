@@ -1,26 +1,31 @@
--- floodgate: chain admission, one atomic step (Redis runs a script to completion before any
--- other command, so no two requests can take the same free slot).
--- KEYS: each limit's state, in chain order.
--- ARGV[2]: cost; then per limit i, from a = 3 + 4 * (i - 1): window W (µs), max, 'a' for a
--- limit charged at admission or 'r' for a reactive one, and the state's TTL (ms, 2W).
+-- floodgate: chain admission for a batch of requests, each one atomic step (Redis runs a script
+-- to completion before any other command, so no two requests, in this batch or any other, can
+-- take the same free slot). The requests are decided in order at one instant, exactly as if
+-- each had been admitted alone: a request sees what the requests before it in the batch took.
+-- Batching is how the store spends one script call, one MGET and one SET per key on many
+-- requests that share keys (an org's, the gateway's) instead of on each.
+--
+-- KEYS: every distinct limit state the batch touches.
+-- ARGV[1]: the time (clock.lua); then per key j, ARGV[a + 1..a + 4] with a = 1 + 4 * (j - 1):
+-- window W (µs), max,
+-- 'a' for a limit charged at admission or 'r' for a reactive one, the state's TTL (ms, 2W);
+-- then R, the number of requests; then per request: cost, n, and the indices (into KEYS) of its
+-- n limits in chain order.
 -- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
--- Reply: {now, admitted, cur_1, prev_1, ...}: each limit's counts before any charge.
-local cost = tonumber(ARGV[2])
-local n = #KEYS
+-- Reply: {now, then per request: admitted, cur_1, prev_1, ..., cur_n, prev_n}: each limit's
+-- counts as that request saw them, before its own charge.
+local nk = #KEYS
 local stored = {}
-if n > 0 then stored = redis.call('MGET', unpack(KEYS)) end
-local reply = {now, 0}
-local buckets, curs, prevs = {}, {}, {}
-local admitted = true
-for i = 1, n do
-  local a = 3 + 4 * (i - 1)
-  local w = tonumber(ARGV[a])
+if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
+local W, MAX, CHARGED, TTL, B, E, CUR, PREV = {}, {}, {}, {}, {}, {}, {}, {}
+for j = 1, nk do
+  local a = 1 + 4 * (j - 1)
+  local w = tonumber(ARGV[a + 1])
   -- floor(now / w), corrected: the double division may round across an integer.
   local b = math.floor(now / w)
   if b * w > now then b = b - 1 elseif (b + 1) * w <= now then b = b + 1 end
-  local e = now - b * w
   local cur, prev = 0, 0
-  local v = stored[i]
+  local v = stored[j]
   if v then
     local sb, sc, sp = string.match(v, '^(%d+) (%d+) (%d+)$')
     sb = tonumber(sb)
@@ -30,28 +35,50 @@ for i = 1, n do
       prev = tonumber(sc)
     end
   end
-  if admitted then
-    -- Snapshot::admits: the same four IEEE operations in the same order.
-    local max = tonumber(ARGV[a + 1])
-    local carried = prev * (w - e)
-    if ARGV[a + 2] == 'a' then
-      admitted = (cur + cost - max) * w + carried <= 0
-    else
-      admitted = (cur - max) * w + carried < 0
+  W[j], MAX[j], CHARGED[j], TTL[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', ARGV[a + 4]
+  B[j], E[j], CUR[j], PREV[j] = b, now - b * w, cur, prev
+end
+local dirty = {}
+local pos = 2 + 4 * nk
+local requests = tonumber(ARGV[pos])
+pos = pos + 1
+local reply = {now}
+for _ = 1, requests do
+  local cost, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1])
+  pos = pos + 2
+  local at = #reply + 1
+  local admitted = true
+  for i = 0, n - 1 do
+    local j = tonumber(ARGV[pos + i])
+    local w, cur, prev = W[j], CUR[j], PREV[j]
+    reply[at + 1 + 2 * i] = cur
+    reply[at + 2 + 2 * i] = prev
+    if admitted then
+      -- Snapshot::admits: the same four IEEE operations in the same order.
+      local carried = prev * (w - E[j])
+      if CHARGED[j] then
+        admitted = (cur + cost - MAX[j]) * w + carried <= 0
+      else
+        admitted = (cur - MAX[j]) * w + carried < 0
+      end
     end
   end
-  buckets[i], curs[i], prevs[i] = b, cur, prev
-  reply[2 * i + 1] = cur
-  reply[2 * i + 2] = prev
-end
-if admitted then
-  reply[2] = 1
-  for i = 1, n do
-    local a = 3 + 4 * (i - 1)
-    if ARGV[a + 2] == 'a' then
-      redis.call('SET', KEYS[i], string.format('%d %d %d', buckets[i], curs[i] + cost, prevs[i]),
-        'PX', ARGV[a + 3])
+  reply[at] = 0
+  if admitted then
+    reply[at] = 1
+    for i = 0, n - 1 do
+      local j = tonumber(ARGV[pos + i])
+      if CHARGED[j] then
+        CUR[j] = CUR[j] + cost
+        dirty[j] = true
+      end
     end
+  end
+  pos = pos + n
+end
+for j = 1, nk do
+  if dirty[j] then
+    redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], PREV[j]), 'PX', TTL[j])
   end
 end
 return reply

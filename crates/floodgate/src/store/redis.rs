@@ -151,6 +151,8 @@ pub struct RedisStats {
     pub replays: u64,
     /// Outages: times the circuit breaker opened.
     pub outages: u64,
+    /// Script calls that carried admissions: fewer than admissions when they were batched.
+    pub admit_batches: u64,
     /// Whether the circuit breaker is open now (Redis is being probed).
     pub breaker_open: bool,
 }
@@ -164,6 +166,7 @@ struct Counters {
     errors: AtomicU64,
     replays: AtomicU64,
     outages: AtomicU64,
+    admit_batches: AtomicU64,
 }
 
 fn bump(counter: &AtomicU64) {
@@ -243,6 +246,16 @@ enum Failure {
     Backend(String),
 }
 
+impl Failure {
+    /// The same failure, for another request of the same batch.
+    fn again(&self) -> Failure {
+        match self {
+            Failure::Unavailable(why) => Failure::Unavailable(why.clone()),
+            Failure::Backend(why) => Failure::Backend(why.clone()),
+        }
+    }
+}
+
 impl From<Failure> for Error {
     fn from(f: Failure) -> Error {
         match f {
@@ -296,6 +309,8 @@ pub struct RedisStore {
 struct Inner {
     conn: ConnectionManager,
     config: RedisConfig,
+    /// Admissions waiting for the next batch (see [`RedisStore::admit_inner`]).
+    admissions: std::sync::Mutex<AdmitQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
     counters: Counters,
@@ -350,6 +365,7 @@ impl RedisStore {
             inner: Arc::new(Inner {
                 conn,
                 config,
+                admissions: std::sync::Mutex::new(AdmitQueue::default()),
                 open: AtomicBool::new(false),
                 counters: Counters::default(),
             }),
@@ -384,6 +400,7 @@ impl RedisStore {
             errors: load(&c.errors),
             replays: load(&c.replays),
             outages: load(&c.outages),
+            admit_batches: load(&c.admit_batches),
             breaker_open: self.inner.open.load(Ordering::Acquire),
         }
     }
@@ -596,44 +613,75 @@ fn bad_reply() -> Failure {
     Failure::Backend("unexpected script reply".into())
 }
 
+/// Admissions queued for the next batch, and whether a task is sending batches.
+#[derive(Default)]
+struct AdmitQueue {
+    pending: Vec<PendingAdmit>,
+    sending: bool,
+}
+
+/// One queued admission: its chain, its cost, its time argument and where its answer goes.
+struct PendingAdmit {
+    limits: Vec<ChainLimit>,
+    cost: u64,
+    time: Option<u64>,
+    reply: tokio::sync::oneshot::Sender<Result<Decided, Failure>>,
+}
+
+/// One admission's answer within a batch: the batch's instant, whether it was admitted, and each
+/// limit's `(cur, prev)` as it saw them.
+type Decided = (u64, bool, Vec<(u64, u64)>);
+
+/// The most requests one batch carries.
+const MAX_BATCH: usize = 256;
+
 impl RedisStore {
+    /// Admits through a batch. While one batch is in flight, admissions queue; the next batch
+    /// takes them all (group commit), so a busy store sends one script call, one MGET and one
+    /// SET per distinct key for many requests, while an idle one sends each admission at once,
+    /// alone. The sending runs in a task of its own, so a caller that gives up (a client that
+    /// disconnects) never strands the others.
     async fn admit_inner(
         &self,
         limits: &[ChainLimit],
         cost: u64,
         now: Option<Timestamp>,
     ) -> Result<Observation, Failure> {
-        let mut cmd = self.evalsha(&ADMIT, limits.len(), 2 + 4 * limits.len());
-        for l in limits {
-            self.key_arg(&mut cmd, &[l.key()]);
+        if self.inner.open.load(Ordering::Acquire) {
+            // The breaker answers at once; the probe task closes it when Redis is back.
+            return Err(Failure::Unavailable("circuit breaker open".into()));
         }
-        self.time_arg(&mut cmd, now);
-        cmd.arg(cost);
-        for l in limits {
-            let w = l.limit().window_micros();
-            cmd.arg(w).arg(l.limit().max());
-            cmd.arg(match l.charge() {
-                Charge::Admission => "a",
-                Charge::Reactive => "r",
-            });
-            cmd.arg(ttl_millis(w));
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let pending = PendingAdmit {
+            limits: limits.to_vec(),
+            cost,
+            time: self.time_of(now),
+            reply: tx,
+        };
+        let start = {
+            let mut q = self.queue();
+            q.pending.push(pending);
+            !std::mem::replace(&mut q.sending, true)
+        };
+        if start {
+            tokio::spawn(self.clone().send_batches());
         }
-        let reply: Vec<::redis::Value> = self.inner.run(&ADMIT, &cmd).await?;
-        if reply.len() != 2 + 2 * limits.len() {
-            return Err(bad_reply());
-        }
-        let t = int(&reply[0])?;
-        let admitted = int(&reply[1])? == 1;
-        let mut snapshots = Vec::with_capacity(limits.len());
-        for (l, counts) in limits.iter().zip(reply[2..].chunks_exact(2)) {
-            let w = l.limit().window_micros();
-            snapshots.push(Snapshot {
-                bucket: t / w,
-                elapsed: t % w,
-                cur: int(&counts[0])?,
-                prev: int(&counts[1])?,
-            });
-        }
+        let (t, admitted, counts) = rx
+            .await
+            .map_err(|_| Failure::Unavailable("admission batch abandoned".into()))??;
+        let snapshots = limits
+            .iter()
+            .zip(counts)
+            .map(|(l, (cur, prev))| {
+                let w = l.limit().window_micros();
+                Snapshot {
+                    bucket: t / w,
+                    elapsed: t % w,
+                    cur,
+                    prev,
+                }
+            })
+            .collect();
         self.count(admitted);
         Ok(Observation {
             now: Timestamp::from_micros(t),
@@ -643,6 +691,116 @@ impl RedisStore {
         })
     }
 
+    fn queue(&self) -> std::sync::MutexGuard<'_, AdmitQueue> {
+        // Pushes and drains cannot leave the queue half-changed.
+        self.inner
+            .admissions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends batches until the queue is empty. One batch shares one time argument: admissions
+    /// with another (a pinned clock) wait for a later batch.
+    async fn send_batches(self) {
+        loop {
+            let batch: Vec<PendingAdmit> = {
+                let mut q = self.queue();
+                let Some(time) = q.pending.first().map(|p| p.time) else {
+                    q.sending = false;
+                    return;
+                };
+                let mut batch = Vec::new();
+                let mut rest = Vec::new();
+                for p in q.pending.drain(..) {
+                    if p.time == time && batch.len() < MAX_BATCH {
+                        batch.push(p);
+                    } else {
+                        rest.push(p);
+                    }
+                }
+                q.pending = rest;
+                batch
+            };
+            self.send_batch(batch).await;
+        }
+    }
+
+    async fn send_batch(&self, batch: Vec<PendingAdmit>) {
+        // Distinct keys, each with its limit; each request as indices into them.
+        let mut keys: Vec<&ChainLimit> = Vec::new();
+        let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut requests: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
+        for p in &batch {
+            let ids = p
+                .limits
+                .iter()
+                .map(|l| {
+                    *index.entry(l.key()).or_insert_with(|| {
+                        keys.push(l);
+                        keys.len()
+                    })
+                })
+                .collect();
+            requests.push(ids);
+        }
+        let argc = 2 + 4 * keys.len() + requests.iter().map(|r| 2 + r.len()).sum::<usize>();
+        let mut cmd = self.evalsha(&ADMIT, keys.len(), argc);
+        for l in &keys {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        match batch[0].time {
+            Some(t) => cmd.arg(t),
+            None => cmd.arg(""),
+        };
+        for l in &keys {
+            let w = l.limit().window_micros();
+            cmd.arg(w).arg(l.limit().max());
+            cmd.arg(match l.charge() {
+                Charge::Admission => "a",
+                Charge::Reactive => "r",
+            });
+            cmd.arg(ttl_millis(w));
+        }
+        cmd.arg(batch.len());
+        for (p, ids) in batch.iter().zip(&requests) {
+            cmd.arg(p.cost).arg(ids.len());
+            for id in ids {
+                cmd.arg(*id);
+            }
+        }
+        bump(&self.inner.counters.admit_batches);
+        let answer: Result<Vec<::redis::Value>, Failure> = self.inner.run(&ADMIT, &cmd).await;
+        let reply = match answer {
+            Ok(reply) => reply,
+            Err(failure) => {
+                for p in batch {
+                    let _ = p.reply.send(Err(failure.again()));
+                }
+                return;
+            }
+        };
+        let mut at = 1;
+        let now = reply.first().and_then(|v| int(v).ok());
+        for (p, ids) in batch.into_iter().zip(&requests) {
+            let decided = (|| {
+                let t = now.ok_or_else(bad_reply)?;
+                let answer = reply
+                    .get(at..at + 1 + 2 * ids.len())
+                    .ok_or_else(bad_reply)?;
+                let admitted = int(&answer[0])? == 1;
+                let counts = answer[1..]
+                    .chunks_exact(2)
+                    .map(|c| Ok((int(&c[0])?, int(&c[1])?)))
+                    .collect::<Result<Vec<_>, Failure>>()?;
+                Ok((t, admitted, counts))
+            })();
+            at += 1 + 2 * ids.len();
+            let _ = p.reply.send(decided);
+        }
+    }
+}
+
+impl RedisStore {
     async fn acquire_inner(
         &self,
         key: BucketKey<'_>,
