@@ -18,7 +18,7 @@ use crate::window::{Charge, Snapshot, WindowState};
 
 /// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
 /// and tables stay in cache (each shard is a few more cache lines to touch).
-const SHARDS_PER_CORE: usize = 4;
+const SHARDS_PER_CORE: usize = 8;
 /// A shard is swept of expired state when it grows past twice its size after the last sweep
 /// (and past this floor), which bounds memory at about twice the live state at O(1) amortised
 /// cost per insert.
@@ -26,7 +26,8 @@ const MIN_SWEEP: usize = 1024;
 
 /// The embedded in-memory store: thread-safe, cheap to clone (clones share state).
 ///
-/// State is split over shards (four per core, at least 8), each a `HashMap` behind a `std::sync::Mutex`. A chain whose
+/// State is split over shards (eight per core, at least 8), each two hash tables (windows and
+/// buckets) behind a `std::sync::Mutex`. A chain whose
 /// limits live in several shards locks them all in ascending shard order (so two chains can
 /// never deadlock), reads, decides and writes, then unlocks: the decision is atomic, with no
 /// torn reads. The locks are std ones because they are never held across an `.await`: every
