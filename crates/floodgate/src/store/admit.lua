@@ -21,20 +21,7 @@ local W, MAX, CHARGED, TTL, B, E, CUR, PREV = {}, {}, {}, {}, {}, {}, {}, {}
 for j = 1, nk do
   local a = 1 + 4 * (j - 1)
   local w = tonumber(ARGV[a + 1])
-  -- floor(now / w), corrected: the double division may round across an integer.
-  local b = math.floor(now / w)
-  if b * w > now then b = b - 1 elseif (b + 1) * w <= now then b = b + 1 end
-  local cur, prev = 0, 0
-  local v = stored[j]
-  if v then
-    local sb, sc, sp = string.match(v, '^(%d+) (%d+) (%d+)$')
-    sb = tonumber(sb)
-    if sb == b then
-      cur, prev = tonumber(sc), tonumber(sp)
-    elseif sb + 1 == b then
-      prev = tonumber(sc)
-    end
-  end
+  local b, cur, prev = window_at(stored[j], w)
   W[j], MAX[j], CHARGED[j], TTL[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', ARGV[a + 4]
   B[j], E[j], CUR[j], PREV[j] = b, now - b * w, cur, prev
 end

@@ -194,15 +194,24 @@ struct Op {
     replay: Replay,
 }
 
-/// Each script is `clock.lua`, which sets `now`, followed by the operation's own file.
+/// Each script is `clock.lua`, which sets `now`, followed by the operation's own file; the window
+/// scripts also get `window.lua` (`window_at`, the rolled state of a window).
 macro_rules! lua {
     ($file:literal) => {
         concat!(include_str!("clock.lua"), include_str!($file))
     };
+    // The window scripts also share `window_at` (window.lua).
+    (window $file:literal) => {
+        concat!(
+            include_str!("clock.lua"),
+            include_str!("window.lua"),
+            include_str!($file)
+        )
+    };
 }
 
-const ADMIT_LUA: &str = lua!("admit.lua");
-const RECORD_LUA: &str = lua!("record.lua");
+const ADMIT_LUA: &str = lua!(window "admit.lua");
+const RECORD_LUA: &str = lua!(window "record.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 
