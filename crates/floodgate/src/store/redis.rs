@@ -711,6 +711,18 @@ impl RedisStore {
     /// Sends batches until the queue is empty. One batch shares one time argument: admissions
     /// with another (a pinned clock) wait for a later batch.
     async fn send_batches(self) {
+        // If sending ever panicked, the queue must not stay marked as served: the next
+        // admission then starts a sender again (the batch in hand fails over to its policy, its
+        // answers dropped).
+        struct Unmark<'a>(&'a RedisStore);
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                if std::thread::panicking() {
+                    self.0.queue().sending = false;
+                }
+            }
+        }
+        let _unmark = Unmark(&self);
         loop {
             let batch: Vec<PendingAdmit> = {
                 let mut q = self.queue();
