@@ -29,6 +29,9 @@ fn config(cases: u32) -> ProptestConfig {
         failure_persistence: Some(Box::new(FileFailurePersistence::Direct(
             "tests/proptests.proptest-regressions",
         ))),
+        // About one generated case in three admits and is skipped by a `prop_assume!`: at the
+        // default cap (1 024 skips) a 2 000-case run failed about one time in twenty.
+        max_global_rejects: 20_000,
         ..ProptestConfig::default()
     }
 }
