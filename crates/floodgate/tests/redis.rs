@@ -937,6 +937,19 @@ async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
     assert!(decisions.iter().all(|d| d.enforced));
     assert_eq!(decisions.iter().filter(|d| d.admitted).count(), 150);
     assert_eq!(stored_cur(&url, &store, org.key()).await, 150);
+    // Each admitted request saw the org as the requests decided before it left it: the 150
+    // admissions leave 149, 148, ..., 0, each exactly once, and every refusal by the org sees it
+    // full. (What a request saw is replayed from the batch's reply, not sent for each.)
+    let mut left: Vec<u64> = decisions
+        .iter()
+        .filter(|d| d.admitted)
+        .map(|d| d.statuses[1].remaining)
+        .collect();
+    left.sort_unstable();
+    assert_eq!(left, (0..150).collect::<Vec<u64>>());
+    for d in decisions.iter().filter(|d| d.refused_by == Some(1)) {
+        assert_eq!(d.statuses[1].remaining, 0);
+    }
     let stats = store.stats();
     assert!(
         stats.admit_batches < 300,

@@ -12,8 +12,11 @@
 -- then R, the number of requests; then per request: cost, n, and the indices (into KEYS) of its
 -- n limits in chain order.
 -- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
--- Reply: {now, then per request: admitted, cur_1, prev_1, ..., cur_n, prev_n}: each limit's
--- counts as that request saw them, before its own charge.
+-- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted}: each key's counts at `now` before
+-- the batch, and one character per request, '1' admitted or '0' refused. What each request saw
+-- follows from these: a key's count plus the costs of the admitted requests before it that
+-- charge that key. (The client replays that sum; a reply of every request's view of every limit
+-- cost the client more to parse than the rest of the decision.)
 local nk = #KEYS
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
@@ -25,34 +28,35 @@ for j = 1, nk do
   W[j], MAX[j], CHARGED[j], TTL[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', ARGV[a + 4]
   B[j], E[j], CUR[j], PREV[j] = b, now - b * w, cur, prev
 end
+local reply = {now}
+for j = 1, nk do
+  reply[2 * j] = CUR[j]
+  reply[2 * j + 1] = PREV[j]
+end
 local dirty = {}
 local pos = 2 + 4 * nk
 local requests = tonumber(ARGV[pos])
 pos = pos + 1
-local reply = {now}
-for _ = 1, requests do
+local flags = {}
+for r = 1, requests do
   local cost, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1])
   pos = pos + 2
-  local at = #reply + 1
   local admitted = true
   for i = 0, n - 1 do
     local j = tonumber(ARGV[pos + i])
-    local w, cur, prev = W[j], CUR[j], PREV[j]
-    reply[at + 1 + 2 * i] = cur
-    reply[at + 2 + 2 * i] = prev
-    if admitted then
-      -- Snapshot::admits: the same four IEEE operations in the same order.
-      local carried = prev * (w - E[j])
-      if CHARGED[j] then
-        admitted = (cur + cost - MAX[j]) * w + carried <= 0
-      else
-        admitted = (cur - MAX[j]) * w + carried < 0
-      end
+    local w = W[j]
+    -- Snapshot::admits: the same four IEEE operations in the same order.
+    local carried = PREV[j] * (w - E[j])
+    if CHARGED[j] then
+      admitted = (CUR[j] + cost - MAX[j]) * w + carried <= 0
+    else
+      admitted = (CUR[j] - MAX[j]) * w + carried < 0
     end
+    if not admitted then break end
   end
-  reply[at] = 0
+  flags[r] = '0'
   if admitted then
-    reply[at] = 1
+    flags[r] = '1'
     for i = 0, n - 1 do
       local j = tonumber(ARGV[pos + i])
       if CHARGED[j] then
@@ -68,4 +72,5 @@ for j = 1, nk do
     redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], PREV[j]), 'PX', TTL[j])
   end
 end
+reply[2 * nk + 2] = table.concat(flags)
 return reply

@@ -36,6 +36,7 @@
 //! ```
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Weak};
@@ -749,7 +750,7 @@ impl RedisStore {
     async fn send_batch(&self, batch: Vec<PendingAdmit>) {
         // Distinct keys, each with its limit; each request as indices into them.
         let mut keys: Vec<&ChainLimit> = Vec::new();
-        let mut index: std::collections::HashMap<&str, usize> = std::collections::HashMap::new();
+        let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
         let mut requests: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
         for p in &batch {
             let ids = p
@@ -789,6 +790,11 @@ impl RedisStore {
                 cmd.arg(*id);
             }
         }
+        // What the reply's replay needs of the keys (they borrow from the batch).
+        let charged: Vec<bool> = keys
+            .iter()
+            .map(|l| l.charge() == Charge::Admission)
+            .collect();
         bump(&self.inner.counters.admit_batches);
         let answer: Result<Vec<::redis::Value>, Failure> = self.inner.run(&ADMIT, &cmd).await;
         let reply = match answer {
@@ -800,23 +806,48 @@ impl RedisStore {
                 return;
             }
         };
-        let mut at = 1;
-        let now = reply.first().and_then(|v| int(v).ok());
-        for (p, ids) in batch.into_iter().zip(&requests) {
-            let decided = (|| {
-                let t = now.ok_or_else(bad_reply)?;
-                let answer = reply
-                    .get(at..at + 1 + 2 * ids.len())
-                    .ok_or_else(bad_reply)?;
-                let admitted = int(&answer[0])? == 1;
-                let counts = answer[1..]
-                    .chunks_exact(2)
-                    .map(|c| Ok((int(&c[0])?, int(&c[1])?)))
-                    .collect::<Result<Vec<_>, Failure>>()?;
-                Ok((t, admitted, counts))
-            })();
-            at += 1 + 2 * ids.len();
-            let _ = p.reply.send(decided);
+        // {now, (cur, prev) per key, one '1' or '0' per request}: each request's view is
+        // replayed from the keys' counts, as the script decided them (see admit.lua).
+        let parsed = (|| {
+            let (now, rest) = reply.split_first().ok_or_else(bad_reply)?;
+            let (flags, counts) = rest.split_last().ok_or_else(bad_reply)?;
+            let flags = match flags {
+                ::redis::Value::BulkString(f) if f.len() == batch.len() => f,
+                _ => return Err(bad_reply()),
+            };
+            if counts.len() != 2 * charged.len() {
+                return Err(bad_reply());
+            }
+            let counts = counts
+                .chunks_exact(2)
+                .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
+                .collect::<Result<Vec<_>, Failure>>()?;
+            Ok((int(now)?, flags, counts))
+        })();
+        let (now, flags, mut counts) = match parsed {
+            Ok(parsed) => parsed,
+            Err(failure) => {
+                for p in batch {
+                    let _ = p.reply.send(Err(failure.again()));
+                }
+                return;
+            }
+        };
+        for ((p, ids), flag) in batch.into_iter().zip(&requests).zip(flags) {
+            let admitted = *flag == b'1';
+            // Indices are 1-based, as in KEYS.
+            let seen = ids
+                .iter()
+                .map(|&j| (counts[j - 1][0], counts[j - 1][1]))
+                .collect();
+            if admitted {
+                for &j in ids {
+                    if charged[j - 1] {
+                        counts[j - 1][0] = counts[j - 1][0].saturating_add(p.cost);
+                    }
+                }
+            }
+            let _ = p.reply.send(Ok((now, admitted, seen)));
         }
     }
 }
