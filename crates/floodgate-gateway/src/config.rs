@@ -126,6 +126,7 @@ struct RawUpstream {
     api_key_env: Option<Spanned<String>>,
     demo: Option<Spanned<bool>>,
     timeout_sec: Option<Spanned<u64>>,
+    ca_file: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -214,12 +215,17 @@ pub struct UpstreamConfig {
 pub enum UpstreamTarget {
     /// The built-in demo upstream: fixed replies with a real `usage`, no outside service.
     Demo,
-    /// An OpenAI-compatible HTTP server.
+    /// An OpenAI-compatible HTTP server, over TLS for an `https://` base URL.
     Http {
-        /// `http://host:port[/prefix]`, without a trailing slash; the request path is appended.
+        /// `http://host[:port][/prefix]` or `https://host[:port][/prefix]`, without a trailing
+        /// slash; the request path is appended.
         base_url: String,
         /// The environment variable holding the upstream's API key, if any.
         api_key_env: Option<String>,
+        /// A PEM file of CA certificates trusted for an https upstream besides the system's,
+        /// relative paths resolved against the config file's directory. Checked at load: it
+        /// could be read and holds at least one usable certificate.
+        ca_file: Option<PathBuf>,
     },
 }
 
@@ -312,8 +318,8 @@ impl Config {
         Config::parse(path, &text)
     }
 
-    /// Validates `text`, read from `path` (used in error messages), with `FLOODGATE_REDIS_URL`
-    /// from the environment.
+    /// Validates `text`, read from `path` (used in error messages and to resolve a relative
+    /// `upstream.ca_file`, which is read), with `FLOODGATE_REDIS_URL` from the environment.
     pub fn parse(path: impl AsRef<Path>, text: &str) -> Result<Config, ConfigError> {
         let env_url = std::env::var(REDIS_URL_ENV).ok().filter(|u| !u.is_empty());
         Config::parse_with_env(path, text, env_url)
@@ -728,23 +734,35 @@ impl Validator<'_> {
                         "the demo upstream takes no API key",
                     ));
                 }
+                if let Some(c) = raw.ca_file {
+                    return Err(self.error(
+                        c.span(),
+                        "upstream.ca_file",
+                        "the demo upstream takes no CA file",
+                    ));
+                }
                 UpstreamTarget::Demo
             }
             (false, None) => {
                 return Err(self.error(
                     span,
                     "upstream.base_url",
-                    "set `base_url` (an http:// URL) or `demo = true`",
+                    "set `base_url` (an http:// or https:// URL) or `demo = true`",
                 ));
             }
             (false, Some(b)) => {
                 let url = b.get_ref().trim_end_matches('/');
-                let Some(rest) = url.strip_prefix("http://") else {
-                    return Err(self.error(
-                        b.span(),
-                        "upstream.base_url",
-                        "expected an http:// URL (https upstreams are not supported yet: put a TLS-originating proxy in between)",
-                    ));
+                let (tls, rest) = match (url.strip_prefix("http://"), url.strip_prefix("https://"))
+                {
+                    (Some(rest), _) => (false, rest),
+                    (_, Some(rest)) => (true, rest),
+                    (None, None) => {
+                        return Err(self.error(
+                            b.span(),
+                            "upstream.base_url",
+                            "expected an http:// or https:// URL",
+                        ));
+                    }
                 };
                 let authority = rest.split('/').next().unwrap_or("");
                 let valid = !authority.is_empty()
@@ -754,7 +772,10 @@ impl Validator<'_> {
                     return Err(self.error(
                         b.span(),
                         "upstream.base_url",
-                        format!("`{}` is not a URL like http://127.0.0.1:9000", b.get_ref()),
+                        format!(
+                            "`{}` is not a URL like http://127.0.0.1:9000 or https://api.example.com",
+                            b.get_ref()
+                        ),
                     ));
                 }
                 let api_key_env = match raw.api_key_env {
@@ -767,9 +788,35 @@ impl Validator<'_> {
                     }
                     k => k.map(Spanned::into_inner),
                 };
+                let ca_file = match raw.ca_file {
+                    None => None,
+                    Some(c) if !tls => {
+                        return Err(self.error(
+                            c.span(),
+                            "upstream.ca_file",
+                            "a CA file is for https:// upstreams only",
+                        ));
+                    }
+                    Some(c) if c.get_ref().trim().is_empty() => {
+                        return Err(self.error(c.span(), "upstream.ca_file", "must not be empty"));
+                    }
+                    Some(c) => {
+                        // Relative to the config file, so a config and its CA file move together.
+                        let path = match self.file.parent() {
+                            Some(dir) => dir.join(c.get_ref()),
+                            None => PathBuf::from(c.get_ref()),
+                        };
+                        // Read now so that `check-config` catches a bad file; `serve` reads it
+                        // again when it builds the TLS config.
+                        crate::tls::ca_file_roots(&path)
+                            .map_err(|e| self.error(c.span(), "upstream.ca_file", e))?;
+                        Some(path)
+                    }
+                };
                 UpstreamTarget::Http {
                     base_url: url.to_owned(),
                     api_key_env,
+                    ca_file,
                 }
             }
         };

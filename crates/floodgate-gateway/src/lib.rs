@@ -6,7 +6,7 @@
 //! - [`auth`]: bearer secret -> key -> precomputed chain;
 //! - [`app`]: the router and the server loop;
 //! - [`server`]: the process: worker threads, store, signals, draining;
-//! - [`proxy`]: forwarding, streaming both ways;
+//! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
 //! - [`headers`]: rate-limit response headers;
 //! - [`demo`]: the built-in demo upstream;
@@ -38,6 +38,7 @@ pub mod metering;
 pub mod proxy;
 pub mod server;
 pub mod store;
+mod tls;
 
 pub use app::{AppState, app, run};
 pub use config::{Config, ConfigError};

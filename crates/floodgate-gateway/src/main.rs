@@ -74,6 +74,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
         UpstreamTarget::Http {
             base_url,
             api_key_env,
+            ca_file,
         } => {
             let key = match api_key_env {
                 None => "no API key".to_owned(),
@@ -86,6 +87,12 @@ fn check_config(file: &PathBuf) -> ExitCode {
                 "upstream: {base_url} ({key}, timeout {}s)",
                 config.upstream.timeout.as_secs()
             );
+            if let Some(path) = ca_file {
+                println!(
+                    "upstream CA file: {} (trusted besides the system's CAs)",
+                    path.display()
+                );
+            }
         }
     }
     let gateway = config.scope_limits(ScopeKind::Gateway, GATEWAY_ID);

@@ -1,11 +1,13 @@
 //! Forwarding to the upstream: a pool of kept-alive HTTP/1 connections per worker, bodies
-//! streamed both ways.
+//! streamed both ways; over TLS (rustls) for an `https://` upstream.
 //!
 //! The caller's `Authorization` (the gateway key) and `X-Floodgate-Customer` never leave the
 //! gateway; the upstream's own key, if configured, is sent instead. Hop-by-hop headers are
-//! dropped in both directions. Connect failures answer 502; no response headers within
-//! `[upstream] timeout_sec` answer 504.
+//! dropped in both directions. Connect failures (TLS handshakes included) answer 502; no response
+//! headers within `[upstream] timeout_sec` answer 504.
 
+use std::net::IpAddr;
+use std::path::Path;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll};
@@ -21,13 +23,16 @@ use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::SendRequest;
 use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
+use tokio_rustls::TlsConnector;
 use tower::{Service, ServiceExt};
 
 use crate::auth::CUSTOMER_HEADER;
 use crate::config::{UpstreamConfig, UpstreamTarget};
 use crate::error::AppError;
 
-/// How long to wait for a TCP connection to the upstream.
+/// How long to wait for a TCP connection to the upstream, and then for its TLS handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled upstream connection is kept.
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
@@ -89,6 +94,7 @@ impl Upstream {
             UpstreamTarget::Http {
                 base_url,
                 api_key_env,
+                ca_file,
             } => {
                 let auth = match api_key_env {
                     None => None,
@@ -105,11 +111,13 @@ impl Upstream {
                         Some(v)
                     }
                 };
-                let mut connector = HttpConnector::new();
-                connector.set_nodelay(true);
-                connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
-                connector.enforce_http(true);
-                let rest = base_url.strip_prefix("http://").unwrap_or(base_url);
+                let (scheme, rest) = match base_url.strip_prefix("https://") {
+                    Some(rest) => (Scheme::HTTPS, rest),
+                    None => (
+                        Scheme::HTTP,
+                        base_url.strip_prefix("http://").unwrap_or(base_url),
+                    ),
+                };
                 let (host, prefix) = match rest.find('/') {
                     Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
                     None => (rest, ""),
@@ -119,8 +127,19 @@ impl Upstream {
                     .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
                 let host = HeaderValue::from_str(authority.as_str())
                     .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
+                let tls = if scheme == Scheme::HTTPS {
+                    Some(Tls::new(&authority, ca_file.as_deref())?)
+                } else {
+                    None
+                };
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+                // The connector only opens the TCP connection (to port 443 when an https URL
+                // names none); TLS is layered on top in `Pool::connect`.
+                connector.enforce_http(tls.is_none());
                 let connect_uri = Uri::builder()
-                    .scheme(Scheme::HTTP)
+                    .scheme(scheme)
                     .authority(authority.clone())
                     .path_and_query("/")
                     .build()
@@ -129,6 +148,7 @@ impl Upstream {
                     pool: Arc::new(Pool {
                         connector,
                         connect_uri,
+                        tls,
                         idle: Mutex::new(Vec::new()),
                     }),
                     base: base_url.clone(),
@@ -215,7 +235,42 @@ struct Pool {
     connector: HttpConnector,
     /// What the connector connects to: the upstream's scheme and authority.
     connect_uri: Uri,
+    /// For an https upstream: the TLS client to wrap each new connection in.
+    tls: Option<Tls>,
     idle: Mutex<Vec<Idle>>,
+}
+
+/// TLS to an https upstream, set up once: every connection shares the config (and with it the
+/// session cache, so reconnections resume sessions).
+struct Tls {
+    connector: TlsConnector,
+    /// The name the upstream's certificate must be valid for, sent as SNI: the base URL's host
+    /// name, or its IP address.
+    server_name: ServerName<'static>,
+}
+
+impl Tls {
+    fn new(authority: &Authority, ca_file: Option<&Path>) -> Result<Tls, String> {
+        // `[::1]` in a URL: the brackets are not part of the address.
+        let host = authority.host();
+        let host = host
+            .strip_prefix('[')
+            .and_then(|h| h.strip_suffix(']'))
+            .unwrap_or(host);
+        let server_name = match host.parse::<IpAddr>() {
+            Ok(ip) => ServerName::from(ip),
+            Err(_) => ServerName::try_from(host.to_owned())
+                .map_err(|e| format!("upstream.base_url: bad TLS server name `{host}`: {e}"))?,
+        };
+        let config = crate::tls::client_config(ca_file).map_err(|e| match ca_file {
+            Some(_) => format!("upstream.ca_file: {e}"),
+            None => format!("upstream.base_url: {e}"),
+        })?;
+        Ok(Tls {
+            connector: TlsConnector::from(config),
+            server_name,
+        })
+    }
 }
 
 struct Idle {
@@ -285,22 +340,41 @@ impl Pool {
     }
 
     async fn connect(&self) -> Result<SendRequest<Body>, String> {
-        let io = self
+        let tcp = self
             .connector
             .clone()
             .call(self.connect_uri.clone())
             .await
             .map_err(|e| cause(&e))?;
-        let (conn, driver) = hyper::client::conn::http1::handshake(io)
-            .await
-            .map_err(|e| cause(&e))?;
-        tokio::spawn(async move {
-            if let Err(e) = driver.await {
-                tracing::debug!(error = %e, "upstream connection ended");
-            }
-        });
-        Ok(conn)
+        let Some(tls) = &self.tls else {
+            return handshake(tcp).await;
+        };
+        let connecting = tls
+            .connector
+            .connect(tls.server_name.clone(), tcp.into_inner());
+        match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
+            Err(_) => Err("TLS handshake with the upstream timed out".into()),
+            Ok(Err(e)) => Err(format!("TLS handshake with the upstream: {}", cause(&e))),
+            Ok(Ok(stream)) => handshake(TokioIo::new(stream)).await,
+        }
     }
+}
+
+/// Starts HTTP/1 on a new upstream connection, plain or TLS (generic, so neither pays for the
+/// other), and spawns its driver.
+async fn handshake<T>(io: T) -> Result<SendRequest<Body>, String>
+where
+    T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (conn, driver) = hyper::client::conn::http1::handshake(io)
+        .await
+        .map_err(|e| cause(&e))?;
+    tokio::spawn(async move {
+        if let Err(e) = driver.await {
+            tracing::debug!(error = %e, "upstream connection ended");
+        }
+    });
+    Ok(conn)
 }
 
 /// An error and its source, for the log.
