@@ -29,6 +29,8 @@ pub struct Seen {
     pub hits: Arc<AtomicUsize>,
     pub last_body: Arc<Mutex<Option<Value>>>,
     pub last_headers: Arc<Mutex<Option<HeaderMap>>>,
+    /// TLS handshakes completed (`fake_upstream_tls` only).
+    pub tls_handshakes: Arc<AtomicUsize>,
 }
 
 impl Seen {
@@ -41,6 +43,9 @@ impl Seen {
             .unwrap()
             .clone()
             .unwrap_or(Value::Null)
+    }
+    pub fn tls_handshakes(&self) -> usize {
+        self.tls_handshakes.load(Ordering::SeqCst)
     }
     pub fn last_headers(&self) -> HeaderMap {
         self.last_headers
@@ -59,6 +64,10 @@ pub struct FakeUpstream {
 impl FakeUpstream {
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+    /// The https URL by host name (the test certificate's `localhost`).
+    pub fn https_url(&self) -> String {
+        format!("https://localhost:{}", self.addr.port())
     }
 }
 
@@ -124,8 +133,8 @@ async fn slow() -> &'static str {
     "late"
 }
 
-pub async fn fake_upstream() -> FakeUpstream {
-    let seen = Seen::default();
+/// The fake upstream's API, recording into `seen`.
+fn fake_app(seen: &Seen) -> Router {
     let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/slow", get(slow))
@@ -136,10 +145,69 @@ pub async fn fake_upstream() -> FakeUpstream {
             }),
         );
     // The same API under a path prefix, for base URLs like http://host/api.
-    let app = routes.clone().nest("/api", routes).with_state(seen.clone());
+    routes.clone().nest("/api", routes).with_state(seen.clone())
+}
+
+pub async fn fake_upstream() -> FakeUpstream {
+    let seen = Seen::default();
+    let app = fake_app(&seen);
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    FakeUpstream { addr, seen }
+}
+
+/// The test-only certificates of `tests/tls/` (see `generate.sh` there).
+pub fn tls_fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/tls")
+        .join(name)
+}
+
+/// The fake upstream over TLS (HTTP/1.1) with the certificate chain `cert` and the key `key`
+/// (PEM files). `seen.tls_handshakes` counts the handshakes that succeeded.
+pub async fn fake_upstream_tls(cert: &std::path::Path, key: &std::path::Path) -> FakeUpstream {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let certs = CertificateDer::pem_file_iter(cert)
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(key).unwrap();
+    let mut tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    tls.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(tls));
+
+    let seen = Seen::default();
+    let app = fake_app(&seen);
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let handshakes = seen.tls_handshakes.clone();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let (acceptor, app, handshakes) = (acceptor.clone(), app.clone(), handshakes.clone());
+            tokio::spawn(async move {
+                // A client that refuses the certificate ends here.
+                let Ok(stream) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                handshakes.fetch_add(1, Ordering::SeqCst);
+                let service = hyper_util::service::TowerToHyperService::new(app);
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            });
+        }
+    });
     FakeUpstream { addr, seen }
 }
 
