@@ -1,9 +1,10 @@
 //! The gateway on Redis: three gateway processes sharing one Redis hold one limit between them;
-//! a Redis outage fails open; once Redis is back, limits hold again.
+//! a Redis outage fails open; once Redis is back, limits hold again; `rediss://` works.
 //!
 //! Needs `FLOODGATE_TEST_REDIS_URL` (scripts/test sets it); without it the tests skip with a
 //! note, unless `FLOODGATE_REQUIRE_REDIS=1`, when they fail. The outage test starts its own
-//! `redis-server` (it kills and restarts it).
+//! `redis-server` (it kills and restarts it). The TLS test needs `FLOODGATE_TEST_REDIS_TLS_URL`
+//! and the server's CA in `SSL_CERT_FILE` (scripts/test sets both) and skips the same way.
 
 mod common;
 
@@ -24,6 +25,22 @@ fn redis_url() -> Option<String> {
             );
             eprintln!(
                 "note: FLOODGATE_TEST_REDIS_URL is not set: skipping the gateway's Redis tests"
+            );
+            None
+        }
+    }
+}
+
+fn redis_tls_url() -> Option<String> {
+    match std::env::var("FLOODGATE_TEST_REDIS_TLS_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+                "FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_TLS_URL is not set"
+            );
+            eprintln!(
+                "note: FLOODGATE_TEST_REDIS_TLS_URL is not set: skipping the gateway's rediss:// test"
             );
             None
         }
@@ -284,4 +301,38 @@ async fn a_redis_outage_fails_open_and_limits_return_with_redis() {
         }
     }
     assert_eq!(enforced_ok, 5);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gateway_keeps_its_limits_on_redis_over_tls() {
+    let Some(redis) = redis_tls_url() else { return };
+    let up = fake_upstream().await;
+    let prefix = format!("fgtest-tls:{}:", unique());
+    // The `floodgate` binary itself, so that its build has the library's `tls` feature.
+    let gw = spawn_gateway(&redis, &prefix, &up.url()).await;
+    let client = reqwest_lite::Client::new();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while client.get(format!("http://{}/readyz", gw.addr)).await != 200 {
+        assert!(
+            Instant::now() < deadline,
+            "the gateway never reached Redis over TLS"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut answers = Vec::new();
+    for _ in 0..6 {
+        answers.push(client.chat_enforced(gw.addr, "sk-shared").await);
+    }
+    assert_eq!(
+        answers,
+        [
+            (200, true),
+            (200, true),
+            (200, true),
+            (200, true),
+            (200, true),
+            (429, true)
+        ],
+        "decided by Redis (rate-limit headers on every answer), not failed open"
+    );
 }
