@@ -43,8 +43,10 @@ use std::sync::{Arc, LazyLock, Weak};
 use std::time::{Duration, Instant};
 
 use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::io::tcp::TcpSettings;
 use ::redis::{
-    Client, Cmd, ErrorKind, FromRedisValue, RedisError, RedisWrite, Script, ServerErrorKind,
+    Client, Cmd, ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisWrite, Script,
+    ServerErrorKind,
 };
 
 use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
@@ -356,9 +358,18 @@ impl RedisStore {
         if config.url.starts_with("rediss://") {
             install_crypto_provider();
         }
-        let client = Client::open(config.url.as_str()).map_err(|e| {
+        let invalid = |e: RedisError| {
             Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&config.url)))
-        })?;
+        };
+        // TCP_NODELAY (the redis crate leaves Nagle on): a call written while another is in
+        // flight (a token record beside an admission batch) must not wait for the first's ACK.
+        let info = config
+            .url
+            .as_str()
+            .into_connection_info()
+            .map_err(invalid)?
+            .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+        let client = Client::open(info).map_err(invalid)?;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             // No per-request timer inside the connection: every call already runs under one
