@@ -17,8 +17,7 @@ use tokio::net::TcpSocket;
 use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::app::{AppState, run};
-use crate::config::{Backend, Config, default_workers};
-use crate::proxy::Upstream;
+use crate::config::{Backend, Config, UpstreamTarget, default_workers};
 use crate::store::{self, GatewayStore};
 
 /// How long a graceful shutdown waits for requests in flight before exiting anyway.
@@ -86,8 +85,8 @@ pub fn serve(config: &Config) -> Result<(), String> {
     }
     drop(done_tx);
 
-    let upstream = Upstream::from_config(&config.upstream)?;
-    if upstream.is_demo() {
+    // The workers built their upstreams (and any TLS config) already; this only reads the config.
+    if config.upstream.target == UpstreamTarget::Demo {
         tracing::warn!(
             "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
         );
