@@ -140,6 +140,10 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
         own = ChainHeaders::from_statuses(&decision.statuses);
         &own
     };
+    // Room for the (up to) twelve values at once: the map hyper parsed holds just its own
+    // headers, and would otherwise grow (and rehash) twice on the way. A map too large to grow
+    // is left to `insert`, which then fails the same way.
+    let _ = headers.try_reserve(ALL.len() + 2);
     let mut b = Buf::new();
     if let Some(i) = primary_index(decision) {
         let p = &decision.statuses[i];

@@ -436,21 +436,72 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     if !headers.keys().any(|n| HOP_BY_HOP.contains(n)) {
         return;
     }
-    // Headers named in `Connection` are hop-by-hop too.
-    let connection: Vec<HeaderValue> = headers
+    // Headers named in `Connection` are hop-by-hop too. Its usual tokens name none to look for:
+    // `close`, and `keep-alive` (the header of that name is removed below anyway).
+    let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
-        .iter()
-        .cloned()
-        .collect();
-    for name in connection
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
-    {
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+        .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+        .collect();
+    for name in named {
         headers.remove(name);
     }
     while let Some(name) = headers.keys().find(|n| HOP_BY_HOP.contains(n)).cloned() {
         headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(n, v)| {
+                (
+                    HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    fn names(h: &HeaderMap) -> Vec<&str> {
+        let mut n: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        n.sort_unstable();
+        n
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_dropped() {
+        let mut h = headers(&[
+            ("content-type", "application/json"),
+            ("connection", "keep-alive, X-Trace , close"),
+            ("connection", "x-other"),
+            ("keep-alive", "timeout=5"),
+            ("x-trace", "1"),
+            ("x-other", "2"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("te", "trailers"),
+            ("x-kept", "3"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["content-type", "x-kept"]);
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_headers_is_untouched() {
+        let mut h = headers(&[("content-type", "text/event-stream"), ("x-kept", "1")]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["content-type", "x-kept"]);
+        let mut h = headers(&[("connection", "keep-alive"), ("x-kept", "1")]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["x-kept"]);
     }
 }
