@@ -4,7 +4,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::Router;
 use axum::body::Body;
@@ -16,7 +16,7 @@ use floodgate::{ChainDecision, Error as StoreError};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
@@ -43,6 +43,7 @@ struct Inner {
     keys: Keys,
     store: GatewayStore,
     upstream: Upstream,
+    header_timeout: Duration,
 }
 
 impl AppState {
@@ -53,6 +54,7 @@ impl AppState {
                 keys: Keys::from_config(config),
                 store,
                 upstream: Upstream::from_config(&config.upstream)?,
+                header_timeout: config.header_timeout,
             }),
         })
     }
@@ -70,6 +72,11 @@ impl AppState {
     /// The upstream.
     pub fn upstream(&self) -> &Upstream {
         &self.inner.upstream
+    }
+
+    /// `[server] header_timeout_sec`.
+    pub fn header_timeout(&self) -> Duration {
+        self.inner.header_timeout
     }
 }
 
@@ -125,6 +132,12 @@ pub async fn run(
 ) -> std::io::Result<()> {
     let graceful = GracefulShutdown::new();
     let mut shutdown = std::pin::pin!(shutdown);
+    let mut http = http1::Builder::new();
+    // A caller that trickles its request head (slowloris) is cut off after `header_timeout`; so
+    // is a kept-alive connection that sends no next request for as long (hyper times the wait
+    // for a head from the end of the previous response).
+    http.timer(TokioTimer::new())
+        .header_read_timeout(state.header_timeout());
     loop {
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -143,7 +156,7 @@ pub async fn run(
             let state = state.clone();
             async move { Ok::<_, Infallible>(route(state, req.map(Body::new)).await) }
         });
-        let conn = http1::Builder::new().serve_connection(TokioIo::new(tcp), service);
+        let conn = http.serve_connection(TokioIo::new(tcp), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {

@@ -30,6 +30,9 @@ pub const DEFAULT_REQUESTS: u64 = 100;
 pub const DEFAULT_WINDOW_SEC: u64 = 60;
 /// Where the gateway listens when `[server] listen` is absent.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// `[server] header_timeout_sec` when absent: nginx's `client_header_timeout`.
+pub const DEFAULT_HEADER_TIMEOUT_SEC: u64 = 60;
+
 /// How long the gateway waits for the upstream's response headers when `timeout_sec` is absent.
 pub const DEFAULT_UPSTREAM_TIMEOUT_SEC: u64 = 300;
 /// The environment variable that overrides `[store] url`.
@@ -108,6 +111,7 @@ struct RawConfig {
 struct RawServer {
     listen: Option<Spanned<String>>,
     workers: Option<Spanned<usize>>,
+    header_timeout_sec: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -177,6 +181,9 @@ pub struct Config {
     /// Worker threads, each with its own event loop and listening socket (`None`: the default,
     /// see [`default_workers`]).
     pub workers: Option<usize>,
+    /// How long a caller may take to send a request's head, and how long a kept-alive
+    /// connection may sit idle between requests; then the connection is closed.
+    pub header_timeout: Duration,
     /// Where limit state lives.
     pub store: StoreConfig,
     /// Where admitted requests go.
@@ -434,9 +441,19 @@ impl Validator<'_> {
         raw: RawConfig,
         redis_url_env: Option<String>,
     ) -> Result<Config, ConfigError> {
-        let (listen, workers) = match raw.server {
-            None => (None, None),
-            Some(s) => (s.listen, s.workers),
+        let (listen, workers, header_timeout) = match raw.server {
+            None => (None, None, None),
+            Some(s) => (s.listen, s.workers, s.header_timeout_sec),
+        };
+        let header_timeout = match header_timeout {
+            Some(t) if *t.get_ref() == 0 || *t.get_ref() > 3600 => {
+                return Err(self.error(
+                    t.span(),
+                    "server.header_timeout_sec",
+                    "must be between 1 and 3600",
+                ));
+            }
+            t => Duration::from_secs(t.map_or(DEFAULT_HEADER_TIMEOUT_SEC, Spanned::into_inner)),
         };
         let workers = match workers {
             Some(w) if *w.get_ref() == 0 || *w.get_ref() > 1024 => {
@@ -661,6 +678,7 @@ impl Validator<'_> {
             path: self.file.to_path_buf(),
             listen,
             workers,
+            header_timeout,
             store,
             upstream,
             keys,

@@ -57,6 +57,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
     };
     println!("{}: OK", file.display());
     println!("listen: {}", config.listen);
+    println!("header timeout: {}s", config.header_timeout.as_secs());
     let on_error = match config.store.on_error {
         OnError::Open => "open",
         OnError::Closed => "closed",

@@ -33,6 +33,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("unknown-rate-limit-field.toml", 5, "burst"),
     ("unknown-scope.toml", 5, "rate_limits[0].scope"),
     ("unterminated-string.toml", 5, "id"),
+    ("zero-header-timeout.toml", 2, "server.header_timeout_sec"),
     ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),
 ];
 
