@@ -818,9 +818,17 @@ impl RedisStore {
             .map(|l| l.charge() == Charge::Admission)
             .collect();
         bump(&self.inner.counters.admit_batches);
-        let answer: Result<Vec<::redis::Value>, Failure> = self.inner.run(&ADMIT, &cmd).await;
-        let reply = match answer {
-            Ok(reply) => reply,
+        let answer = self
+            .inner
+            .run::<Vec<::redis::Value>>(&ADMIT, &cmd)
+            .await
+            .and_then(|reply| admit_reply(reply, batch.len(), charged.len()));
+        let AdmitReply {
+            now,
+            flags,
+            mut counts,
+        } = match answer {
+            Ok(answer) => answer,
             Err(failure) => {
                 for p in batch {
                     let _ = p.reply.send(Err(failure.again()));
@@ -828,35 +836,9 @@ impl RedisStore {
                 return;
             }
         };
-        // {now, (cur, prev) per key, one '1' or '0' per request}: each request's view is
-        // replayed from the keys' counts, as the script decided them (see admit.lua).
-        let parsed = (|| {
-            let (now, rest) = reply.split_first().ok_or_else(bad_reply)?;
-            let (flags, counts) = rest.split_last().ok_or_else(bad_reply)?;
-            let flags = match flags {
-                ::redis::Value::BulkString(f) if f.len() == batch.len() => f,
-                _ => return Err(bad_reply()),
-            };
-            if counts.len() != 2 * charged.len() {
-                return Err(bad_reply());
-            }
-            let counts = counts
-                .chunks_exact(2)
-                .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
-                .collect::<Result<Vec<_>, Failure>>()?;
-            Ok((int(now)?, flags, counts))
-        })();
-        let (now, flags, mut counts) = match parsed {
-            Ok(parsed) => parsed,
-            Err(failure) => {
-                for p in batch {
-                    let _ = p.reply.send(Err(failure.again()));
-                }
-                return;
-            }
-        };
+        // Each request's view is replayed from the keys' counts, as the script decided them.
         for ((p, ids), flag) in batch.into_iter().zip(&requests).zip(flags) {
-            let admitted = *flag == b'1';
+            let admitted = flag == b'1';
             // Indices are 1-based, as in KEYS.
             let seen = ids
                 .iter()
@@ -872,6 +854,41 @@ impl RedisStore {
             let _ = p.reply.send(Ok((now, admitted, seen)));
         }
     }
+}
+
+/// The admission script's reply for a batch (see admit.lua).
+struct AdmitReply {
+    /// The batch's instant.
+    now: u64,
+    /// One `b'1'` (admitted) or `b'0'` per request.
+    flags: Vec<u8>,
+    /// Each key's `[cur, prev]` before the batch, in `KEYS` order.
+    counts: Vec<[u64; 2]>,
+}
+
+/// Reads the admission script's reply for a batch of `requests` over `keys` distinct keys.
+fn admit_reply(
+    mut reply: Vec<::redis::Value>,
+    requests: usize,
+    keys: usize,
+) -> Result<AdmitReply, Failure> {
+    let flags = match reply.pop() {
+        Some(::redis::Value::BulkString(f)) if f.len() == requests => f,
+        _ => return Err(bad_reply()),
+    };
+    let (now, counts) = reply.split_first().ok_or_else(bad_reply)?;
+    if counts.len() != 2 * keys {
+        return Err(bad_reply());
+    }
+    let counts = counts
+        .chunks_exact(2)
+        .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(AdmitReply {
+        now: int(now)?,
+        flags,
+        counts,
+    })
 }
 
 impl RedisStore {
