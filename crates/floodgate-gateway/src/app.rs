@@ -1,5 +1,5 @@
-//! The one place routes and layers meet: [`app`] builds the router, [`run`] serves it until
-//! shutdown, draining requests in flight.
+//! The one place routes meet: [`route`] answers a request, [`run`] serves it over HTTP/1.1 until
+//! shutdown, draining requests in flight, and [`app`] wraps it in an axum router for embedding.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -180,7 +180,7 @@ async fn accept_failed(e: &std::io::Error) {
         return;
     }
     tracing::error!(error = %e, "accept failed; retrying in 1 s");
-    tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
 }
 
 fn healthz() -> Response {

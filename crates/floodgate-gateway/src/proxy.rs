@@ -164,11 +164,6 @@ impl Upstream {
         })
     }
 
-    /// Whether this is the built-in demo.
-    pub fn is_demo(&self) -> bool {
-        matches!(self.target, Target::Demo(_))
-    }
-
     /// Forwards `req` and returns the upstream's response head with its body still streaming.
     pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, AppError> {
         let headers = req.headers_mut();
