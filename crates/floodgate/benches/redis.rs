@@ -306,7 +306,8 @@ fn main() {
             .map(|l| format!("{PREFIX}{}", l.key()))
             .collect();
         // The admit script's layout (see admit.lua): the time, each key's limit, then the
-        // requests; redis-benchmark sends a batch of one request per call.
+        // requests in groups (cost, count, the chain); redis-benchmark sends a batch of one
+        // request per call.
         let mut args = vec![String::new()];
         for l in template.limits() {
             let w = l.limit().window_micros();

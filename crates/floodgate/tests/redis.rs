@@ -909,6 +909,63 @@ async fn bad_urls_are_refused_and_passwords_never_printed() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_admissions_of_mixed_costs_each_see_the_slots_before_their_own() {
+    let Some(url) =
+        redis_url("batched_admissions_of_mixed_costs_each_see_the_slots_before_their_own")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    let now = pinned(13);
+    // 240 concurrent requests of cost 1, 2 or 3 on one chain: a key of 50 units, an org of 1000.
+    // They come in runs of 8 of one cost, so a batch holds runs of several costs (each sent as
+    // one group, its requests decided one after another).
+    let chain = Arc::new(Chain::new(vec![
+        req("mixed", ScopeKind::Key, 50),
+        req("mixed-org", ScopeKind::Org, 1000),
+    ]));
+    let mut tasks = JoinSet::new();
+    for i in 0..240u64 {
+        let (store, chain) = (store.clone(), chain.clone());
+        let cost = (i / 8) % 3 + 1;
+        tasks.spawn(async move { (cost, chain.admit_at(&store, cost, now).await.unwrap()) });
+    }
+    let decisions = tasks.join_all().await;
+    let used = stored_cur(&url, &store, chain.limits()[0].key()).await;
+    assert!((48..=50).contains(&used), "the key filled up: {used}");
+    assert_eq!(
+        stored_cur(&url, &store, chain.limits()[1].key()).await,
+        used
+    );
+    // What each admitted request saw of the key before its own charge: ordered, each starts
+    // where the one before it ended, from 0 to what the key holds now. No two took a slot twice
+    // and none saw a slot taken that was not.
+    let mut runs: Vec<(u64, u64)> = decisions
+        .iter()
+        .filter(|(_, d)| d.admitted)
+        .map(|&(cost, ref d)| (50 - d.statuses[0].remaining - cost, cost))
+        .collect();
+    runs.sort_unstable();
+    let mut next = 0;
+    for (before, cost) in runs {
+        assert_eq!(
+            before, next,
+            "a request saw {before} used where {next} were"
+        );
+        next += cost;
+    }
+    assert_eq!(next, used);
+    for (cost, d) in decisions.iter().filter(|(_, d)| !d.admitted) {
+        assert_eq!(d.refused_by, Some(0));
+        assert!(
+            used + cost > 50,
+            "a request of {cost} was refused with room left"
+        );
+    }
+    assert!(store.stats().admit_batches < 240, "nothing was batched");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
     let Some(url) = redis_url("concurrent_admissions_are_batched_and_decide_as_if_one_by_one")
     else {
@@ -931,9 +988,9 @@ async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
     let mut tasks = JoinSet::new();
     for i in 0..300 {
         let (store, chain) = (store.clone(), chains[i % 30].clone());
-        tasks.spawn(async move { chain.admit_at(&store, 1, now).await.unwrap() });
+        tasks.spawn(async move { (i % 30, chain.admit_at(&store, 1, now).await.unwrap()) });
     }
-    let decisions = tasks.join_all().await;
+    let (of_key, decisions): (Vec<usize>, Vec<_>) = tasks.join_all().await.into_iter().unzip();
     assert!(decisions.iter().all(|d| d.enforced));
     assert_eq!(decisions.iter().filter(|d| d.admitted).count(), 150);
     assert_eq!(stored_cur(&url, &store, org.key()).await, 150);
@@ -959,10 +1016,20 @@ async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
     // Every key's own count is what it admitted, and matches the memory store's given the same
     // admissions in the order Redis decided them (one instant: the order within a key is all
     // that differs, and each key is capped at 7 either way).
-    for chain in &chains {
+    for (k, chain) in chains.iter().enumerate() {
         let key = chain.limits()[0].key();
         let cur = stored_cur(&url, &store, key).await;
         assert!(cur <= 7, "{key}: {cur}");
+        // A key's requests are decided one after another, so what they saw of their key is
+        // 6, 5, ... down to what is left, each exactly once.
+        let mut seen: Vec<u64> = decisions
+            .iter()
+            .zip(&of_key)
+            .filter(|&(d, &of)| of == k && d.admitted)
+            .map(|(d, _)| d.statuses[0].remaining)
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (7 - cur..7).collect::<Vec<u64>>(), "{key}");
         for _ in 0..cur {
             assert!(chain.admit_at(&memory, 1, now).await.unwrap().admitted);
         }

@@ -9,14 +9,17 @@
 -- ARGV[1]: the time (clock.lua); then per key j, ARGV[a + 1..a + 4] with a = 1 + 4 * (j - 1):
 -- window W (µs), max,
 -- 'a' for a limit charged at admission or 'r' for a reactive one, the state's TTL (ms, 2W);
--- then R, the number of requests; then per request: cost, n, and the indices (into KEYS) of its
--- n limits in chain order.
+-- then the requests in the order they came, in groups: a group is a run of requests of one cost
+-- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
+-- batch of like requests (many callers of one key) thus sends its chain once: each argument
+-- costs Redis a string and the script a tonumber.
 -- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
--- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted}: each key's counts at `now` before
--- the batch, and one character per request, '1' admitted or '0' refused. What each request saw
--- follows from these: a key's count plus the costs of the admitted requests before it that
--- charge that key. (The client replays that sum; a reply of every request's view of every limit
--- cost the client more to parse than the rest of the decision.)
+-- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
+-- at `now` before the batch, and how many of each group's requests were admitted: its first
+-- ones, since once one is refused nothing changes until the group ends. What each request saw
+-- follows: a key's count plus the costs of the admitted requests before it that charge that
+-- key. (The client replays that sum; a reply of every request's view of every limit cost the
+-- client more to parse than the rest of the decision.)
 local nk = #KEYS
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
@@ -35,42 +38,44 @@ for j = 1, nk do
 end
 local dirty = {}
 local pos = 2 + 4 * nk
-local requests = tonumber(ARGV[pos])
-pos = pos + 1
-local flags = {}
-for r = 1, requests do
-  local cost, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1])
-  pos = pos + 2
-  local admitted = true
-  for i = 0, n - 1 do
-    local j = tonumber(ARGV[pos + i])
-    local w = W[j]
-    -- Snapshot::admits: the same four IEEE operations in the same order.
-    local carried = PREV[j] * (w - E[j])
-    if CHARGED[j] then
-      admitted = (CUR[j] + cost - MAX[j]) * w + carried <= 0
-    else
-      admitted = (CUR[j] - MAX[j]) * w + carried < 0
-    end
-    if not admitted then break end
+local nargs = #ARGV
+while pos <= nargs do
+  local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  local chain = {}
+  for i = 1, n do
+    chain[i] = tonumber(ARGV[pos + 2 + i])
   end
-  flags[r] = '0'
-  if admitted then
-    flags[r] = '1'
-    for i = 0, n - 1 do
-      local j = tonumber(ARGV[pos + i])
+  pos = pos + 3 + n
+  local admitted = 0
+  while admitted < count do
+    local ok = true
+    for i = 1, n do
+      local j = chain[i]
+      local w = W[j]
+      -- Snapshot::admits: the same four IEEE operations in the same order.
+      local carried = PREV[j] * (w - E[j])
+      if CHARGED[j] then
+        ok = (CUR[j] + cost - MAX[j]) * w + carried <= 0
+      else
+        ok = (CUR[j] - MAX[j]) * w + carried < 0
+      end
+      if not ok then break end
+    end
+    if not ok then break end
+    admitted = admitted + 1
+    for i = 1, n do
+      local j = chain[i]
       if CHARGED[j] then
         CUR[j] = CUR[j] + cost
         dirty[j] = true
       end
     end
   end
-  pos = pos + n
+  reply[#reply + 1] = admitted
 end
 for j = 1, nk do
   if dirty[j] then
     redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], PREV[j]), 'PX', TTL[j])
   end
 end
-reply[2 * nk + 2] = table.concat(flags)
 return reply

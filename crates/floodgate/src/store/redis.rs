@@ -666,6 +666,9 @@ type Decided = (u64, bool, Vec<(u64, u64)>);
 
 /// The most requests one batch carries.
 const MAX_BATCH: usize = 256;
+/// The most limits (over all its requests) one batch carries, past its first request: the
+/// script unpacks its keys onto Lua's stack for MGET (at most about 8 000 values).
+const MAX_BATCH_LIMITS: usize = 4096;
 
 impl RedisStore {
     /// Admits through a batch. While one batch is in flight, admissions queue; the next batch
@@ -755,8 +758,12 @@ impl RedisStore {
                 };
                 let mut batch = Vec::new();
                 let mut rest = Vec::new();
+                let mut limits = 0;
                 for p in q.pending.drain(..) {
-                    if p.time == time && batch.len() < MAX_BATCH {
+                    let fits = batch.is_empty()
+                        || (batch.len() < MAX_BATCH && limits + p.limits.len() <= MAX_BATCH_LIMITS);
+                    if p.time == time && fits {
+                        limits += p.limits.len();
                         batch.push(p);
                     } else {
                         rest.push(p);
@@ -770,12 +777,63 @@ impl RedisStore {
     }
 
     async fn send_batch(&self, batch: Vec<PendingAdmit>) {
-        // Distinct keys, each with its limit; each request as indices into them.
+        let Packed {
+            cmd,
+            groups,
+            charged,
+        } = self.pack(&batch);
+        bump(&self.inner.counters.admit_batches);
+        let answer = self
+            .inner
+            .run::<Vec<::redis::Value>>(&ADMIT, &cmd)
+            .await
+            .and_then(|reply| admit_reply(reply, &groups, charged.len()));
+        let AdmitReply {
+            now,
+            admitted,
+            mut counts,
+        } = match answer {
+            Ok(answer) => answer,
+            Err(failure) => return answer_all(batch, &failure),
+        };
+        // Each request's view is replayed from the keys' counts, as the script decided them:
+        // group after group, and within a group its first `admitted` requests admitted.
+        let mut replies: Vec<_> = batch.into_iter().map(|p| Some(p.reply)).collect();
+        for (group, admitted) in groups.iter().zip(admitted) {
+            for (m, &r) in group.members.iter().enumerate() {
+                let admitted = m < admitted;
+                // Indices are 1-based, as in KEYS.
+                let seen = group
+                    .chain
+                    .iter()
+                    .map(|&j| {
+                        let [cur, prev] = counts[j - 1];
+                        (cur, prev)
+                    })
+                    .collect();
+                if admitted {
+                    for &j in &group.chain {
+                        let j = j - 1;
+                        if charged[j] {
+                            counts[j][0] = counts[j][0].saturating_add(group.cost);
+                        }
+                    }
+                }
+                if let Some(reply) = replies[r].take() {
+                    let _ = reply.send(Ok((now, admitted, seen)));
+                }
+            }
+        }
+    }
+
+    /// The admission script's call for `batch`: its distinct keys, and its requests in the order
+    /// they came, each run of requests of one cost on one chain as one group (see admit.lua).
+    fn pack(&self, batch: &[PendingAdmit]) -> Packed {
         let mut keys: Vec<&ChainLimit> = Vec::new();
         let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
-        let mut requests: Vec<Vec<usize>> = Vec::with_capacity(batch.len());
-        for p in &batch {
-            let ids = p
+        let mut groups: Vec<Group> = Vec::new();
+        for (r, p) in batch.iter().enumerate() {
+            let chain: Vec<usize> = p
                 .limits
                 .iter()
                 .map(|l| {
@@ -785,9 +843,16 @@ impl RedisStore {
                     })
                 })
                 .collect();
-            requests.push(ids);
+            match groups.last_mut() {
+                Some(g) if g.cost == p.cost && g.chain == chain => g.members.push(r),
+                _ => groups.push(Group {
+                    cost: p.cost,
+                    chain,
+                    members: vec![r],
+                }),
+            }
         }
-        let argc = 2 + 4 * keys.len() + requests.iter().map(|r| 2 + r.len()).sum::<usize>();
+        let argc = 1 + 4 * keys.len() + groups.iter().map(|g| 3 + g.chain.len()).sum::<usize>();
         let mut cmd = self.evalsha(&ADMIT, keys.len(), argc);
         for l in &keys {
             self.key_arg(&mut cmd, &[l.key()]);
@@ -805,88 +870,88 @@ impl RedisStore {
             });
             cmd.arg(ttl_millis(w));
         }
-        cmd.arg(batch.len());
-        for (p, ids) in batch.iter().zip(&requests) {
-            cmd.arg(p.cost).arg(ids.len());
-            for id in ids {
-                cmd.arg(*id);
+        for g in &groups {
+            cmd.arg(g.cost).arg(g.members.len()).arg(g.chain.len());
+            for j in &g.chain {
+                cmd.arg(*j);
             }
         }
-        // What the reply's replay needs of the keys (they borrow from the batch).
-        let charged: Vec<bool> = keys
+        let charged = keys
             .iter()
             .map(|l| l.charge() == Charge::Admission)
             .collect();
-        bump(&self.inner.counters.admit_batches);
-        let answer = self
-            .inner
-            .run::<Vec<::redis::Value>>(&ADMIT, &cmd)
-            .await
-            .and_then(|reply| admit_reply(reply, batch.len(), charged.len()));
-        let AdmitReply {
-            now,
-            flags,
-            mut counts,
-        } = match answer {
-            Ok(answer) => answer,
-            Err(failure) => {
-                for p in batch {
-                    let _ = p.reply.send(Err(failure.again()));
-                }
-                return;
-            }
-        };
-        // Each request's view is replayed from the keys' counts, as the script decided them.
-        for ((p, ids), flag) in batch.into_iter().zip(&requests).zip(flags) {
-            let admitted = flag == b'1';
-            // Indices are 1-based, as in KEYS.
-            let seen = ids
-                .iter()
-                .map(|&j| (counts[j - 1][0], counts[j - 1][1]))
-                .collect();
-            if admitted {
-                for &j in ids {
-                    if charged[j - 1] {
-                        counts[j - 1][0] = counts[j - 1][0].saturating_add(p.cost);
-                    }
-                }
-            }
-            let _ = p.reply.send(Ok((now, admitted, seen)));
+        Packed {
+            cmd,
+            groups,
+            charged,
         }
     }
+}
+
+/// Answers every request of a batch that failed with `failure`.
+fn answer_all(batch: Vec<PendingAdmit>, failure: &Failure) {
+    for p in batch {
+        let _ = p.reply.send(Err(failure.again()));
+    }
+}
+
+/// A batch's admission call and what reading its reply needs.
+struct Packed {
+    cmd: Cmd,
+    /// The requests grouped as the script decides them.
+    groups: Vec<Group>,
+    /// Per key, in `KEYS` order: whether an admission charges it.
+    charged: Vec<bool>,
+}
+
+/// A run of requests of one cost on one chain that came one after another, decided one after
+/// another: a batch of like requests (many callers of one key) sends its chain once. Only runs
+/// are grouped, so requests are still decided in the order they came (grouping all of a key's
+/// requests would let a busy key's later requests go before another key's earlier ones).
+struct Group {
+    cost: u64,
+    /// The chain's keys, as 1-based indices into `KEYS`, in chain order.
+    chain: Vec<usize>,
+    /// The batch's requests in the group, in the order they are decided.
+    members: Vec<usize>,
 }
 
 /// The admission script's reply for a batch (see admit.lua).
 struct AdmitReply {
     /// The batch's instant.
     now: u64,
-    /// One `b'1'` (admitted) or `b'0'` per request.
-    flags: Vec<u8>,
+    /// How many of each group's requests were admitted (its first ones).
+    admitted: Vec<usize>,
     /// Each key's `[cur, prev]` before the batch, in `KEYS` order.
     counts: Vec<[u64; 2]>,
 }
 
-/// Reads the admission script's reply for a batch of `requests` over `keys` distinct keys.
+/// Reads the admission script's reply for a batch of `groups` over `keys` distinct keys.
 fn admit_reply(
-    mut reply: Vec<::redis::Value>,
-    requests: usize,
+    reply: Vec<::redis::Value>,
+    groups: &[Group],
     keys: usize,
 ) -> Result<AdmitReply, Failure> {
-    let flags = match reply.pop() {
-        Some(::redis::Value::BulkString(f)) if f.len() == requests => f,
-        _ => return Err(bad_reply()),
-    };
-    let (now, counts) = reply.split_first().ok_or_else(bad_reply)?;
-    if counts.len() != 2 * keys {
+    if reply.len() != 1 + 2 * keys + groups.len() {
         return Err(bad_reply());
     }
+    let (now, rest) = reply.split_first().ok_or_else(bad_reply)?;
+    let (counts, admitted) = rest.split_at(2 * keys);
     let counts = counts
         .chunks_exact(2)
         .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
         .collect::<Result<Vec<_>, Failure>>()?;
+    let admitted = admitted
+        .iter()
+        .zip(groups)
+        .map(|(a, g)| match usize::try_from(int(a)?) {
+            Ok(a) if a <= g.members.len() => Ok(a),
+            _ => Err(bad_reply()),
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
     Ok(AdmitReply {
         now: int(now)?,
-        flags,
+        admitted,
         counts,
     })
 }
