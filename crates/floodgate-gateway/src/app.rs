@@ -143,8 +143,14 @@ pub async fn run(
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => tcp,
                 Err(e) => {
-                    accept_failed(&e).await;
-                    continue;
+                    let Some(pause) = accept_backoff(&e) else {
+                        continue;
+                    };
+                    // A shutdown during the pause still stops the loop at once.
+                    tokio::select! {
+                        () = tokio::time::sleep(pause) => continue,
+                        () = &mut shutdown => break,
+                    }
                 }
             },
             () = &mut shutdown => break,
@@ -169,18 +175,19 @@ pub async fn run(
     Ok(())
 }
 
-/// After a failed `accept`: a connection that failed before it was accepted is the client's
-/// business; anything else (out of file descriptors) is logged and waited out, as axum does.
-async fn accept_failed(e: &std::io::Error) {
+/// How long to pause after a failed `accept`: not at all for a connection that failed before it
+/// was accepted (the client's business); anything else (out of file descriptors) is logged and
+/// waited out for a second, as axum does, rather than retried in a busy loop.
+fn accept_backoff(e: &std::io::Error) -> Option<Duration> {
     use std::io::ErrorKind::{ConnectionAborted, ConnectionRefused, ConnectionReset};
     if matches!(
         e.kind(),
         ConnectionAborted | ConnectionRefused | ConnectionReset
     ) {
-        return;
+        return None;
     }
     tracing::error!(error = %e, "accept failed; retrying in 1 s");
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    Some(Duration::from_secs(1))
 }
 
 fn healthz() -> Response {
