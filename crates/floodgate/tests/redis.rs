@@ -931,8 +931,9 @@ async fn batched_admissions_of_mixed_costs_each_see_the_slots_before_their_own()
         tasks.spawn(async move { (cost, chain.admit_at(&store, cost, now).await.unwrap()) });
     }
     let decisions = tasks.join_all().await;
+    // 80 requests of cost 1 cannot all fit, and one is refused only when the key is full.
     let used = stored_cur(&url, &store, chain.limits()[0].key()).await;
-    assert!((48..=50).contains(&used), "the key filled up: {used}");
+    assert_eq!(used, 50, "the key filled up");
     assert_eq!(
         stored_cur(&url, &store, chain.limits()[1].key()).await,
         used
@@ -955,11 +956,11 @@ async fn batched_admissions_of_mixed_costs_each_see_the_slots_before_their_own()
         next += cost;
     }
     assert_eq!(next, used);
-    for (cost, d) in decisions.iter().filter(|(_, d)| !d.admitted) {
-        assert_eq!(d.refused_by, Some(0));
-        assert!(
-            used + cost > 50,
-            "a request of {cost} was refused with room left"
+    for (_, d) in decisions.iter().filter(|(_, d)| !d.admitted) {
+        assert_eq!(
+            d.refused_by,
+            Some(0),
+            "the key refuses, never the roomy org"
         );
     }
     assert!(store.stats().admit_batches < 240, "nothing was batched");

@@ -759,10 +759,16 @@ impl RedisStore {
                 let mut batch = Vec::new();
                 let mut rest = Vec::new();
                 let mut limits = 0;
+                // Once one does not fit, none after it goes either: a smaller one after it must
+                // not be decided before it.
+                let mut full = false;
                 for p in q.pending.drain(..) {
-                    let fits = batch.is_empty()
-                        || (batch.len() < MAX_BATCH && limits + p.limits.len() <= MAX_BATCH_LIMITS);
-                    if p.time == time && fits {
+                    if p.time == time && !full {
+                        full = !batch.is_empty()
+                            && (batch.len() == MAX_BATCH
+                                || limits + p.limits.len() > MAX_BATCH_LIMITS);
+                    }
+                    if p.time == time && !full {
                         limits += p.limits.len();
                         batch.push(p);
                     } else {
@@ -796,34 +802,18 @@ impl RedisStore {
             Ok(answer) => answer,
             Err(failure) => return answer_all(batch, &failure),
         };
-        // Each request's view is replayed from the keys' counts, as the script decided them:
-        // group after group, and within a group its first `admitted` requests admitted.
         let mut replies: Vec<_> = batch.into_iter().map(|p| Some(p.reply)).collect();
-        for (group, admitted) in groups.iter().zip(admitted) {
-            for (m, &r) in group.members.iter().enumerate() {
-                let admitted = m < admitted;
-                // Indices are 1-based, as in KEYS.
-                let seen = group
-                    .chain
-                    .iter()
-                    .map(|&j| {
-                        let [cur, prev] = counts[j - 1];
-                        (cur, prev)
-                    })
-                    .collect();
-                if admitted {
-                    for &j in &group.chain {
-                        let j = j - 1;
-                        if charged[j] {
-                            counts[j][0] = counts[j][0].saturating_add(group.cost);
-                        }
-                    }
-                }
+        replay(
+            &groups,
+            &admitted,
+            &mut counts,
+            &charged,
+            |r, admitted, seen| {
                 if let Some(reply) = replies[r].take() {
                     let _ = reply.send(Ok((now, admitted, seen)));
                 }
-            }
-        }
+            },
+        );
     }
 
     /// The admission script's call for `batch`: its distinct keys, and its requests in the order
@@ -884,6 +874,41 @@ impl RedisStore {
             cmd,
             groups,
             charged,
+        }
+    }
+}
+
+/// Replays what each request of a batch saw, exactly as the script decided: group after group,
+/// within a group its first `admitted` requests admitted, each seeing its keys' counts plus the
+/// costs of the admitted requests before it that charge them. Calls `each(request, admitted,
+/// (cur, prev) of each of its limits)` in that order. `counts` (1-based `KEYS` order, as the
+/// groups' indices) ends as the script left them.
+fn replay(
+    groups: &[Group],
+    admitted: &[usize],
+    counts: &mut [[u64; 2]],
+    charged: &[bool],
+    mut each: impl FnMut(usize, bool, Vec<(u64, u64)>),
+) {
+    for (group, &admitted) in groups.iter().zip(admitted) {
+        for (m, &r) in group.members.iter().enumerate() {
+            let seen = group
+                .chain
+                .iter()
+                .map(|&j| {
+                    let [cur, prev] = counts[j - 1];
+                    (cur, prev)
+                })
+                .collect();
+            let admitted = m < admitted;
+            if admitted {
+                for &j in &group.chain {
+                    if charged[j - 1] {
+                        counts[j - 1][0] = counts[j - 1][0].saturating_add(group.cost);
+                    }
+                }
+            }
+            each(r, admitted, seen);
         }
     }
 }
@@ -1084,6 +1109,64 @@ impl Store for RedisStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn group(cost: u64, chain: &[usize], members: &[usize]) -> Group {
+        Group {
+            cost,
+            chain: chain.to_vec(),
+            members: members.to_vec(),
+        }
+    }
+
+    #[test]
+    fn the_replay_gives_each_request_what_the_script_saw() {
+        // Keys 1 and 2 charged at admission, key 3 reactive (checked, never charged).
+        let groups = [
+            group(2, &[1, 2], &[0, 1, 2]),
+            group(0, &[2, 3], &[3]),
+            group(1, &[1], &[4, 5]),
+        ];
+        let mut counts = [[1, 0], [5, 9], [7, 7]];
+        let mut seen = Vec::new();
+        replay(
+            &groups,
+            &[2, 1, 0],
+            &mut counts,
+            &[true, true, false],
+            |r, admitted, view| seen.push((r, admitted, view)),
+        );
+        assert_eq!(
+            seen,
+            [
+                // The first two of the group of cost 2 are admitted, each after the one before.
+                (0, true, vec![(1, 0), (5, 9)]),
+                (1, true, vec![(3, 0), (7, 9)]),
+                (2, false, vec![(5, 0), (9, 9)]),
+                // Cost 0 charges nothing; the reactive key is never charged.
+                (3, true, vec![(9, 9), (7, 7)]),
+                // A group refused whole: every request sees the same counts.
+                (4, false, vec![(5, 0)]),
+                (5, false, vec![(5, 0)]),
+            ]
+        );
+        assert_eq!(counts, [[5, 0], [9, 9], [7, 7]]);
+    }
+
+    #[test]
+    fn a_malformed_admission_reply_is_an_error() {
+        use ::redis::Value::{BulkString, Int};
+        let groups = [group(1, &[1], &[0, 1])];
+        let reply = |v: Vec<::redis::Value>| admit_reply(v, &groups, 1);
+        let ok = reply(vec![Int(7), Int(3), Int(0), Int(2)])
+            .ok()
+            .expect("a well-formed reply");
+        assert_eq!((ok.now, ok.counts, ok.admitted), (7, vec![[3, 0]], vec![2]));
+        // One value short, more admitted than the group holds, a negative count, a string.
+        assert!(reply(vec![Int(7), Int(3), Int(0)]).is_err());
+        assert!(reply(vec![Int(7), Int(3), Int(0), Int(3)]).is_err());
+        assert!(reply(vec![Int(7), Int(-3), Int(0), Int(1)]).is_err());
+        assert!(reply(vec![Int(7), Int(3), Int(0), BulkString(b"1".to_vec())]).is_err());
+    }
 
     #[test]
     fn urls_are_redacted() {
