@@ -764,16 +764,17 @@ impl RedisStore {
                 let mut full = false;
                 for p in q.pending.drain(..) {
                     if p.time == time && !full {
-                        full = !batch.is_empty()
-                            && (batch.len() == MAX_BATCH
-                                || limits + p.limits.len() > MAX_BATCH_LIMITS);
+                        let fits = batch.is_empty()
+                            || (batch.len() < MAX_BATCH
+                                && limits + p.limits.len() <= MAX_BATCH_LIMITS);
+                        if fits {
+                            limits += p.limits.len();
+                            batch.push(p);
+                            continue;
+                        }
+                        full = true;
                     }
-                    if p.time == time && !full {
-                        limits += p.limits.len();
-                        batch.push(p);
-                    } else {
-                        rest.push(p);
-                    }
+                    rest.push(p);
                 }
                 q.pending = rest;
                 batch
