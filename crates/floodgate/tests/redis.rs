@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
-use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Store};
+use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Observation, Store};
 use floodgate::{
     Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
     WindowLimit,
@@ -1037,4 +1037,103 @@ async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
     }
     let more = chains[0].admit_at(&memory, 1, now).await.unwrap();
     assert!(!more.admitted, "the memory store's org is full at 150 too");
+}
+
+#[tokio::test]
+async fn a_group_of_like_requests_decides_as_one_by_one_at_every_boundary() {
+    let Some(url) = redis_url("a_group_of_like_requests_decides_as_one_by_one_at_every_boundary")
+    else {
+        return;
+    };
+    use Charge::{Admission as A, Reactive as R};
+    // The script decides a batch's run of like requests (one chain, one cost) per key, from a
+    // real-valued bound corrected by the exact check, not request by request. Here each round
+    // sends such a run as one batch (spawned on this one thread, so all of them queue before
+    // the batch is taken) and the memory store decides the same requests one by one: each must
+    // see and decide exactly the same. Small limits, a previous bucket carried in a random
+    // fraction, costs 0 to 3, and now and then a reactive limit put the runs' ends on every
+    // kind of boundary.
+    let memory = MemoryStore::new();
+    let redis = store(&url).await;
+    let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
+    let (mut runs, mut cut) = (0, 0);
+    for round in 0..150u64 {
+        let secs = [60, 90, 120][rng.below(3) as usize];
+        let w = secs * 1_000_000;
+        let limit = |scope, id: &str, charge, max| {
+            ChainLimit::new(
+                "org:g",
+                scope,
+                &format!("{id}{round}"),
+                charge,
+                WindowLimit::new(max, Duration::from_secs(secs)),
+            )
+        };
+        let team = if rng.below(3) == 0 { R } else { A };
+        let limits = Arc::new(vec![
+            limit(ScopeKind::Key, "k", A, 1 + rng.below(15)),
+            limit(ScopeKind::Team, "t", team, 5 + rng.below(25)),
+            limit(ScopeKind::Org, "o", A, 10 + rng.below(50)),
+        ]);
+        // Hour-apart rounds: bucket-aligned for all three windows.
+        let base = common::T0 + round * 3_600_000_000;
+        let before = Some(Timestamp::from_micros(base + rng.below(w)));
+        let now = Some(Timestamp::from_micros(base + w + rng.below(w)));
+        for (at, n) in [(before, rng.below(20)), (now, rng.below(4))] {
+            for _ in 0..n {
+                let m = memory.admit(&limits, 1, at).await.unwrap();
+                assert_eq!(
+                    m,
+                    redis.admit(&limits, 1, at).await.unwrap(),
+                    "round {round}"
+                );
+            }
+            let units = rng.below(20);
+            memory.record(&limits, units, at).await.unwrap();
+            redis.record(&limits, units, at).await.unwrap();
+        }
+        let cost = [0, 1, 1, 2, 3][rng.below(5) as usize];
+        let count = 1 + rng.below(24);
+        let batches = redis.stats().admit_batches;
+        let mut tasks = Vec::new();
+        for _ in 0..count {
+            let (redis, limits) = (redis.clone(), limits.clone());
+            tasks.push(tokio::spawn(async move {
+                redis.admit(&limits, cost, now).await
+            }));
+        }
+        let mut grouped = Vec::new();
+        for t in tasks {
+            grouped.push(t.await.unwrap().unwrap());
+        }
+        assert_eq!(
+            redis.stats().admit_batches,
+            batches + 1,
+            "round {round}: one batch"
+        );
+        let mut one_by_one = Vec::new();
+        for _ in 0..count {
+            one_by_one.push(memory.admit(&limits, cost, now).await.unwrap());
+        }
+        // Like requests: which one got which answer does not matter, what was answered does.
+        let order = |o: &Observation| (!o.admitted, o.snapshots.iter().map(|s| s.cur).sum::<u64>());
+        grouped.sort_by_key(order);
+        one_by_one.sort_by_key(order);
+        assert_eq!(
+            grouped, one_by_one,
+            "round {round}: cost {cost}, {count} requests"
+        );
+        // And the run leaves the same state behind: the next request sees it.
+        let m = memory.admit(&limits, 1, now).await.unwrap();
+        assert_eq!(
+            m,
+            redis.admit(&limits, 1, now).await.unwrap(),
+            "round {round}: after"
+        );
+        let admitted = grouped.iter().filter(|o| o.admitted).count() as u64;
+        runs += 1;
+        cut += u32::from(admitted > 0 && admitted < count);
+    }
+    // The rounds cut runs short (admitted in part) often, not just all or nothing.
+    assert!(cut > 30, "only {cut} of {runs} runs were admitted in part");
 }

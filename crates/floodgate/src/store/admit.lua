@@ -13,69 +13,97 @@
 -- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
 -- batch of like requests (many callers of one key) thus sends its chain once: each argument
 -- costs Redis a string and the script a tonumber.
--- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
+-- State: "bucket cur prev", with a TTL of 2W set by the bucket's first write (later writes in the
+-- bucket keep it: it already outlasts the next bucket, the last one that reads this state).
+-- Every comparison mirrors window.rs operation for operation.
 -- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
 -- at `now` before the batch, and how many of each group's requests were admitted: its first
 -- ones, since once one is refused nothing changes until the group ends. What each request saw
 -- follows: a key's count plus the costs of the admitted requests before it that charge that
 -- key. (The client replays that sum; a reply of every request's view of every limit cost the
 -- client more to parse than the rest of the decision.)
+--
+-- Redis's Lua is slow next to this arithmetic (a tonumber, a table growing or a string.match
+-- each cost about what a whole check does), so the script converts each argument once, sizes
+-- its per-key tables once ({unpack(KEYS)}: one array of the right length) and decides a group
+-- per key rather than per request (below).
 local nk = #KEYS
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
-local W, MAX, CHARGED, TTL, B, E, CUR, PREV = {}, {}, {}, {}, {}, {}, {}, {}
-for j = 1, nk do
-  local a = 1 + 4 * (j - 1)
-  local w = tonumber(ARGV[a + 1])
-  local b, cur, prev = window_at(stored[j], w)
-  W[j], MAX[j], CHARGED[j], TTL[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', ARGV[a + 4]
-  B[j], E[j], CUR[j], PREV[j] = b, now - b * w, cur, prev
-end
+-- Per key: window, max, whether admission charges it, its bucket, count, and the part of the
+-- previous window still carried at `now` (prev * (W - elapsed), as Snapshot::admits has it).
+local W, MAX, CHARGED, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
+  {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
 for j = 1, nk do
-  reply[2 * j] = CUR[j]
-  reply[2 * j + 1] = PREV[j]
+  local a = 4 * j - 3
+  local w = tonumber(ARGV[a + 1])
+  local b, cur, prev, same = window_at(stored[j], w)
+  W[j], MAX[j], CHARGED[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', b, cur
+  CARRIED[j] = prev * (w - (now - b * w))
+  reply[2 * j] = cur
+  reply[2 * j + 1] = prev
+  -- Whether the state was written in this bucket already: the TTL that the bucket's first write
+  -- set (2W from then, so past the next bucket's end) then still holds.
+  stored[j] = same
 end
 local dirty = {}
+local chain = {}
 local pos = 2 + 4 * nk
 local nargs = #ARGV
 while pos <= nargs do
   local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
-  local chain = {}
+  local last = pos + 2 + n
+  -- How many of the group's requests are admitted: the fewest that any key of its chain lets
+  -- through. Request k (0-based) of the group sees a charged key at CUR + k * cost; the check
+  -- (Snapshot::admits) only grows with k, so each key passes its first few requests and refuses
+  -- the rest. A first guess from the real-valued bound is corrected with the exact check itself,
+  -- so the answer is the one request-by-request checking gives.
+  local admitted = count
   for i = 1, n do
-    chain[i] = tonumber(ARGV[pos + 2 + i])
-  end
-  pos = pos + 3 + n
-  local admitted = 0
-  while admitted < count do
-    local ok = true
-    for i = 1, n do
-      local j = chain[i]
-      local w = W[j]
-      -- Snapshot::admits: the same four IEEE operations in the same order.
-      local carried = PREV[j] * (w - E[j])
-      if CHARGED[j] then
-        ok = (CUR[j] + cost - MAX[j]) * w + carried <= 0
-      else
-        ok = (CUR[j] - MAX[j]) * w + carried < 0
+    local j = tonumber(ARGV[pos + 2 + i])
+    chain[i] = j
+    local w, carried, cur, max = W[j], CARRIED[j], CUR[j], MAX[j]
+    local passes
+    if not CHARGED[j] then
+      if (cur - max) * w + carried >= 0 then passes = 0 else passes = admitted end
+    elseif cost == 0 then
+      if (cur - max) * w + carried > 0 then passes = 0 else passes = admitted end
+    else
+      passes = math.floor((max - carried / w - cur) / cost)
+      if not (passes > 0) then passes = 0 elseif passes > admitted then passes = admitted end
+      -- passes: requests admitted; request `passes` (0-based) would see cur + passes * cost.
+      while passes > 0 and (cur + (passes - 1) * cost + cost - max) * w + carried > 0 do
+        passes = passes - 1
       end
-      if not ok then break end
+      while passes < admitted and (cur + passes * cost + cost - max) * w + carried <= 0 do
+        passes = passes + 1
+      end
     end
-    if not ok then break end
-    admitted = admitted + 1
+    admitted = passes
+    if admitted == 0 then break end
+  end
+  -- (Admitted ones mean the loop above ran over the whole chain.)
+  if admitted > 0 then
     for i = 1, n do
       local j = chain[i]
       if CHARGED[j] then
-        CUR[j] = CUR[j] + cost
+        CUR[j] = CUR[j] + admitted * cost
         dirty[j] = true
       end
     end
   end
+  pos = last + 1
   reply[#reply + 1] = admitted
 end
 for j = 1, nk do
   if dirty[j] then
-    redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], PREV[j]), 'PX', TTL[j])
+    local state = string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1])
+    if stored[j] then
+      redis.call('SET', KEYS[j], state, 'KEEPTTL')
+    else
+      redis.call('SET', KEYS[j], state, 'PX', ARGV[4 * j + 1])
+    end
   end
 end
 return reply
