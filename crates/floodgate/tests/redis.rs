@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
-use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Observation, Store};
+use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Store};
 use floodgate::{
     Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
     WindowLimit,
@@ -1040,26 +1040,42 @@ async fn concurrent_admissions_are_batched_and_decide_as_if_one_by_one() {
 }
 
 #[tokio::test]
-async fn a_group_of_like_requests_decides_as_one_by_one_at_every_boundary() {
-    let Some(url) = redis_url("a_group_of_like_requests_decides_as_one_by_one_at_every_boundary")
+async fn runs_of_like_requests_decide_as_one_by_one_at_every_boundary() {
+    let Some(url) = redis_url("runs_of_like_requests_decide_as_one_by_one_at_every_boundary")
     else {
         return;
     };
     use Charge::{Admission as A, Reactive as R};
     // The script decides a batch's run of like requests (one chain, one cost) per key, from a
-    // real-valued bound corrected by the exact check, not request by request. Here each round
-    // sends such a run as one batch (spawned on this one thread, so all of them queue before
-    // the batch is taken) and the memory store decides the same requests one by one: each must
-    // see and decide exactly the same. Small limits, a previous bucket carried in a random
-    // fraction, costs 0 to 3, and now and then a reactive limit put the runs' ends on every
-    // kind of boundary.
+    // real-valued bound corrected by the exact check, not request by request. Each round here
+    // sends runs on two chains that share their team and org as one batch (spawned on this one
+    // thread, so all of them queue before the batch is taken), and the memory store decides the
+    // same requests one by one in the same order: each request must see and decide exactly the
+    // same. Small rounds: limits of a few units, a previous bucket carried in a random fraction,
+    // costs 0 to 3, now and then a reactive team limit. Large rounds: limits of up to 10^13 per
+    // day, whose products with the window (in µs) are far past 2^53, so the bound is rounded and
+    // the exact check must correct it; costs chosen so that a run ends within its requests.
     let memory = MemoryStore::new();
     let redis = store(&url).await;
     let mut rng = XorShift(0x2545_f491_4f6c_dd1d);
-    let (mut runs, mut cut) = (0, 0);
-    for round in 0..150u64 {
-        let secs = [60, 90, 120][rng.below(3) as usize];
+    let (mut runs, mut cut, mut large_cut) = (0, 0, 0);
+    for round in 0..200u64 {
+        let large = round % 2 == 1;
+        let secs = if large {
+            86_400
+        } else {
+            [60, 90, 120][rng.below(3) as usize]
+        };
         let w = secs * 1_000_000;
+        let mut max = |small: u64| {
+            if large {
+                1_000_000_000 + rng.below(10_000_000_000_000)
+            } else {
+                small + rng.below(small * 3)
+            }
+        };
+        let (k1, k2, team_max, org_max) = (max(1), max(1), max(5), max(10));
+        let team = if !large && rng.below(3) == 0 { R } else { A };
         let limit = |scope, id: &str, charge, max| {
             ChainLimit::new(
                 "org:g",
@@ -1069,39 +1085,62 @@ async fn a_group_of_like_requests_decides_as_one_by_one_at_every_boundary() {
                 WindowLimit::new(max, Duration::from_secs(secs)),
             )
         };
-        let team = if rng.below(3) == 0 { R } else { A };
-        let limits = Arc::new(vec![
-            limit(ScopeKind::Key, "k", A, 1 + rng.below(15)),
-            limit(ScopeKind::Team, "t", team, 5 + rng.below(25)),
-            limit(ScopeKind::Org, "o", A, 10 + rng.below(50)),
-        ]);
-        // Hour-apart rounds: bucket-aligned for all three windows.
-        let base = common::T0 + round * 3_600_000_000;
+        let shared = [
+            limit(ScopeKind::Team, "t", team, team_max),
+            limit(ScopeKind::Org, "o", A, org_max),
+        ];
+        let chains = [("k", k1), ("j", k2)].map(|(id, m)| {
+            let mut chain = vec![limit(ScopeKind::Key, id, A, m)];
+            chain.extend(shared.iter().cloned());
+            Arc::new(chain)
+        });
+        // Rounds a day apart: bucket-aligned for every window here.
+        let base = common::T0 + round * 86_400_000_000;
         let before = Some(Timestamp::from_micros(base + rng.below(w)));
-        let now = Some(Timestamp::from_micros(base + w + rng.below(w)));
-        for (at, n) in [(before, rng.below(20)), (now, rng.below(4))] {
+        let elapsed = rng.below(w);
+        let now = Some(Timestamp::from_micros(base + w + elapsed));
+        // History on both stores: the previous bucket, then a little of this one.
+        let mut prev = 0;
+        for (at, n) in [(before, 1 + rng.below(15)), (now, rng.below(3))] {
             for _ in 0..n {
-                let m = memory.admit(&limits, 1, at).await.unwrap();
+                let chain = &chains[rng.below(2) as usize];
+                let cost = if large { rng.below(k1.min(k2) / 8) } else { 1 };
+                let m = memory.admit(chain, cost, at).await.unwrap();
                 assert_eq!(
                     m,
-                    redis.admit(&limits, 1, at).await.unwrap(),
+                    redis.admit(chain, cost, at).await.unwrap(),
                     "round {round}"
                 );
+                if at == before && m.admitted {
+                    prev += cost;
+                }
             }
             let units = rng.below(20);
-            memory.record(&limits, units, at).await.unwrap();
-            redis.record(&limits, units, at).await.unwrap();
+            memory.record(&chains[0], units, at).await.unwrap();
+            redis.record(&chains[0], units, at).await.unwrap();
         }
-        let cost = [0, 1, 1, 2, 3][rng.below(5) as usize];
-        let count = 1 + rng.below(24);
+        // Runs: chain 0, chain 1, chain 0 again, each of one cost.
+        let mut requests = Vec::new();
+        for chain in [0, 1, 0] {
+            let cost = if large {
+                // About the room the fullest key has left, split over 1 to 20 requests.
+                let room = k1.min(k2) as f64 - prev as f64 * (w - elapsed) as f64 / w as f64;
+                ((room / (1 + rng.below(20)) as f64) as u64).max(1)
+            } else {
+                [0, 1, 1, 2, 3][rng.below(5) as usize]
+            };
+            for _ in 0..1 + rng.below(16) {
+                requests.push((chain, cost));
+            }
+        }
         let batches = redis.stats().admit_batches;
-        let mut tasks = Vec::new();
-        for _ in 0..count {
-            let (redis, limits) = (redis.clone(), limits.clone());
-            tasks.push(tokio::spawn(async move {
-                redis.admit(&limits, cost, now).await
-            }));
-        }
+        let tasks: Vec<_> = requests
+            .iter()
+            .map(|&(chain, cost)| {
+                let (redis, limits) = (redis.clone(), chains[chain].clone());
+                tokio::spawn(async move { redis.admit(&limits, cost, now).await })
+            })
+            .collect();
         let mut grouped = Vec::new();
         for t in tasks {
             grouped.push(t.await.unwrap().unwrap());
@@ -1111,29 +1150,125 @@ async fn a_group_of_like_requests_decides_as_one_by_one_at_every_boundary() {
             batches + 1,
             "round {round}: one batch"
         );
-        let mut one_by_one = Vec::new();
-        for _ in 0..count {
-            one_by_one.push(memory.admit(&limits, cost, now).await.unwrap());
+        for (i, (&(chain, cost), r)) in requests.iter().zip(&grouped).enumerate() {
+            let m = memory.admit(&chains[chain], cost, now).await.unwrap();
+            assert_eq!(
+                &m, r,
+                "round {round}, request {i}: chain {chain}, cost {cost}"
+            );
         }
-        // Like requests: which one got which answer does not matter, what was answered does.
-        let order = |o: &Observation| (!o.admitted, o.snapshots.iter().map(|s| s.cur).sum::<u64>());
-        grouped.sort_by_key(order);
-        one_by_one.sort_by_key(order);
-        assert_eq!(
-            grouped, one_by_one,
-            "round {round}: cost {cost}, {count} requests"
-        );
-        // And the run leaves the same state behind: the next request sees it.
-        let m = memory.admit(&limits, 1, now).await.unwrap();
-        assert_eq!(
-            m,
-            redis.admit(&limits, 1, now).await.unwrap(),
-            "round {round}: after"
-        );
-        let admitted = grouped.iter().filter(|o| o.admitted).count() as u64;
-        runs += 1;
-        cut += u32::from(admitted > 0 && admitted < count);
+        // And the runs leave the same state behind: the next request sees it.
+        for chain in &chains {
+            let m = memory.admit(chain, 1, now).await.unwrap();
+            assert_eq!(
+                m,
+                redis.admit(chain, 1, now).await.unwrap(),
+                "round {round}: after"
+            );
+        }
+        // How often a run was admitted in part (its end inside it), per kind of round.
+        let mut start = 0;
+        for run in requests.chunk_by(|a, b| a == b) {
+            let admitted = grouped[start..start + run.len()]
+                .iter()
+                .filter(|o| o.admitted)
+                .count();
+            let part = admitted > 0 && admitted < run.len();
+            runs += 1;
+            cut += u32::from(part && !large);
+            large_cut += u32::from(part && large);
+            start += run.len();
+        }
     }
-    // The rounds cut runs short (admitted in part) often, not just all or nothing.
-    assert!(cut > 30, "only {cut} of {runs} runs were admitted in part");
+    // The rounds end runs inside them often, not just all or nothing, in both kinds of rounds.
+    eprintln!("of {runs} runs, {cut} small and {large_cut} large were admitted in part");
+    assert!(
+        cut > 20 && large_cut > 20,
+        "of {runs} runs, {cut} small and {large_cut} large were admitted in part"
+    );
+}
+
+#[tokio::test]
+async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
+    let Some(url) = redis_url("the_admission_script_corrects_its_first_guess_to_the_exact_check")
+    else {
+        return;
+    };
+    use floodgate::window::Snapshot;
+    // The script decides how many requests of a run a key lets through from a real-valued bound
+    // (max - carried / W - cur) / cost, then corrects it with the exact check, which rounds
+    // differently once its products pass 2^53 (a large limit over a long window in µs). Here the
+    // script runs alone on a crafted state, one key, one run of 24 requests, with the run's end
+    // put right at the bound: next to a whole number of requests, or (the previous bucket half
+    // carried, an even count) exactly on one. Its answer must be what Snapshot::admits gives one
+    // request after another, and the cases must include guesses off in both directions, so that
+    // both corrections are what made the answers right.
+    let script = redis::Script::new(floodgate::store::redis::script_source("admit").unwrap());
+    let mut con = raw(&url).await;
+    let key = format!("{}run", fresh_prefix());
+    let mut rng = XorShift(0x9e37_79b9_7f4a_7c15);
+    let (mut low, mut high) = (0, 0);
+    for case in 0..4000u64 {
+        let w = [3_600, 86_400, 604_800][rng.below(3) as usize] * 1_000_000;
+        let max = 1_000_000_000 + rng.below(1_000_000_000_000_000);
+        let scale = [100, 100_000_000][rng.below(2) as usize];
+        let cost = 1 + rng.below(scale);
+        let k = rng.below(20);
+        let tie = case % 2 == 0;
+        let (prev, elapsed) = if tie {
+            (2 * (1 + rng.below(max / 2 - 1)), w / 2)
+        } else {
+            (1 + rng.below(max - 1), rng.below(w))
+        };
+        let (wf, carried) = (w as f64, prev as f64 * (w - elapsed) as f64);
+        let room = max as f64 - carried / wf;
+        let cur = if tie {
+            (max - prev / 2).checked_sub((k + 1) * cost)
+        } else {
+            (room as u64 + rng.below(3)).checked_sub((k + 1) * cost + 1)
+        };
+        let Some(cur) = cur else { continue };
+        let count = 24;
+        let limit = WindowLimit::new(max, Duration::from_micros(w));
+        let bucket = common::T0 / w + case;
+        let seen = |n: u64| Snapshot {
+            bucket,
+            cur: cur + n * cost,
+            prev,
+            elapsed,
+        };
+        let mut exact = 0;
+        while exact < count && seen(exact).admits(limit, Charge::Admission, cost) {
+            exact += 1;
+        }
+        let guess = ((room - cur as f64) / cost as f64)
+            .floor()
+            .clamp(0.0, count as f64) as u64;
+        low += u32::from(guess < exact);
+        high += u32::from(guess > exact);
+        let _: () = con
+            .set(&key, format!("{bucket} {cur} {prev}"))
+            .await
+            .unwrap();
+        let reply: Vec<i64> = script
+            .key(&key)
+            .arg(bucket * w + elapsed)
+            .arg(w)
+            .arg(max)
+            .arg("a")
+            .arg(2 * w / 1000)
+            .arg(cost)
+            .arg(count)
+            .arg(1)
+            .arg(1)
+            .invoke_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(
+            reply[3] as u64, exact,
+            "case {case}: W {w}, max {max}, cost {cost}, state {cur} {prev} at {elapsed}"
+        );
+    }
+    eprintln!("first guesses too low: {low}, too high: {high}");
+    assert!(low >= 3 && high >= 8, "too low {low}, too high {high}");
 }

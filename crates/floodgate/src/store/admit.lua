@@ -13,9 +13,7 @@
 -- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
 -- batch of like requests (many callers of one key) thus sends its chain once: each argument
 -- costs Redis a string and the script a tonumber.
--- State: "bucket cur prev", with a TTL of 2W set by the bucket's first write (later writes in the
--- bucket keep it: it already outlasts the next bucket, the last one that reads this state).
--- Every comparison mirrors window.rs operation for operation.
+-- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
 -- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
 -- at `now` before the batch, and how many of each group's requests were admitted: its first
 -- ones, since once one is refused nothing changes until the group ends. What each request saw
@@ -38,14 +36,11 @@ local reply = {now}
 for j = 1, nk do
   local a = 4 * j - 3
   local w = tonumber(ARGV[a + 1])
-  local b, cur, prev, same = window_at(stored[j], w)
+  local b, cur, prev = window_at(stored[j], w)
   W[j], MAX[j], CHARGED[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', b, cur
   CARRIED[j] = prev * (w - (now - b * w))
   reply[2 * j] = cur
   reply[2 * j + 1] = prev
-  -- Whether the state was written in this bucket already: the TTL that the bucket's first write
-  -- set (2W from then, so past the next bucket's end) then still holds.
-  stored[j] = same
 end
 local dirty = {}
 local chain = {}
@@ -98,12 +93,8 @@ while pos <= nargs do
 end
 for j = 1, nk do
   if dirty[j] then
-    local state = string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1])
-    if stored[j] then
-      redis.call('SET', KEYS[j], state, 'KEEPTTL')
-    else
-      redis.call('SET', KEYS[j], state, 'PX', ARGV[4 * j + 1])
-    end
+    redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1]), 'PX',
+      ARGV[4 * j + 1])
   end
 end
 return reply

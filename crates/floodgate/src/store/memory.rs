@@ -35,8 +35,8 @@ const MIN_SWEEP: usize = 1024;
 ///
 /// Idle state is removed once it can no longer matter (a window `2W` after its last write, a
 /// token bucket once full again): lookups ignore expired entries, and a shard sweeps itself as it
-/// grows, so memory stays bounded under millions of distinct names. [`spawn_sweeper`]
-/// (MemoryStore::spawn_sweeper) adds a periodic sweep for long-lived processes.
+/// grows, so memory stays bounded under millions of distinct names.
+/// [`spawn_sweeper`](MemoryStore::spawn_sweeper) adds a periodic sweep for long-lived processes.
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
     inner: Arc<Inner>,

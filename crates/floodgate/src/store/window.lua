@@ -1,20 +1,20 @@
 -- floodgate: a window's state seen at `now` (Snapshot::at in window.rs), shared by the window
 -- scripts. `stored` is the key's "bucket cur prev" (false or nil: never written or expired);
 -- returns the current bucket and its rolled counts: the same bucket as stored keeps (cur, prev),
--- the next one reads (0, cur), any later one (0, 0); and whether the state was written in this
--- bucket already.
+-- the next one reads (0, cur), any later one (0, 0).
 local function window_at(stored, w)
   -- floor(now / w), corrected: the double division may round across an integer.
   local b = math.floor(now / w)
   if b * w > now then b = b - 1 elseif (b + 1) * w <= now then b = b + 1 end
+  local cur, prev = 0, 0
   if stored then
     local sb, sc, sp = string.match(stored, '^(%d+) (%d+) (%d+)$')
     sb = tonumber(sb)
     if sb == b then
-      return b, tonumber(sc), tonumber(sp), true
+      cur, prev = tonumber(sc), tonumber(sp)
     elseif sb + 1 == b then
-      return b, 0, tonumber(sc), false
+      prev = tonumber(sc)
     end
   end
-  return b, 0, 0, false
+  return b, cur, prev
 end
