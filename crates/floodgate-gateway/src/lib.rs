@@ -4,7 +4,7 @@
 //!
 //! - [`config`]: the TOML config, validated with file/line/field errors;
 //! - [`auth`]: bearer secret -> key -> precomputed chain;
-//! - [`app`]: the router and the server loop;
+//! - [`app`](mod@app): the router and the server loop;
 //! - [`server`]: the process: worker threads, store, signals, draining;
 //! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
