@@ -215,7 +215,7 @@ fn log_local(key: Option<&str>, req: &Request, start: Instant, status: StatusCod
         method = %req.method(),
         path = req.uri().path(),
         status = status.as_u16(),
-        latency_ms = start.elapsed().as_secs_f64() * 1e3,
+        latency_ms = latency_ms(start),
         decision,
         "request"
     );
@@ -310,7 +310,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
                 method = %method,
                 path = uri.path(),
                 status = err.status().as_u16(),
-                latency_ms = start.elapsed().as_secs_f64() * 1e3,
+                latency_ms = latency_ms(start),
                 decision = decision_name,
                 "request"
             );
@@ -389,4 +389,27 @@ fn refuse(
     let mut resp = err.into_response();
     headers::apply(resp.headers_mut(), decision, fixed);
     resp
+}
+
+/// Milliseconds since `start` for the request log line, in whole microseconds: `0.024`, not
+/// `0.024173999999999998`.
+pub(crate) fn latency_ms(start: Instant) -> f64 {
+    start.elapsed().as_micros() as f64 / 1e3
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_is_logged_in_whole_microseconds() {
+        let start = Instant::now()
+            .checked_sub(Duration::from_micros(1_500))
+            .unwrap();
+        let ms = latency_ms(start);
+        assert!(ms >= 1.5, "{ms}");
+        let shown = ms.to_string();
+        let decimals = shown.split_once('.').map_or(0, |(_, d)| d.len());
+        assert!(decimals <= 3, "{shown}");
+    }
 }

@@ -183,7 +183,7 @@ impl RequestLog {
             method = %self.method,
             path = self.uri.path(),
             status = self.status.as_u16(),
-            latency_ms = self.start.elapsed().as_secs_f64() * 1e3,
+            latency_ms = crate::app::latency_ms(self.start),
             decision = self.decision,
             tokens,
             "request"
