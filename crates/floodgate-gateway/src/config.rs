@@ -783,6 +783,16 @@ impl Validator<'_> {
                     }
                 };
                 let authority = rest.split('/').next().unwrap_or("");
+                // `user:password@host` would be sent as the Host header, and printed by
+                // check-config: the upstream's credentials belong in `api_key_env`.
+                if authority.contains('@') {
+                    return Err(self.error(
+                        b.span(),
+                        "upstream.base_url",
+                        "credentials in the URL are not supported: give the upstream's key \
+                         with `api_key_env`",
+                    ));
+                }
                 let valid = !authority.is_empty()
                     && !rest.contains(['?', '#', ' '])
                     && url.parse::<axum::http::Uri>().is_ok();

@@ -18,6 +18,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("duplicate-key-id.toml", 9, "keys[1].id"),
     ("duplicate-rate-limit.toml", 10, "rate_limits[1].scope"),
     ("ftp-upstream.toml", 2, "upstream.base_url"),
+    ("credentials-in-upstream-url.toml", 3, "upstream.base_url"),
     ("missing-upstream.toml", 1, "upstream"),
     ("negative-requests.toml", 7, "requests"),
     ("neither-rpm-nor-tpm.toml", 4, "rate_limits[0].rpm"),
