@@ -445,13 +445,14 @@ impl SseFilter {
 
     /// Reads an event's usage; says what to forward.
     fn inspect(&mut self, event: &[u8]) -> Action {
-        if !contains(event, b"\"usage\"") {
+        let fields = usage_fields(event);
+        if fields.is_empty() {
             return Action::Keep;
         }
-        // With include_usage, every chunk carries `"usage":null`; a caller that did not ask for
-        // usage would not have seen that field.
-        if self.strip_usage && !contains(event, b"\"usage\":{") {
-            return if contains(event, NULL_USAGE) {
+        // With include_usage, every chunk carries `"usage": null`; a caller that did not ask
+        // for usage would not have seen that field. (JSON may put spaces around the colon.)
+        if self.strip_usage && !fields.iter().any(|f| event[f.value] == b'{') {
+            return if fields.iter().any(|f| f.is_null(event)) {
                 Action::StripNullUsage
             } else {
                 Action::Keep
@@ -490,23 +491,77 @@ enum Action {
     StripNullUsage,
 }
 
-/// `"usage":null` as OpenAI-compatible servers write it inside a chunk.
-const NULL_USAGE: &[u8] = b",\"usage\":null";
-
-fn contains(haystack: &[u8], needle: &[u8]) -> bool {
-    haystack.windows(needle.len()).any(|w| w == needle)
+/// A `"usage": value` field found in an event's bytes.
+struct UsageField {
+    /// Where the `"usage"` key starts.
+    key: usize,
+    /// Where its value starts.
+    value: usize,
 }
 
-/// Appends `event` to `out` without its `,"usage":null` fields.
-fn strip_null_usage(mut event: &[u8], out: &mut BytesMut) {
-    while let Some(i) = event
-        .windows(NULL_USAGE.len())
-        .position(|w| w == NULL_USAGE)
-    {
-        out.extend_from_slice(&event[..i]);
-        event = &event[i + NULL_USAGE.len()..];
+impl UsageField {
+    fn is_null(&self, event: &[u8]) -> bool {
+        event[self.value..].starts_with(b"null")
     }
-    out.extend_from_slice(event);
+}
+
+const USAGE_KEY: &[u8] = b"\"usage\"";
+
+fn skip_space(buf: &[u8], mut i: usize) -> usize {
+    while buf.get(i).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n')) {
+        i += 1;
+    }
+    i
+}
+
+/// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
+/// `"usage"` inside a string value has its quotes escaped, so it is not found.)
+fn usage_fields(event: &[u8]) -> Vec<UsageField> {
+    let mut fields = Vec::new();
+    let mut from = 0;
+    while let Some(p) = find(&event[from..], USAGE_KEY) {
+        let key = from + p;
+        let colon = skip_space(event, key + USAGE_KEY.len());
+        if event.get(colon) == Some(&b':') {
+            let value = skip_space(event, colon + 1);
+            if value < event.len() {
+                fields.push(UsageField { key, value });
+            }
+        }
+        from = key + USAGE_KEY.len();
+    }
+    fields
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Appends `event` to `out` without its `"usage": null` fields (and the comma that joined each
+/// to its neighbour).
+fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
+    let mut kept = 0;
+    for f in usage_fields(event).iter().filter(|f| f.is_null(event)) {
+        let end = f.value + b"null".len();
+        // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after.
+        let before = event[..f.key].iter().rposition(|b| !b" \t\r\n".contains(b));
+        let (from, to) = match before {
+            Some(c) if event[c] == b',' => (c, end),
+            _ => {
+                let after = skip_space(event, end);
+                match event.get(after) {
+                    Some(b',') => (f.key, skip_space(event, after + 1)),
+                    _ => (f.key, end),
+                }
+            }
+        };
+        if from < kept {
+            continue;
+        }
+        out.extend_from_slice(&event[kept..from]);
+        kept = to;
+    }
+    out.extend_from_slice(&event[kept..]);
 }
 
 /// The end of the last complete event in `buf` (0 if none).
@@ -575,6 +630,25 @@ mod tests {
         assert_eq!(&b[..], b"data: [DONE]\n\n");
         assert_eq!(f.tokens, Some(9));
         assert!(f.flush().is_empty());
+
+        // Python's json.dumps (and others) put a space after each colon and comma.
+        let mut spaced = SseFilter::new(true);
+        let out = spaced.push(Bytes::from_static(
+            b"data: {\"choices\": [{}], \"usage\": null}\n\n\
+              data: {\"usage\" : null , \"choices\": [{}]}\n\n\
+              data: {\"choices\": [], \"usage\": {\"total_tokens\": 11}}\n\n\
+              data: [DONE]\n\n",
+        ));
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "data: {\"choices\": [{}]}\n\ndata: {\"choices\": [{}]}\n\ndata: [DONE]\n\n"
+        );
+        assert_eq!(spaced.tokens, Some(11));
+        // A "usage" in the text is not a field.
+        let mut text = SseFilter::new(true);
+        let said = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\": null\"}}]}\n\n");
+        assert_eq!(text.push(said.clone()), said);
+        assert_eq!(text.tokens, None);
 
         let mut keep = SseFilter::new(false);
         let input =
