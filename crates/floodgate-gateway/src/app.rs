@@ -249,28 +249,40 @@ async fn proxy(state: AppState, req: Request) -> Response {
     // before admission so that a body that cannot be read costs nothing.
     let (mut parts, body) = req.into_parts();
     let mut stream_req = None;
-    let body =
-        if metered && parts.method == Method::POST && parts.uri.path().ends_with("/completions") {
-            let bytes = match axum::body::to_bytes(body, MAX_INSPECTED_BODY).await {
-                Ok(b) => b,
-                Err(e) => {
-                    tracing::info!(key = %key.id, error = %e, "request body unreadable");
-                    return AppError::BadRequest(format!(
-                        "The request body could not be read (at most {} MiB).",
-                        MAX_INSPECTED_BODY >> 20
-                    ))
-                    .into_response();
-                }
-            };
-            let (bytes, s) = metering::prepare_request(bytes);
-            stream_req = s;
-            parts
-                .headers
-                .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-            Body::from(bytes)
-        } else {
-            body
+    let body = if metered
+        && parts.method == Method::POST
+        && metering::is_completion_path(parts.uri.path())
+    {
+        // Read under the header timeout too: a caller trickling its body would otherwise hold
+        // the connection (and up to MAX_INSPECTED_BODY of memory) for as long as it likes.
+        let read = axum::body::to_bytes(body, MAX_INSPECTED_BODY);
+        let bytes = match tokio::time::timeout(state.header_timeout(), read).await {
+            Ok(Ok(b)) => b,
+            Ok(Err(e)) => {
+                tracing::info!(key = %key.id, error = %e, "request body unreadable");
+                return AppError::BadRequest(format!(
+                    "The request body could not be read (at most {} MiB).",
+                    MAX_INSPECTED_BODY >> 20
+                ))
+                .into_response();
+            }
+            Err(_) => {
+                tracing::info!(key = %key.id, "request body not received in time");
+                return AppError::BodyTimeout.into_response();
+            }
         };
+        let (bytes, s) = match metering::prepare_request(bytes) {
+            Ok(prepared) => prepared,
+            Err(why) => return AppError::BadRequest(why).into_response(),
+        };
+        stream_req = s;
+        parts
+            .headers
+            .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+        Body::from(bytes)
+    } else {
+        body
+    };
 
     let decision = match chain.admit(state.store(), 1).await {
         Ok(d) => d,

@@ -29,6 +29,9 @@ pub enum AppError {
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
+    /// A request body the gateway reads before admission did not arrive within
+    /// `[server] header_timeout_sec` (408; nothing charged).
+    BodyTimeout,
     /// No such route (404).
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
@@ -48,6 +51,7 @@ impl AppError {
             AppError::Unauthorized => StatusCode::UNAUTHORIZED,
             AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             AppError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
@@ -89,6 +93,11 @@ impl AppError {
                 (message, "rate_limit_exceeded", "rate_limit_exceeded")
             }
             AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),
+            AppError::BodyTimeout => (
+                "The request body did not arrive in time.".into(),
+                "invalid_request_error",
+                "request_timeout",
+            ),
             AppError::NotFound => (
                 "Unknown path: the gateway serves /v1/..., /healthz and /readyz.".into(),
                 "invalid_request_error",

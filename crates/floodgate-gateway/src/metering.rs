@@ -27,6 +27,7 @@ use floodgate::Chain;
 use http_body::{Frame, SizeHint};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
+use serde_json::value::RawValue;
 
 use crate::store::GatewayStore;
 
@@ -90,52 +91,117 @@ pub struct StreamRequest {
     pub caller_wants_usage: bool,
 }
 
-#[derive(Deserialize)]
-struct RequestProbe {
-    stream: Option<bool>,
-    stream_options: Option<StreamOptionsProbe>,
-}
+/// A JSON object's top-level fields in the order they came, each value kept as its raw text: a
+/// request is rewritten without building a tree of its (possibly large) values.
+struct TopLevel(Vec<(String, Box<RawValue>)>);
 
-#[derive(Deserialize)]
-struct StreamOptionsProbe {
-    include_usage: Option<bool>,
+impl<'de> Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = TopLevel;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<TopLevel, A::Error> {
+                let mut fields = Vec::new();
+                while let Some(field) = map.next_entry::<String, Box<RawValue>>()? {
+                    fields.push(field);
+                }
+                Ok(TopLevel(fields))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
 }
 
 /// Prepares a completion request body: a streaming request (`"stream": true`) is rewritten to
 /// ask the upstream for usage. Returns the body to forward and, for a streaming request, what
-/// the caller asked for. A body that is not a JSON object is forwarded unchanged.
-pub fn prepare_request(body: Bytes) -> (Bytes, Option<StreamRequest>) {
-    let Ok(probe) = serde_json::from_slice::<RequestProbe>(&body) else {
-        return (body, None);
+/// the caller asked for. A body that is not a JSON object is forwarded unchanged (the upstream
+/// answers it). A body that names `stream` or `stream_options` twice is refused: servers differ
+/// on which one counts, and the one the upstream obeys could stream without usage.
+pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), String> {
+    let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
+        return Ok((body, None));
     };
-    if probe.stream != Some(true) {
-        return (body, None);
-    }
-    if probe.stream_options.and_then(|o| o.include_usage) == Some(true) {
-        let asked = StreamRequest {
-            caller_wants_usage: true,
-        };
-        return (body, Some(asked));
-    }
-    let Ok(serde_json::Value::Object(mut request)) = serde_json::from_slice(&body) else {
-        return (body, None);
+    let field = |name: &str| -> Result<Option<&RawValue>, String> {
+        let mut found = fields.iter().filter(|(k, _)| k == name);
+        let first = found.next().map(|(_, v)| &**v);
+        match found.next() {
+            Some(_) => Err(format!(
+                "The request body has more than one `{name}` field."
+            )),
+            None => Ok(first),
+        }
     };
-    let options = request
-        .entry("stream_options")
-        .or_insert_with(|| serde_json::Value::Object(Default::default()));
-    if !options.is_object() {
-        *options = serde_json::Value::Object(Default::default());
+    let stream = field("stream")?;
+    let options = field("stream_options")?;
+    if stream.map(RawValue::get) != Some("true") {
+        return Ok((body, None));
     }
-    if let Some(o) = options.as_object_mut() {
-        o.insert("include_usage".into(), serde_json::Value::Bool(true));
-    }
-    let Ok(rewritten) = serde_json::to_vec(&request) else {
-        return (body, None);
-    };
+    // The caller's options, with include_usage set; each field once (a duplicate
+    // include_usage would leave the choice to the upstream's parser).
+    let mut opts: serde_json::Map<String, serde_json::Value> = options
+        .and_then(|o| serde_json::from_str(o.get()).ok())
+        .unwrap_or_default();
     let asked = StreamRequest {
-        caller_wants_usage: false,
+        caller_wants_usage: opts.get("include_usage") == Some(&serde_json::Value::Bool(true)),
     };
-    (Bytes::from(rewritten), Some(asked))
+    opts.insert("include_usage".into(), serde_json::Value::Bool(true));
+    let opts = serde_json::to_string(&opts).map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.push(b'{');
+    for (k, v) in &fields {
+        if k == "stream_options" {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).map_err(|e| e.to_string())?;
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"stream_options\":");
+    out.extend_from_slice(opts.as_bytes());
+    out.push(b'}');
+    Ok((Bytes::from(out), Some(asked)))
+}
+
+/// Whether a request path names a completion endpoint (`.../completions`), as the upstream
+/// reads it: percent-escapes decoded (`/v1/chat/completion%73` is the same endpoint).
+pub fn is_completion_path(path: &str) -> bool {
+    const END: &[u8] = b"/completions";
+    let raw = path.as_bytes();
+    if !raw.contains(&b'%') {
+        return raw.ends_with(END);
+    }
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            raw[i],
+            raw.get(i + 1).copied().and_then(hex),
+            raw.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, ..) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    decoded.ends_with(END)
 }
 
 /// How a response body is metered.
@@ -508,7 +574,10 @@ impl UsageField {
 const USAGE_KEY: &[u8] = b"\"usage\"";
 
 fn skip_space(buf: &[u8], mut i: usize) -> usize {
-    while buf.get(i).is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n')) {
+    while buf
+        .get(i)
+        .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+    {
         i += 1;
     }
     i
@@ -590,27 +659,64 @@ mod tests {
 
     #[test]
     fn stream_requests_ask_for_usage() {
-        let (b, s) = prepare_request(Bytes::from_static(br#"{"stream":true,"model":"m"}"#));
+        let ask = |body: &'static [u8]| prepare_request(Bytes::from_static(body));
+        let (b, s) = ask(br#"{"stream":true,"model":"m"}"#).unwrap();
         assert_eq!(
             s,
             Some(StreamRequest {
                 caller_wants_usage: false
             })
         );
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"model":"m","stream_options":{"include_usage":true}}"#
+        );
+        let (b, s) =
+            ask(br#"{"stream": true, "stream_options": {"include_usage": true}}"#).unwrap();
         let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
-        let body =
-            Bytes::from_static(br#"{"stream":true,"stream_options":{"include_usage":true}}"#);
-        let (b, s) = prepare_request(body.clone());
-        assert_eq!(b, body);
         assert_eq!(
             s,
             Some(StreamRequest {
                 caller_wants_usage: true
             })
         );
-        let (b, s) = prepare_request(Bytes::from_static(b"{\"model\":\"m\"}"));
-        assert_eq!((b.as_ref(), s), (&b"{\"model\":\"m\"}"[..], None));
+        // Other options stay; a non-object is replaced.
+        let (b, _) =
+            ask(br#"{"stream_options":{"x":1,"include_usage":false},"stream":true}"#).unwrap();
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#
+        );
+        let (b, _) = ask(br#"{"stream":true,"stream_options":3}"#).unwrap();
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true}}"#
+        );
+        // Not streaming, or not an object: forwarded as it came.
+        for body in [
+            &br#"{"model":"m"}"#[..],
+            b"{\"stream\":false}",
+            b"[1]",
+            b"not json",
+        ] {
+            let (b, s) = prepare_request(Bytes::copy_from_slice(body)).unwrap();
+            assert_eq!((&b[..], s), (body, None));
+        }
+        // Which `stream` counts depends on the server's parser: refused.
+        assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
+        assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
+    }
+
+    #[test]
+    fn completion_paths_are_matched_as_the_upstream_decodes_them() {
+        assert!(is_completion_path("/v1/chat/completions"));
+        assert!(is_completion_path("/v1/completions"));
+        assert!(is_completion_path("/v1/chat/completion%73"));
+        assert!(is_completion_path("/v1/chat%2Fcompletions"));
+        assert!(!is_completion_path("/v1/embeddings"));
+        assert!(!is_completion_path("/v1/chat/completions%2"));
+        assert!(!is_completion_path("/v1/models%"));
     }
 
     #[test]
@@ -646,7 +752,9 @@ mod tests {
         assert_eq!(spaced.tokens, Some(11));
         // A "usage" in the text is not a field.
         let mut text = SseFilter::new(true);
-        let said = Bytes::from_static(b"data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\": null\"}}]}\n\n");
+        let said = Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\": null\"}}]}\n\n",
+        );
         assert_eq!(text.push(said.clone()), said);
         assert_eq!(text.tokens, None);
 

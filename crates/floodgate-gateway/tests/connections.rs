@@ -68,3 +68,44 @@ fn header_timeout_defaults_to_sixty_seconds() {
     let c = config("[upstream]\ndemo = true\n", "");
     assert_eq!(c.header_timeout, Duration::from_secs(60));
 }
+
+#[tokio::test]
+async fn a_request_body_read_before_admission_and_sent_too_slowly_is_refused_uncharged() {
+    let up = fake_upstream().await;
+    // Token-limited: the gateway reads a completion's body before admission.
+    let gw = gateway(
+        r#"
+[server]
+header_timeout_sec = 1
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 1000
+"#,
+        &up.url(),
+    )
+    .await;
+    let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+    let start = Instant::now();
+    conn.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+          content-type: application/json\r\ncontent-length: 100\r\n\r\n{",
+    )
+    .await
+    .unwrap();
+    let (got, after) = read_until_closed(&mut conn, start).await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(5),
+        "answered after {after:?}"
+    );
+    assert_eq!(up.seen.hits(), 0);
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}

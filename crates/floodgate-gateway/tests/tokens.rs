@@ -123,3 +123,43 @@ rate_limit = { requests = 10 }
     assert!(up.seen.last_body().get("stream_options").is_none());
     assert_eq!(events(&r.body).len(), 4);
 }
+
+#[tokio::test]
+async fn a_body_naming_stream_twice_is_refused_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 100
+"#,
+        &up.url(),
+    )
+    .await;
+    // Python and most parsers take the last `stream`, serde the first or neither: the gateway
+    // cannot know whether the upstream will stream, so it does not guess.
+    let r = gw
+        .chat(
+            "sk-k",
+            r#"{"model":"m","stream":false,"stream":true,"messages":[]}"#,
+        )
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert!(r.text().contains("more than one `stream`"), "{}", r.text());
+    assert_eq!(up.seen.hits(), 0);
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("4"),
+        "the refused body took no request"
+    );
+}
