@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::header::{CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
 use axum::http::{HeaderValue, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
 use floodgate::{ChainDecision, Error as StoreError};
@@ -248,6 +248,10 @@ async fn proxy(state: AppState, req: Request) -> Response {
     // A streaming completion is rewritten to ask the upstream for usage; the body is read
     // before admission so that a body that cannot be read costs nothing.
     let (mut parts, body) = req.into_parts();
+    if metered {
+        // Usage is read from the response as it passes: it must come uncompressed.
+        parts.headers.remove(ACCEPT_ENCODING);
+    }
     let mut stream_req = None;
     let body = if metered
         && parts.method == Method::POST
@@ -334,7 +338,14 @@ async fn proxy(state: AppState, req: Request) -> Response {
 
     let (mut head, body) = resp.into_parts();
     headers::apply(&mut head.headers, &decision, &fixed);
+    let encoded = head
+        .headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"));
     let meter = if !metered || !head.status.is_success() {
+        Meter::None
+    } else if encoded {
+        tracing::warn!(key = %key.id, "compressed response (unasked for): its tokens are not metered");
         Meter::None
     } else {
         let ctype = head

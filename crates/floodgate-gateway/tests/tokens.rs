@@ -163,3 +163,27 @@ tpm = 100
         "the refused body took no request"
     );
 }
+
+#[tokio::test]
+async fn metered_requests_ask_the_upstream_for_an_uncompressed_answer() {
+    // Usage is read from the response as it passes: a gzip body would be charged nothing.
+    let up = fake_upstream().await;
+    let gw = gateway(
+        &format!(
+            "{CONFIG}[[keys]]\nid = \"plain\"\nsecret = \"sk-plain\"\nrate_limit = {{ requests = 10 }}\n"
+        ),
+        &up.url(),
+    )
+    .await;
+    for (key, kept) in [("sk-k", false), ("sk-plain", true)] {
+        let mut req = gw.request("POST", "/v1/chat/completions", Some(key), CHAT);
+        req.headers_mut()
+            .insert("accept-encoding", "gzip, br".parse().unwrap());
+        assert_eq!(gw.send(req).await.status, 200);
+        assert_eq!(
+            up.seen.last_headers().contains_key("accept-encoding"),
+            kept,
+            "{key}: only a key without token limits passes Accept-Encoding on"
+        );
+    }
+}
