@@ -431,54 +431,162 @@ impl http_body::Body for MeteredBody {
     }
 }
 
+/// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
+/// say) is forwarded as it arrives, uninspected, and filtering resumes with the next event.
+const MAX_SSE_EVENT: usize = 8 * 1024 * 1024;
+
 /// Splits an event stream into whole events, reads usage, drops the usage-only chunk on demand.
 struct SseFilter {
+    /// The start of an event not yet complete. (While `oversized`: only the last few bytes, to
+    /// find the event's end if it straddles two frames.)
     pending: BytesMut,
+    /// How much of `pending` holds no event end: a later search starts near there, so each byte
+    /// is searched about once however the stream is split.
+    searched: usize,
+    /// Forwarding an event too large to hold until its end.
+    oversized: bool,
     strip_usage: bool,
     tokens: Option<u64>,
 }
 
-/// The end (exclusive) of the first complete event in `buf`: the index after its blank line.
+/// The length of the line terminator at `buf[i]`: CRLF, LF or CR (the event stream format allows
+/// all three); `Some(0)` if none starts there; `None` if it cannot be told yet (the buffer ends
+/// there, or ends after a CR that a LF may follow).
+fn terminator(buf: &[u8], i: usize) -> Option<usize> {
+    match buf.get(i)? {
+        b'\n' => Some(1),
+        b'\r' => match buf.get(i + 1)? {
+            b'\n' => Some(2),
+            _ => Some(1),
+        },
+        _ => Some(0),
+    }
+}
+
+/// The end (exclusive) of the first complete event in `buf`: the index after the blank line
+/// (two line terminators in a row) that ends it.
 fn event_end(buf: &[u8]) -> Option<usize> {
     let mut i = 0;
-    while let Some(p) = buf[i..].iter().position(|&b| b == b'\n') {
-        let after = i + p + 1;
-        match buf.get(after..) {
-            Some([b'\n', ..]) => return Some(after + 1),
-            Some([b'\r', b'\n', ..]) => return Some(after + 2),
-            _ => i = after,
+    loop {
+        let line_end = i + buf[i..].iter().position(|&b| b == b'\n' || b == b'\r')?;
+        let next = line_end + terminator(buf, line_end)?;
+        match terminator(buf, next)? {
+            0 => i = next,
+            blank => return Some(next + blank),
         }
     }
-    None
 }
+
+/// The end of the last complete event in `buf[from..]`, as an index into `buf` (0 if none).
+fn last_event_end(buf: &[u8], from: usize) -> usize {
+    let (mut end, mut at) = (0, from);
+    while let Some(e) = event_end(&buf[at..]) {
+        end = at + e;
+        at = end;
+    }
+    end
+}
+
+/// How far back a search resumes: a blank line's terminators, split by a frame boundary.
+const TERMINATOR_LOOKBACK: usize = 3;
 
 impl SseFilter {
     fn new(strip_usage: bool) -> SseFilter {
         SseFilter {
             pending: BytesMut::new(),
+            searched: 0,
+            oversized: false,
             strip_usage,
             tokens: None,
         }
     }
 
-    /// Takes the next bytes of the stream; returns the complete events among them (possibly
-    /// none), to forward now.
+    /// Takes the next bytes of the stream; returns what to forward now: the complete events
+    /// among them (possibly none), filtered.
     fn push(&mut self, data: Bytes) -> Bytes {
+        if self.oversized {
+            return self.push_oversized(data);
+        }
         if self.pending.is_empty() {
-            let end = last_event_end(&data);
-            if end < data.len() {
-                self.pending.extend_from_slice(&data[end..]);
+            let end = last_event_end(&data, 0);
+            self.pending.extend_from_slice(&data[end..]);
+            self.searched = self.pending.len();
+            let out = self.filter(data.slice(..end));
+            if self.pending.len() > MAX_SSE_EVENT {
+                return self.overflow(out);
             }
-            return self.filter(data.slice(..end));
+            return out;
         }
         self.pending.extend_from_slice(&data);
-        let end = last_event_end(&self.pending);
+        let end = last_event_end(
+            &self.pending,
+            self.searched.saturating_sub(TERMINATOR_LOOKBACK),
+        );
         let complete = self.pending.split_to(end).freeze();
-        self.filter(complete)
+        self.searched = self.pending.len();
+        let out = self.filter(complete);
+        if self.pending.len() > MAX_SSE_EVENT {
+            return self.overflow(out);
+        }
+        out
+    }
+
+    /// The event in `pending` is too large to hold: forwards it (after `out`) as it is and what
+    /// follows of it as it comes, keeping only a tail to find its end.
+    fn overflow(&mut self, out: Bytes) -> Bytes {
+        tracing::warn!(
+            max_bytes = MAX_SSE_EVENT,
+            "event stream: an event too large to inspect is forwarded as it comes"
+        );
+        self.oversized = true;
+        let held = self.pending.split().freeze();
+        let mut joined = BytesMut::with_capacity(out.len() + held.len());
+        joined.extend_from_slice(&out);
+        joined.extend_from_slice(&held);
+        self.keep_tail(&held);
+        joined.freeze()
+    }
+
+    fn keep_tail(&mut self, forwarded: &[u8]) {
+        let tail = &forwarded[forwarded.len().saturating_sub(TERMINATOR_LOOKBACK)..];
+        self.pending.clear();
+        self.pending.extend_from_slice(tail);
+    }
+
+    /// Forwards the rest of an oversized event as it comes; once it ends, filtering resumes.
+    fn push_oversized(&mut self, data: Bytes) -> Bytes {
+        // The tail of what was forwarded, then the new bytes: where does the event end?
+        let tail = self.pending.len();
+        let mut window = BytesMut::with_capacity(tail + data.len());
+        window.extend_from_slice(&self.pending);
+        window.extend_from_slice(&data);
+        match event_end(&window) {
+            None => {
+                self.keep_tail(&window);
+                data
+            }
+            Some(e) => {
+                // The tail alone held no event end (at most an undecided one ending with it).
+                let split = e.saturating_sub(tail);
+                self.oversized = false;
+                self.pending.clear();
+                self.searched = 0;
+                let rest = self.push(data.slice(split..));
+                let mut out = BytesMut::with_capacity(split + rest.len());
+                out.extend_from_slice(&data[..split]);
+                out.extend_from_slice(&rest);
+                out.freeze()
+            }
+        }
     }
 
     /// What is left when the stream ends (an event without its final blank line).
     fn flush(&mut self) -> Bytes {
+        if self.oversized {
+            // Its bytes went out already; `pending` only held a copy of the tail.
+            self.pending.clear();
+            return Bytes::new();
+        }
         let rest = self.pending.split().freeze();
         self.filter(rest)
     }
@@ -525,8 +633,7 @@ impl SseFilter {
             };
         }
         let mut data: Vec<u8> = Vec::new();
-        for line in event.split(|&b| b == b'\n') {
-            let line = line.strip_suffix(b"\r").unwrap_or(line);
+        for line in event.split(|&b| b == b'\n' || b == b'\r') {
             if let Some(payload) = line.strip_prefix(b"data:") {
                 if !data.is_empty() {
                     data.push(b'\n');
@@ -631,15 +738,6 @@ fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
         kept = to;
     }
     out.extend_from_slice(&event[kept..]);
-}
-
-/// The end of the last complete event in `buf` (0 if none).
-fn last_event_end(buf: &[u8]) -> usize {
-    let mut end = 0;
-    while let Some(e) = event_end(&buf[end..]) {
-        end += e;
-    }
-    end
 }
 
 #[cfg(test)]
@@ -764,5 +862,81 @@ mod tests {
         let c = keep.push(input.clone());
         assert_eq!(c, input);
         assert_eq!(keep.tokens, Some(2));
+    }
+
+    /// Feeds `stream` to a filter in pieces of the sizes `sizes` (cycled), then ends it;
+    /// returns what was forwarded and the tokens read.
+    fn feed(stream: &[u8], sizes: &[usize], strip_usage: bool) -> (Vec<u8>, Option<u64>) {
+        let mut f = SseFilter::new(strip_usage);
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &n in sizes.iter().cycle() {
+            if at >= stream.len() {
+                break;
+            }
+            let end = (at + n).min(stream.len());
+            out.extend_from_slice(&f.push(Bytes::copy_from_slice(&stream[at..end])));
+            at = end;
+        }
+        out.extend_from_slice(&f.flush());
+        (out, f.tokens)
+    }
+
+    #[test]
+    fn every_line_ending_and_every_split_gives_the_same_stream() {
+        // LF, CRLF and bare CR line endings (all three are valid event stream syntax).
+        for nl in ["\n", "\r\n", "\r"] {
+            let event = |data: &str| format!("data: {data}{nl}{nl}");
+            let chunk = event(r#"{"choices":[{"delta":{"content":"hi"}}],"usage":null}"#);
+            let usage = event(r#"{"choices":[],"usage":{"total_tokens":13}}"#);
+            let done = event("[DONE]");
+            let stream = format!("{chunk}{chunk}{usage}{done}");
+            let kept = event(r#"{"choices":[{"delta":{"content":"hi"}}]}"#);
+            let expected = format!("{kept}{kept}{done}");
+            for sizes in [&[usize::MAX][..], &[1], &[2], &[3, 7], &[5, 1, 64]] {
+                let (out, tokens) = feed(stream.as_bytes(), sizes, true);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    expected,
+                    "line ending {nl:?}, pieces {sizes:?}"
+                );
+                assert_eq!(tokens, Some(13), "line ending {nl:?}, pieces {sizes:?}");
+                let (out, _) = feed(stream.as_bytes(), sizes, false);
+                assert_eq!(out, stream.as_bytes(), "kept whole: {nl:?}, {sizes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_event_too_large_to_hold_goes_out_as_it_comes_and_filtering_resumes() {
+        let big = format!(
+            "data: {{\"image\":\"{}\"}}\n\n",
+            "A".repeat(MAX_SSE_EVENT + 1000)
+        );
+        let usage = "data: {\"choices\":[],\"usage\":{\"total_tokens\":21}}\n\n";
+        let stream = format!("data: {{\"choices\":[{{}}]}}\n\n{big}{usage}data: [DONE]\n\n");
+        let mut f = SseFilter::new(true);
+        let mut out = Vec::new();
+        let (mut fed, mut held_back) = (0, 0);
+        for piece in stream.as_bytes().chunks(64 * 1024) {
+            fed += piece.len();
+            out.extend_from_slice(&f.push(Bytes::copy_from_slice(piece)));
+            held_back = held_back.max(fed - out.len());
+        }
+        out.extend_from_slice(&f.flush());
+        let expected = format!("data: {{\"choices\":[{{}}]}}\n\n{big}data: [DONE]\n\n");
+        assert!(
+            out == expected.as_bytes(),
+            "the stream changed beyond the usage chunk"
+        );
+        assert_eq!(
+            f.tokens,
+            Some(21),
+            "usage after the large event is still read"
+        );
+        assert!(
+            held_back <= MAX_SSE_EVENT + 64 * 1024,
+            "held back {held_back} bytes"
+        );
     }
 }
