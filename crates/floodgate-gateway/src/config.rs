@@ -556,7 +556,8 @@ impl Validator<'_> {
                         Some(v) if v.get_ref().trim().is_empty() => {
                             Err(self.error(v.span(), field(name), "must not be empty"))
                         }
-                        Some(v) => Ok(Some(v.into_inner())),
+                        // Trimmed like key ids: `org = "acme "` is org acme, not a second org.
+                        Some(v) => Ok(Some(v.get_ref().trim().to_owned())),
                     }
                 };
             let org = attr("org", k.org)?;
@@ -623,7 +624,7 @@ impl Validator<'_> {
                         "the gateway scope has no id (omit it, or write \"gateway\")",
                     ));
                 }
-                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.into_inner(),
+                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.get_ref().trim().to_owned(),
                 (_, Some(id)) => {
                     return Err(self.error(id.span(), field("id"), "must not be empty"));
                 }

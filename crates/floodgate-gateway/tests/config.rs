@@ -137,3 +137,33 @@ fn check_config_prints_chains_but_never_secrets() {
     assert!(stdout.contains("key alice"), "{stdout}");
     assert!(stdout.contains("5 requests / 60s"), "{stdout}");
 }
+
+#[test]
+fn scope_ids_are_trimmed_like_key_ids() {
+    // A stray space must not make a second org whose limits no key shares.
+    let text = r#"
+[upstream]
+demo = true
+[[keys]]
+id = " alice "
+secret = "sk-a"
+org = "acme "
+team = " ml"
+[[rate_limits]]
+scope = "org"
+id = " acme"
+rpm = 10
+[[rate_limits]]
+scope = "key"
+id = "alice "
+rpm = 5
+"#;
+    let c = Config::parse_with_env("inline.toml", text, None).unwrap();
+    let k = &c.keys[0];
+    assert_eq!(
+        (k.id.as_str(), k.org.as_deref(), k.team.as_deref()),
+        ("alice", Some("acme"), Some("ml"))
+    );
+    let ids: Vec<&str> = c.limits.keys().map(|(_, id)| id.as_str()).collect();
+    assert!(ids.contains(&"acme") && ids.contains(&"alice"), "{ids:?}");
+}
