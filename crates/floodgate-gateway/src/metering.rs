@@ -46,11 +46,17 @@ struct Usage {
 
 impl Usage {
     fn total(&self) -> u64 {
+        // The upstream's numbers: saturating (the store caps counts anyway).
         self.total_tokens.unwrap_or_else(|| {
-            self.prompt_tokens.unwrap_or(0)
-                + self.completion_tokens.unwrap_or(0)
-                + self.input_tokens.unwrap_or(0)
-                + self.output_tokens.unwrap_or(0)
+            [
+                self.prompt_tokens,
+                self.completion_tokens,
+                self.input_tokens,
+                self.output_tokens,
+            ]
+            .into_iter()
+            .flatten()
+            .fold(0, u64::saturating_add)
         })
     }
 }
@@ -752,6 +758,11 @@ mod tests {
             Some(7)
         );
         assert_eq!(usage_from_json(br#"{"error":{}}"#), None);
+        let huge = format!(
+            r#"{{"usage":{{"prompt_tokens":{},"completion_tokens":9}}}}"#,
+            u64::MAX
+        );
+        assert_eq!(usage_from_json(huge.as_bytes()), Some(u64::MAX));
         assert_eq!(usage_from_json(b"not json"), None);
     }
 

@@ -177,7 +177,10 @@ impl BucketLimit {
         let mut millis = (self.rate.time_for(needed) / 1_000.0).ceil().max(0.0) as u64;
         // Rounding may leave the refill a hair short of `cost` at the rounded time; the answer
         // must be a time at which the request does pass.
-        while after + self.rate.refill((millis * 1_000) as f64) < cost as f64 {
+        // (Bounded: a wait past u64::MAX µs, from an absurdly slow rate, stops there.)
+        while millis < u64::MAX / 1_000
+            && after + self.rate.refill((millis * 1_000) as f64) < cost as f64
+        {
             millis += 1;
         }
         Admission::Denied {
@@ -212,6 +215,23 @@ mod tests {
         capacity: 20,
         rate: Rate::new(1, Duration::from_secs(3)),
     };
+
+    #[test]
+    fn an_absurdly_slow_rate_answers_a_wait_instead_of_spinning() {
+        let slow = BucketLimit {
+            capacity: 1,
+            rate: Rate::new(1, Duration::from_micros(u64::MAX)),
+        };
+        let (ok, left) = slow.take(0.0, 1);
+        assert!(!ok);
+        let Admission::Denied {
+            retry_after: Some(wait),
+        } = slow.admission(ok, left, 1)
+        else {
+            panic!("a request that fits the capacity gets a wait");
+        };
+        assert!(wait >= Duration::from_secs(1 << 40), "{wait:?}");
+    }
 
     #[test]
     fn refill_is_continuous_and_capped() {

@@ -25,6 +25,11 @@ use std::time::Duration;
 
 use crate::clock::Timestamp;
 
+/// The largest count a window holds, and the largest `max` and window (in microseconds) a
+/// limit takes: 2^53, up to which every integer is exact in the f64 arithmetic that both stores
+/// decide with (about 285 years of microseconds; no real limit comes near it).
+pub const MAX_COUNT: u64 = 1 << 53;
+
 /// A sliding-window limit: at most `max` units in any `window`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct WindowLimit {
@@ -33,18 +38,22 @@ pub struct WindowLimit {
 }
 
 impl WindowLimit {
-    /// At most `max` units per `window`.
+    /// At most `max` units per `window`. A `max` above [`MAX_COUNT`] is taken as `MAX_COUNT`
+    /// (both mean "never refuses in practice", and counts stop there).
     ///
     /// # Panics
     ///
-    /// If `window` is shorter than a microsecond or longer than `u64::MAX` microseconds. Being a
-    /// `const fn`, a broken limit in a `const` fails to compile.
+    /// If `window` is shorter than a microsecond or longer than [`MAX_COUNT`] microseconds.
+    /// Being a `const fn`, a broken limit in a `const` fails to compile.
     pub const fn new(max: u64, window: Duration) -> Self {
         let micros = window.as_micros();
         assert!(micros > 0, "a window must last at least one microsecond");
-        assert!(micros <= u64::MAX as u128, "window too long");
+        assert!(
+            micros <= MAX_COUNT as u128,
+            "window too long (at most 2^53 microseconds)"
+        );
         WindowLimit {
-            max,
+            max: if max > MAX_COUNT { MAX_COUNT } else { max },
             window_us: micros as u64,
         }
     }
@@ -149,11 +158,12 @@ impl Snapshot {
         }
     }
 
-    /// The state to store after adding `units` to the current bucket.
+    /// The state to store after adding `units` to the current bucket (counts stop at
+    /// [`MAX_COUNT`], as in the Redis scripts).
     pub fn charged(&self, units: u64) -> WindowState {
         WindowState {
             bucket: self.bucket,
-            cur: self.cur.saturating_add(units),
+            cur: self.cur.saturating_add(units).min(MAX_COUNT),
             prev: self.prev,
         }
     }
@@ -216,7 +226,9 @@ impl Snapshot {
         let max = u128::from(limit.max);
         let e = u128::from(self.elapsed);
         let (cur, prev) = (u128::from(self.cur), u128::from(self.prev));
-        // The earliest instant, as microseconds from the start of the current bucket.
+        // The earliest instant, as microseconds from the start of the current bucket. (The
+        // divisors are never zero while counts stay within MAX_COUNT, where the f64 test agrees
+        // with these integer ones; `max(1)` only keeps a bad state from panicking.)
         let target = match charge {
             Charge::Admission => {
                 let cost = u128::from(cost);
@@ -226,10 +238,10 @@ impl Snapshot {
                 if cur + cost <= max {
                     // The previous bucket is the obstacle: wait until its weight has fallen to
                     // (max - cost - cur) / prev, i.e. e' = W - floor((max - cost - cur) * W / prev).
-                    w - ((max - cost - cur) * w) / prev
+                    w - ((max - cost - cur) * w) / prev.max(1)
                 } else {
                     // Wait for the next bucket, where cur becomes prev.
-                    w + w - ((max - cost) * w) / cur
+                    w + w - ((max - cost) * w) / cur.max(1)
                 }
             }
             Charge::Reactive => {
@@ -238,9 +250,9 @@ impl Snapshot {
                 }
                 // Strictly below: e' = W - ceil(q) + 1 with q the rational bound.
                 if cur < max {
-                    w - ((max - cur) * w).div_ceil(prev) + 1
+                    w - ((max - cur) * w).div_ceil(prev.max(1)) + 1
                 } else {
-                    w + w - (max * w).div_ceil(cur) + 1
+                    w + w - (max * w).div_ceil(cur.max(1)) + 1
                 }
             }
         };
@@ -284,6 +296,24 @@ mod tests {
     use super::*;
 
     const RPM5: WindowLimit = WindowLimit::per_minute(5);
+
+    #[test]
+    fn limits_and_counts_stop_at_two_to_the_fifty_third() {
+        assert_eq!(WindowLimit::per_minute(u64::MAX).max(), MAX_COUNT);
+        assert_eq!(snap(MAX_COUNT - 1, 0, 1.0).charged(u64::MAX).cur, MAX_COUNT);
+        // Past 2^53 the f64 test and the integer retry math disagreed; now they cannot, and a
+        // full window still gives a wait.
+        let full = snap(MAX_COUNT, 0, 1.0);
+        let limit = WindowLimit::per_minute(u64::MAX);
+        assert!(!full.admits(limit, Charge::Reactive, 1));
+        assert!(full.retry_after(limit, Charge::Reactive, 1).is_some());
+    }
+
+    #[test]
+    #[should_panic(expected = "window too long")]
+    fn a_window_past_two_to_the_fifty_third_microseconds_is_refused() {
+        let _ = WindowLimit::new(5, Duration::from_micros(u64::MAX));
+    }
 
     fn snap(cur: u64, prev: u64, elapsed_secs: f64) -> Snapshot {
         Snapshot {

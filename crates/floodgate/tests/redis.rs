@@ -1272,3 +1272,39 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
     eprintln!("first guesses too low: {low}, too high: {high}");
     assert!(low >= 3 && high >= 8, "too low {low}, too high {high}");
 }
+
+#[tokio::test]
+async fn a_huge_token_count_saturates_and_the_key_keeps_working() {
+    let Some(url) = redis_url("a_huge_token_count_saturates_and_the_key_keeps_working") else {
+        return;
+    };
+    // An upstream may report any usage. Counts stop at 2^53 on both stores; before, Redis wrote
+    // a count past 2^63 as a negative number and every later call on the key failed.
+    let memory = MemoryStore::new();
+    let redis = store(&url).await;
+    let limits = vec![
+        ChainLimit::new(
+            "org:big",
+            ScopeKind::Key,
+            "k",
+            Charge::Reactive,
+            WindowLimit::per_minute(1_000),
+        ),
+        req("big-org", ScopeKind::Org, 10),
+    ];
+    let now = Some(pinned(17));
+    for _ in 0..2 {
+        memory.record(&limits, u64::MAX, now).await.unwrap();
+        redis.record(&limits, u64::MAX, now).await.unwrap();
+    }
+    let m = memory.admit(&limits, 1, now).await.unwrap();
+    let r = redis.admit(&limits, 1, now).await.unwrap();
+    assert!(!r.admitted && r.enforced, "{r:?}");
+    assert_eq!(m, r);
+    assert_eq!(r.snapshots[0].cur, floodgate::window::MAX_COUNT);
+    let retry = Chain::new(limits)
+        .admit_at(&redis, 1, pinned(17))
+        .await
+        .unwrap();
+    assert!(retry.retry_after.is_some(), "{retry:?}");
+}

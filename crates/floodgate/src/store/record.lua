@@ -7,6 +7,9 @@ for i = 1, #KEYS do
   local a = 1 + 2 * i
   local w = tonumber(ARGV[a])
   local b, cur, prev = window_at(stored[i], w)
-  redis.call('SET', KEYS[i], string.format('%d %d %d', b, cur + units, prev), 'PX', ARGV[a + 1])
+  -- Counts stop at 2^53 (window.rs MAX_COUNT): exact in a double, and printable by %d (a count
+  -- past 2^63 would print negative and break the key).
+  redis.call('SET', KEYS[i], string.format('%d %d %d', b, math.min(cur + units, 9007199254740992),
+    prev), 'PX', ARGV[a + 1])
 end
 return 1
