@@ -1308,3 +1308,62 @@ async fn a_huge_token_count_saturates_and_the_key_keeps_working() {
         .unwrap();
     assert!(retry.retry_after.is_some(), "{retry:?}");
 }
+
+#[test]
+fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
+    let Some(server) =
+        Server::start("admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down")
+    else {
+        return;
+    };
+    let url = server.url();
+    // One store shared by several runtimes; its connection lives on the first.
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = home.block_on(store(&url));
+    let limits = vec![req("k", ScopeKind::Key, 100)];
+    let current = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    home.block_on(store.admit(&limits, 1, None)).unwrap();
+    // Redis holds every client's commands for a second, so the next batch is surely in flight
+    // when its runtime ends.
+    let mut pause = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
+    use std::io::Write;
+    let auth = format!(
+        "*2\r\n$4\r\nAUTH\r\n${}\r\n{}\r\n",
+        server.password.len(),
+        server.password
+    );
+    pause.write_all(auth.as_bytes()).unwrap();
+    pause
+        .write_all(b"*3\r\n$6\r\nCLIENT\r\n$5\r\nPAUSE\r\n$4\r\n1000\r\n")
+        .unwrap();
+    let mut ok = [0u8; 10];
+    std::io::Read::read_exact(&mut pause, &mut ok).unwrap();
+    assert_eq!(&ok, b"+OK\r\n+OK\r\n", "AUTH and CLIENT PAUSE");
+    let gone = current();
+    let (s, l) = (store.clone(), limits.clone());
+    gone.spawn(async move {
+        let _ = s.admit(&l, 1, None).await;
+    });
+    // Drive it until its batch has gone out (Redis is asleep, so it waits there).
+    gone.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
+    drop(gone);
+    let later = current();
+    let started = Instant::now();
+    let answer = later.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), store.admit(&limits, 1, None)).await
+    });
+    assert!(
+        answer.is_ok(),
+        "an admission waited {:?} for a sender whose runtime had ended",
+        started.elapsed()
+    );
+}

@@ -737,23 +737,38 @@ impl RedisStore {
     /// Sends batches until the queue is empty. One batch shares one time argument: admissions
     /// with another (a pinned clock) wait for a later batch.
     async fn send_batches(self) {
-        // If sending ever panicked, the queue must not stay marked as served: the next
-        // admission then starts a sender again (the batch in hand fails over to its policy, its
-        // answers dropped).
-        struct Unmark<'a>(&'a RedisStore);
+        // If sending stops early (it panicked, or its runtime shut down and dropped it), the
+        // queue must not stay marked as served, or every later admission would wait for a
+        // sender that is gone: the queued ones are answered as unavailable (their failure
+        // policy applies) and the next admission starts a sender again. The batch in hand fails
+        // over the same way, its answers dropped.
+        struct Unmark<'a> {
+            store: &'a RedisStore,
+            done: bool,
+        }
         impl Drop for Unmark<'_> {
             fn drop(&mut self) {
-                if std::thread::panicking() {
-                    self.0.queue().sending = false;
+                if !self.done {
+                    let queued = {
+                        let mut q = self.store.queue();
+                        q.sending = false;
+                        std::mem::take(&mut q.pending)
+                    };
+                    let why = Failure::Unavailable("the admission sender stopped".into());
+                    answer_all(queued, &why);
                 }
             }
         }
-        let _unmark = Unmark(&self);
+        let mut unmark = Unmark {
+            store: &self,
+            done: false,
+        };
         loop {
             let batch: Vec<PendingAdmit> = {
                 let mut q = self.queue();
                 let Some(time) = q.pending.first().map(|p| p.time) else {
                     q.sending = false;
+                    unmark.done = true;
                     return;
                 };
                 let mut batch = Vec::new();
