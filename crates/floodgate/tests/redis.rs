@@ -1367,3 +1367,34 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
         started.elapsed()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unpinned_admissions_are_batched_under_either_clock() {
+    let Some(url) = redis_url("unpinned_admissions_are_batched_under_either_clock") else {
+        return;
+    };
+    // Under the client clock each admission used to carry its own microsecond, and a batch
+    // only takes admissions of one time: batches of about one. The clock is now read when a
+    // batch goes out.
+    for clock in [RedisClock::Server, RedisClock::Client] {
+        let store = RedisStore::connect(RedisConfig {
+            clock,
+            ..config(&url)
+        })
+        .await
+        .unwrap();
+        let chain = Arc::new(Chain::new(vec![req("many", ScopeKind::Key, 1_000)]));
+        let mut tasks = JoinSet::new();
+        for _ in 0..400 {
+            let (store, chain) = (store.clone(), chain.clone());
+            tasks.spawn(async move { chain.admit(&store, 1).await.unwrap() });
+        }
+        let decisions = tasks.join_all().await;
+        assert!(
+            decisions.iter().all(|d| d.admitted && d.enforced),
+            "{clock:?}"
+        );
+        let calls = store.stats().admit_batches;
+        assert!(calls < 100, "{clock:?}: 400 admissions took {calls} calls");
+    }
+}

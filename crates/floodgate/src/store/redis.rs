@@ -656,6 +656,7 @@ struct AdmitQueue {
 struct PendingAdmit {
     limits: Vec<ChainLimit>,
     cost: u64,
+    /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     time: Option<u64>,
     reply: tokio::sync::oneshot::Sender<Result<Decided, Failure>>,
 }
@@ -690,7 +691,9 @@ impl RedisStore {
         let pending = PendingAdmit {
             limits: limits.to_vec(),
             cost,
-            time: self.time_of(now),
+            // Only a pinned time is fixed now: the client's clock is read when the batch goes
+            // out, so that unpinned admissions share a batch under either clock.
+            time: now.map(Timestamp::as_micros),
             reply: tx,
         };
         let start = {
@@ -863,7 +866,7 @@ impl RedisStore {
         for l in &keys {
             self.key_arg(&mut cmd, &[l.key()]);
         }
-        match batch[0].time {
+        match batch[0].time.or_else(|| self.time_of(None)) {
             Some(t) => cmd.arg(t),
             None => cmd.arg(""),
         };
