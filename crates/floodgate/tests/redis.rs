@@ -1398,3 +1398,42 @@ async fn unpinned_admissions_are_batched_under_either_clock() {
         assert!(calls < 100, "{clock:?}: 400 admissions took {calls} calls");
     }
 }
+
+#[tokio::test]
+async fn one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own() {
+    let Some(url) =
+        redis_url("one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own")
+    else {
+        return;
+    };
+    // One storage key, two maxes (a chain rebuilt with a new limit while the old one is still
+    // in use). The script takes one max per key: the batch is cut where the max changes, so
+    // each request is decided with its own, as the memory store does.
+    let memory = MemoryStore::new();
+    let redis = store(&url).await;
+    let old = Arc::new(vec![req("plan", ScopeKind::Key, 1)]);
+    let new = Arc::new(vec![req("plan", ScopeKind::Key, 100)]);
+    let now = Some(pinned(19));
+    let order = [&old, &new, &new, &old, &new];
+    let batches = redis.stats().admit_batches;
+    let tasks: Vec<_> = order
+        .iter()
+        .map(|limits| {
+            let (redis, limits) = (redis.clone(), Arc::clone(limits));
+            tokio::spawn(async move { redis.admit(&limits, 1, now).await.unwrap() })
+        })
+        .collect();
+    for (i, (limits, task)) in order.iter().zip(tasks).enumerate() {
+        let r = task.await.unwrap();
+        assert_eq!(
+            memory.admit(limits, 1, now).await.unwrap(),
+            r,
+            "request {i}"
+        );
+    }
+    assert_eq!(
+        redis.stats().admit_batches,
+        batches + 4,
+        "cut where the max changes"
+    );
+}

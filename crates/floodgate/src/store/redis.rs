@@ -801,12 +801,22 @@ impl RedisStore {
         }
     }
 
-    async fn send_batch(&self, batch: Vec<PendingAdmit>) {
-        let Packed {
-            cmd,
-            groups,
-            charged,
-        } = self.pack(&batch);
+    async fn send_batch(&self, mut batch: Vec<PendingAdmit>) {
+        let (
+            Packed {
+                cmd,
+                groups,
+                charged,
+            },
+            taken,
+        ) = self.pack(&batch);
+        if taken < batch.len() {
+            // Back to the front of the queue: they came before anything queued since.
+            let rest = batch.split_off(taken);
+            let mut q = self.queue();
+            let later = std::mem::replace(&mut q.pending, rest);
+            q.pending.extend(later);
+        }
         bump(&self.inner.counters.admit_batches);
         let answer = self
             .inner
@@ -837,21 +847,40 @@ impl RedisStore {
 
     /// The admission script's call for `batch`: its distinct keys, and its requests in the order
     /// they came, each run of requests of one cost on one chain as one group (see admit.lua).
-    fn pack(&self, batch: &[PendingAdmit]) -> Packed {
+    ///
+    /// The script takes one window and max per key, so a request that names a key the batch
+    /// already holds with another limit (a chain rebuilt with a new max while the old one is
+    /// still in use) ends the batch: it and those after it go in the next call, and the number
+    /// of requests packed is returned with the call.
+    fn pack(&self, batch: &[PendingAdmit]) -> (Packed, usize) {
         let mut keys: Vec<&ChainLimit> = Vec::new();
         let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
         let mut groups: Vec<Group> = Vec::new();
+        let mut taken = batch.len();
         for (r, p) in batch.iter().enumerate() {
+            let known = keys.len();
+            let mut conflict = false;
             let chain: Vec<usize> = p
                 .limits
                 .iter()
                 .map(|l| {
-                    *index.entry(l.key()).or_insert_with(|| {
+                    let j = *index.entry(l.key()).or_insert_with(|| {
                         keys.push(l);
                         keys.len()
-                    })
+                    });
+                    let held = keys[j - 1];
+                    conflict |=
+                        j <= known && (held.limit(), held.charge()) != (l.limit(), l.charge());
+                    j
                 })
                 .collect();
+            if conflict {
+                for l in keys.drain(known..) {
+                    index.remove(l.key());
+                }
+                taken = r;
+                break;
+            }
             match groups.last_mut() {
                 Some(g) if g.cost == p.cost && g.chain == chain => g.members.push(r),
                 _ => groups.push(Group {
@@ -889,11 +918,14 @@ impl RedisStore {
             .iter()
             .map(|l| l.charge() == Charge::Admission)
             .collect();
-        Packed {
-            cmd,
-            groups,
-            charged,
-        }
+        (
+            Packed {
+                cmd,
+                groups,
+                charged,
+            },
+            taken,
+        )
     }
 }
 
