@@ -1437,3 +1437,53 @@ async fn one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own()
         "cut where the max changes"
     );
 }
+
+#[test]
+fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
+    let Some(mut server) =
+        Server::start("the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down")
+    else {
+        return;
+    };
+    let url = server.url();
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = home.block_on(store(&url));
+    let limits = vec![req("k", ScopeKind::Key, 100)];
+    let current = || {
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap()
+    };
+    assert!(
+        home.block_on(store.admit(&limits, 1, None))
+            .unwrap()
+            .enforced
+    );
+    // Redis goes away; an admission on a runtime of its own trips the breaker, whose probe
+    // starts there; then that runtime ends.
+    server.stop();
+    let gone = current();
+    let failed = gone.block_on(store.admit(&limits, 1, None)).unwrap();
+    assert!(!failed.enforced, "failed open while Redis is down");
+    drop(gone);
+    server.restart();
+    // Another runtime: enforcement resumes (before, the breaker stayed open for good).
+    let later = current();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = later.block_on(store.admit(&limits, 1, None)).unwrap();
+        if d.enforced {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still failing open 10 s after Redis came back"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}

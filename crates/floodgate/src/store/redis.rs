@@ -613,6 +613,18 @@ async fn evalsha<T: FromRedisValue>(
 
 /// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
 async fn probe(inner: Weak<Inner>, since: Instant) {
+    // Dropped before Redis answered (its runtime shut down, with a store shared across
+    // runtimes), the probe would leave the breaker open for good: it closes it instead, so the
+    // next call tries Redis and, if Redis is still down, trips it again with a new probe.
+    struct Unprobed(Weak<Inner>);
+    impl Drop for Unprobed {
+        fn drop(&mut self) {
+            if let Some(inner) = self.0.upgrade() {
+                inner.open.store(false, Ordering::Release);
+            }
+        }
+    }
+    let _close = Unprobed(inner.clone());
     loop {
         let Some(interval) = inner.upgrade().map(|i| i.config.probe_interval) else {
             return;
