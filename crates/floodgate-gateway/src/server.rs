@@ -105,6 +105,10 @@ pub fn serve(config: &Config) -> Result<(), String> {
             shutdown_signal().await;
             tracing::info!("shutting down: draining requests in flight");
             let _ = stop_tx.send(true);
+            // A second signal during the drain: the operator wants out now.
+            shutdown_signal().await;
+            tracing::warn!("second signal: exiting without waiting for the drain");
+            std::process::exit(1);
         });
         let mut stopping = stop_rx.clone();
         let deadline = async move {
@@ -121,10 +125,12 @@ pub fn serve(config: &Config) -> Result<(), String> {
                     None => break,
                 },
                 () = &mut deadline => {
-                    tracing::warn!(
-                        timeout_s = DRAIN_TIMEOUT.as_secs(),
-                        "drain timed out: exiting with requests still in flight"
-                    );
+                    // Not a clean stop: requests in flight were cut (no log line, no tokens
+                    // recorded for them), which a supervisor should see in the exit status.
+                    failure = Some(format!(
+                        "drain timed out after {} s: exiting with requests still in flight",
+                        DRAIN_TIMEOUT.as_secs()
+                    ));
                     break;
                 }
             }

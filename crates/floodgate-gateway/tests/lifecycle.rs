@@ -111,3 +111,89 @@ async fn sigterm_drains_and_exits_cleanly() {
     let _ = std::fs::remove_file(&path);
     assert!(status.success(), "{status:?}");
 }
+
+#[tokio::test]
+async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
+    // An upstream that accepts and never answers: the request stays in flight, so the drain
+    // would wait its full 30 s.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = silent.local_addr().unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let path = std::env::temp_dir().join(format!("floodgate-sigterm2-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = \"http://{upstream}\"\ntimeout_sec = 60\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
+        ),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while tokio::net::TcpStream::connect(&addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut conn,
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    // The request reached the upstream (accept polled, so a mistake fails instead of hanging).
+    silent.set_nonblocking(true).unwrap();
+    let accepted = Instant::now() + Duration::from_secs(10);
+    let _held = loop {
+        match silent.accept() {
+            Ok((held, _)) => break held,
+            Err(_) if Instant::now() < accepted => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the request never reached the upstream: {e}"),
+        }
+    };
+    let pid = child.id().to_string();
+    let term = || {
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        )
+    };
+    term();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "the first SIGTERM drains"
+    );
+    term();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "a second SIGTERM did not end the drain"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        !status.success(),
+        "requests were cut: not a clean exit ({status:?})"
+    );
+}
