@@ -20,9 +20,10 @@ const RESET_TOK: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens"
 const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
 const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
 
-/// The rate-limit state headers this module writes: upstream copies of them are removed from
-/// proxied responses so that a caller only ever sees the gateway's view. (An upstream's own
-/// `Retry-After` on its 429 or 503 is kept: it is still true for the caller.)
+/// The rate-limit state headers this module writes. An upstream's headers of these families
+/// (`x-ratelimit-*`, `ratelimit*`) are removed from proxied responses so that a caller only ever
+/// sees the gateway's view. (An upstream's own `Retry-After` on its 429 or 503 is kept: it is
+/// still true for the caller.)
 pub const ALL: [HeaderName; 10] = [
     X_LIMIT,
     X_REMAINING,
@@ -123,8 +124,16 @@ fn most_restrictive_index(decision: &ChainDecision, charge: Charge) -> Option<us
 pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHeaders) {
     // One pass over the (few) headers present instead of ten hashed lookups: upstreams rarely
     // send rate-limit headers of their own.
+    // Every upstream header of the families the gateway speaks goes (`x-ratelimit-*`,
+    // `ratelimit*`: also `ratelimit-reset`, `x-ratelimit-used`, ... that the gateway does not
+    // write), so a caller never reads the upstream's limits next to the gateway's.
     if headers.keys().any(is_rate_limit_header) {
-        for name in &ALL {
+        let names: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| is_rate_limit_header(n))
+            .cloned()
+            .collect();
+        for name in names {
             headers.remove(name);
         }
     }
@@ -298,6 +307,32 @@ mod tests {
         assert_eq!(openai_duration(Duration::from_millis(41_001)), "42s");
         assert_eq!(openai_duration(Duration::from_secs(360)), "6m0s");
         assert_eq!(openai_duration(Duration::from_secs(3723)), "1h2m3s");
+    }
+
+    #[test]
+    fn every_upstream_rate_limit_header_is_removed() {
+        let mut h = HeaderMap::new();
+        for (n, v) in [
+            ("ratelimit-limit", "1"),
+            ("ratelimit-remaining", "0"),
+            ("ratelimit-reset", "999"),
+            ("x-ratelimit-reset", "999"),
+            ("x-ratelimit-used", "7"),
+            ("x-ratelimit-limit-requests", "1"),
+            ("content-type", "application/json"),
+            ("retry-after", "3"),
+        ] {
+            h.insert(HeaderName::from_static(n), HeaderValue::from_static(v));
+        }
+        let decision = ChainDecision::unenforced(floodgate::Timestamp::from_secs(1));
+        apply(
+            &mut h,
+            &decision,
+            &ChainHeaders::new(&floodgate::Chain::default()),
+        );
+        let mut left: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        left.sort_unstable();
+        assert_eq!(left, ["content-type", "retry-after"]);
     }
 
     #[test]
