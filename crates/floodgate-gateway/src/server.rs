@@ -52,6 +52,13 @@ pub fn serve(config: &Config) -> Result<(), String> {
         1
     };
 
+    // The workers share the port with SO_REUSEPORT, which would also let a second gateway (of
+    // the same user) bind it and take half the traffic, each with its own limits. A plain bind
+    // first fails if anything listens there already.
+    if workers > 1 && config.listen.port() != 0 {
+        std::net::TcpListener::bind(config.listen)
+            .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+    }
     let (stop_tx, stop_rx) = watch::channel(false);
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();

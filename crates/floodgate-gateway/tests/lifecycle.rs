@@ -197,3 +197,44 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
         "requests were cut: not a clean exit ({status:?})"
     );
 }
+
+#[tokio::test]
+async fn a_port_another_gateway_listens_on_is_refused() {
+    // Another gateway's workers hold the port with SO_REUSEPORT, which would let a second one
+    // bind too and split the traffic (and every limit) between them.
+    let other = tokio::net::TcpSocket::new_v4().unwrap();
+    other.set_reuseport(true).unwrap();
+    other.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let port = other.local_addr().unwrap().port();
+    let _listening = other.listen(16).unwrap();
+    let path = std::env::temp_dir().join(format!("floodgate-taken-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\ndemo = true\n"),
+    )
+    .unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("a second gateway started on a taken port");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let _ = std::fs::remove_file(&path);
+    assert!(!status.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(err.contains("cannot listen on"), "{err}");
+}
