@@ -290,6 +290,12 @@ impl Pool {
                 return Err("the upstream closed a new connection".into());
             }
             match conn.try_send_request(req).await {
+                Ok(resp) if http_body::Body::is_end_stream(resp.body()) => {
+                    // No body (HEAD, 204, `Content-Length: 0`): hyper never polls it, so the
+                    // connection goes back now, not when the body ends.
+                    self.checkin(conn);
+                    return Ok(resp.map(Body::new));
+                }
                 Ok(resp) => {
                     let (parts, body) = resp.into_parts();
                     let body = PooledBody {

@@ -267,3 +267,23 @@ fn check_config_shows_the_ca_file() {
         "{stdout}"
     );
 }
+
+#[tokio::test]
+async fn a_connection_whose_response_has_no_body_is_reused() {
+    // hyper never polls an empty body, so the connection must go back to the pool without it:
+    // each 204 used to close its connection (a new TLS handshake, a socket in TIME-WAIT).
+    let up = tls_upstream().await;
+    let gw = gateway(&with_ca(), &up.https_url()).await;
+    for _ in 0..3 {
+        let r = gw
+            .send(gw.request("DELETE", "/v1/empty", Some("sk-k"), ""))
+            .await;
+        assert_eq!(r.status, 204, "{}", r.text());
+        assert!(r.header("x-ratelimit-remaining-requests").is_some());
+    }
+    assert_eq!(
+        up.seen.tls_handshakes(),
+        1,
+        "one connection for three requests"
+    );
+}

@@ -138,6 +138,11 @@ fn fake_app(seen: &Seen) -> Router {
     let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/slow", get(slow))
+        // A response without a body.
+        .route(
+            "/v1/empty",
+            axum::routing::delete(|| async { StatusCode::NO_CONTENT }),
+        )
         .route(
             "/v1/models",
             get(|uri: axum::http::Uri| async move {
