@@ -34,8 +34,11 @@ use crate::error::AppError;
 
 /// How long to wait for a TCP connection to the upstream, and then for its TLS handshake.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long an idle pooled upstream connection is kept.
-const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+/// How long an idle pooled upstream connection is reused: less than the 5 s after which common
+/// upstream servers (uvicorn, Node) close an idle keep-alive connection. A connection the
+/// upstream closes just as it is reused fails the request it carried (502): a request that may
+/// have reached the upstream is never sent twice.
+const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Headers that describe one connection, not the message: never forwarded. (A `static`: a
 /// `const` array would be built anew at each use.)

@@ -287,3 +287,22 @@ async fn a_connection_whose_response_has_no_body_is_reused() {
         "one connection for three requests"
     );
 }
+
+#[tokio::test]
+async fn a_connection_idle_past_four_seconds_is_not_reused() {
+    // Upstreams such as uvicorn and Node close idle connections after 5 s: reusing one at that
+    // moment fails the request. The pool reuses a connection for 4 s only.
+    let up = tls_upstream().await;
+    let gw = gateway(&with_ca(), &up.https_url()).await;
+    let models = || gw.request("GET", "/v1/models", Some("sk-k"), "");
+    assert_eq!(gw.send(models()).await.status, 200);
+    assert_eq!(gw.send(models()).await.status, 200);
+    assert_eq!(up.seen.tls_handshakes(), 1, "reused while fresh");
+    tokio::time::sleep(Duration::from_millis(4_200)).await;
+    assert_eq!(gw.send(models()).await.status, 200);
+    assert_eq!(
+        up.seen.tls_handshakes(),
+        2,
+        "a new connection after 4 s idle"
+    );
+}
