@@ -710,6 +710,28 @@ impl Validator<'_> {
                 ));
             }
         }
+        // The URL as `serve` will read it: a bad one is a config error here, not a failure at
+        // start. (An environment URL is only checked when the Redis backend will use it.)
+        let check = |u: &str| {
+            floodgate::store::redis::RedisConfig::new(u)
+                .check_url()
+                .map_err(|e| e.to_string())
+        };
+        if let Some(u) = &url
+            && let Err(e) = check(u.get_ref())
+        {
+            return Err(self.error(u.span(), "store.url", e));
+        }
+        if backend == Backend::Redis
+            && let Some(u) = &env_url
+            && let Err(e) = check(u)
+        {
+            return Err(self.error(
+                backend_span.clone().unwrap_or(0..0),
+                "store.url",
+                format!("{REDIS_URL_ENV}: {e}"),
+            ));
+        }
         let url = env_url.or(url.map(Spanned::into_inner));
         if backend == Backend::Redis && url.is_none() {
             return Err(self.error(

@@ -19,6 +19,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("duplicate-rate-limit.toml", 10, "rate_limits[1].scope"),
     ("ftp-upstream.toml", 2, "upstream.base_url"),
     ("credentials-in-upstream-url.toml", 3, "upstream.base_url"),
+    ("redis-url-bad-port.toml", 3, "store.url"),
     ("missing-upstream.toml", 1, "upstream"),
     ("negative-requests.toml", 7, "requests"),
     ("neither-rpm-nor-tpm.toml", 4, "rate_limits[0].rpm"),
@@ -166,4 +167,25 @@ rpm = 5
     );
     let ids: Vec<&str> = c.limits.keys().map(|(_, id)| id.as_str()).collect();
     assert!(ids.contains(&"acme") && ids.contains(&"alice"), "{ids:?}");
+}
+
+#[test]
+fn a_bad_redis_url_is_a_config_error_wherever_it_comes_from() {
+    let text = "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379/0\"\n[upstream]\ndemo = true\n";
+    assert!(Config::parse_with_env("ok.toml", text, None).is_ok());
+    let err = Config::parse_with_env("env.toml", text, Some("http://127.0.0.1:6379".into()))
+        .expect_err("FLOODGATE_REDIS_URL=http://... is refused");
+    assert_eq!(err.field, "store.url");
+    assert!(err.to_string().contains("FLOODGATE_REDIS_URL"), "{err}");
+    let shown = Config::parse_with_env(
+        "pw.toml",
+        &text.replace(
+            "redis://127.0.0.1:6379/0",
+            "redis://:hunter2@127.0.0.1:nope/0",
+        ),
+        None,
+    )
+    .expect_err("a bad port is refused")
+    .to_string();
+    assert!(!shown.contains("hunter2"), "{shown}");
 }

@@ -111,6 +111,16 @@ impl RedisConfig {
             probe_interval: Duration::from_millis(250),
         }
     }
+
+    /// Whether [`RedisStore::connect`] would take this URL, without connecting: for config
+    /// checks. The error never shows the URL's password.
+    pub fn check_url(&self) -> Result<(), Error> {
+        self.url
+            .as_str()
+            .into_connection_info()
+            .map(drop)
+            .map_err(|e| Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&self.url))))
+    }
 }
 
 impl fmt::Debug for RedisConfig {
