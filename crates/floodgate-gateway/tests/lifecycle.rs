@@ -2,7 +2,8 @@
 
 mod common;
 
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -50,35 +51,103 @@ tpm = 1000
     assert!(tokio::net::TcpStream::connect(gw.addr).await.is_err());
 }
 
-#[cfg(unix)]
-#[tokio::test]
-async fn sigterm_drains_and_exits_cleanly() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
+/// The `floodgate` binary serving a config of its own (written to a temporary file); killed,
+/// and its file removed, when dropped.
+struct Binary {
+    child: Child,
+    path: PathBuf,
+}
+
+impl Binary {
+    /// Starts `floodgate serve` on `config`; its stderr is kept for `stderr()` if `keep_stderr`.
+    fn start(name: &str, config: &str, keep_stderr: bool) -> Binary {
+        let path =
+            std::env::temp_dir().join(format!("floodgate-{name}-{}.toml", std::process::id()));
+        std::fs::write(&path, config).unwrap();
+        let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .stdout(Stdio::null())
+            .stderr(if keep_stderr {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
+            .spawn()
+            .unwrap();
+        Binary { child, path }
+    }
+
+    /// Waits until `addr` accepts connections.
+    async fn listening(&self, addr: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while tokio::net::TcpStream::connect(addr).await.is_err() {
+            assert!(Instant::now() < deadline, "the gateway did not start");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn sigterm(&self) {
+        let pid = self.child.id().to_string();
+        assert!(
+            Command::new("kill")
+                .args(["-TERM", &pid])
+                .status()
+                .unwrap()
+                .success()
+        );
+    }
+
+    /// The exit status, if the process ends within `within`.
+    async fn exited(&mut self, within: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            if Instant::now() > deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
+        err
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
-        .port();
-    let path = std::env::temp_dir().join(format!("floodgate-sigterm-{}.toml", std::process::id()));
-    std::fs::write(
-        &path,
-        format!(
+        .port()
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn sigterm_drains_and_exits_cleanly() {
+    let port = free_port();
+    let mut gw = Binary::start(
+        "sigterm",
+        &format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
         ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        false,
+    );
     let addr = format!("127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(&addr).await.is_err() {
-        assert!(Instant::now() < deadline, "the gateway did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gw.listening(&addr).await;
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<axum::body::Body>();
     let req = axum::http::Request::post(format!("http://{addr}/v1/chat/completions"))
@@ -87,63 +156,34 @@ async fn sigterm_drains_and_exits_cleanly() {
         .unwrap();
     let resp = client.request(req).await.unwrap();
     assert_eq!(resp.status(), 200);
-    let pid = child.id().to_string();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &pid])
-            .status()
-            .unwrap()
-            .success()
-    );
+    gw.sigterm();
     let body = http_body_util::BodyExt::collect(resp.into_body())
         .await
         .unwrap()
         .to_bytes();
     assert_eq!(events(&body).last().map(String::as_str), Some("[DONE]"));
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the gateway did not exit");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let _ = std::fs::remove_file(&path);
+    let status = gw.exited(Duration::from_secs(10)).await;
+    let status = status.expect("the gateway did not exit");
     assert!(status.success(), "{status:?}");
 }
 
+#[cfg(unix)]
 #[tokio::test]
 async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
     // An upstream that accepts and never answers: the request stays in flight, so the drain
     // would wait its full 30 s.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let upstream = silent.local_addr().unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let path = std::env::temp_dir().join(format!("floodgate-sigterm2-{}.toml", std::process::id()));
-    std::fs::write(
-        &path,
-        format!(
+    let port = free_port();
+    let mut gw = Binary::start(
+        "sigterm2",
+        &format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = \"http://{upstream}\"\ntimeout_sec = 60\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
         ),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+        false,
+    );
     let addr = format!("127.0.0.1:{port}");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(&addr).await.is_err() {
-        assert!(Instant::now() < deadline, "the gateway did not start");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    gw.listening(&addr).await;
     let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
     tokio::io::AsyncWriteExt::write_all(
         &mut conn,
@@ -163,35 +203,14 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
             Err(e) => panic!("the request never reached the upstream: {e}"),
         }
     };
-    let pid = child.id().to_string();
-    let term = || {
-        assert!(
-            Command::new("kill")
-                .args(["-TERM", &pid])
-                .status()
-                .unwrap()
-                .success()
-        )
-    };
-    term();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    gw.sigterm();
     assert!(
-        child.try_wait().unwrap().is_none(),
+        gw.exited(Duration::from_millis(500)).await.is_none(),
         "the first SIGTERM drains"
     );
-    term();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "a second SIGTERM did not end the drain"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let _ = std::fs::remove_file(&path);
+    gw.sigterm();
+    let status = gw.exited(Duration::from_secs(5)).await;
+    let status = status.expect("a second SIGTERM did not end the drain");
     assert!(
         !status.success(),
         "requests were cut: not a clean exit ({status:?})"
@@ -207,34 +226,14 @@ async fn a_port_another_gateway_listens_on_is_refused() {
     other.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let port = other.local_addr().unwrap().port();
     let _listening = other.listen(16).unwrap();
-    let path = std::env::temp_dir().join(format!("floodgate-taken-{}.toml", std::process::id()));
-    std::fs::write(
-        &path,
-        format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\ndemo = true\n"),
-    )
-    .unwrap();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("a second gateway started on a taken port");
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    let _ = std::fs::remove_file(&path);
+    let mut gw = Binary::start(
+        "taken",
+        &format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\ndemo = true\n"),
+        true,
+    );
+    let status = gw.exited(Duration::from_secs(10)).await;
+    let status = status.expect("a second gateway started on a taken port");
     assert!(!status.success());
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    let err = gw.stderr();
     assert!(err.contains("cannot listen on"), "{err}");
 }
