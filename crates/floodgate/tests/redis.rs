@@ -1309,6 +1309,25 @@ async fn a_huge_token_count_saturates_and_the_key_keeps_working() {
     assert!(retry.retry_after.is_some(), "{retry:?}");
 }
 
+/// A store whose connection lives on a runtime of its own (returned, to keep it alive): for
+/// tests of one store shared by several runtimes.
+fn store_on_own_runtime(url: &str) -> (tokio::runtime::Runtime, RedisStore) {
+    let home = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let store = home.block_on(store(url));
+    (home, store)
+}
+
+fn current_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 #[test]
 fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     let Some(server) =
@@ -1316,21 +1335,8 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     else {
         return;
     };
-    let url = server.url();
-    // One store shared by several runtimes; its connection lives on the first.
-    let home = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = home.block_on(store(&url));
+    let (home, store) = store_on_own_runtime(&server.url());
     let limits = vec![req("k", ScopeKind::Key, 100)];
-    let current = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
     home.block_on(store.admit(&limits, 1, None)).unwrap();
     // Redis holds every client's commands for a second, so the next batch is surely in flight
     // when its runtime ends.
@@ -1348,7 +1354,7 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     let mut ok = [0u8; 10];
     std::io::Read::read_exact(&mut pause, &mut ok).unwrap();
     assert_eq!(&ok, b"+OK\r\n+OK\r\n", "AUTH and CLIENT PAUSE");
-    let gone = current();
+    let gone = current_runtime();
     let (s, l) = (store.clone(), limits.clone());
     gone.spawn(async move {
         let _ = s.admit(&l, 1, None).await;
@@ -1356,7 +1362,7 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     // Drive it until its batch has gone out (Redis is asleep, so it waits there).
     gone.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
     drop(gone);
-    let later = current();
+    let later = current_runtime();
     let started = Instant::now();
     let answer = later.block_on(async {
         tokio::time::timeout(Duration::from_secs(5), store.admit(&limits, 1, None)).await
@@ -1445,20 +1451,8 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     else {
         return;
     };
-    let url = server.url();
-    let home = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let store = home.block_on(store(&url));
+    let (home, store) = store_on_own_runtime(&server.url());
     let limits = vec![req("k", ScopeKind::Key, 100)];
-    let current = || {
-        tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap()
-    };
     assert!(
         home.block_on(store.admit(&limits, 1, None))
             .unwrap()
@@ -1467,13 +1461,13 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     // Redis goes away; an admission on a runtime of its own trips the breaker, whose probe
     // starts there; then that runtime ends.
     server.stop();
-    let gone = current();
+    let gone = current_runtime();
     let failed = gone.block_on(store.admit(&limits, 1, None)).unwrap();
     assert!(!failed.enforced, "failed open while Redis is down");
     drop(gone);
     server.restart();
     // Another runtime: enforcement resumes (before, the breaker stayed open for good).
-    let later = current();
+    let later = current_runtime();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let d = later.block_on(store.admit(&limits, 1, None)).unwrap();
