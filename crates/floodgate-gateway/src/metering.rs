@@ -615,7 +615,7 @@ impl SseFilter {
                 match action {
                     Action::Keep => b.extend_from_slice(event),
                     Action::Drop => {}
-                    Action::StripNullUsage => strip_null_usage(event, b),
+                    Action::StripNullUsage(fields) => strip_null_usage(event, &fields, b),
                 }
             }
             start = end;
@@ -633,7 +633,7 @@ impl SseFilter {
         // for usage would not have seen that field. (JSON may put spaces around the colon.)
         if self.strip_usage && !fields.iter().any(|f| event[f.value] == b'{') {
             return if fields.iter().any(|f| f.is_null(event)) {
-                Action::StripNullUsage
+                Action::StripNullUsage(fields)
             } else {
                 Action::Keep
             };
@@ -667,7 +667,8 @@ impl SseFilter {
 enum Action {
     Keep,
     Drop,
-    StripNullUsage,
+    /// Drop the `"usage": null` fields among these (found by `inspect`, not searched again).
+    StripNullUsage(Vec<UsageField>),
 }
 
 /// A `"usage": value` field found in an event's bytes.
@@ -719,11 +720,11 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-/// Appends `event` to `out` without its `"usage": null` fields (and the comma that joined each
-/// to its neighbour).
-fn strip_null_usage(event: &[u8], out: &mut BytesMut) {
+/// Appends `event` to `out` without its `"usage": null` fields among `fields` (and the comma
+/// that joined each to its neighbour).
+fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
     let mut kept = 0;
-    for f in usage_fields(event).iter().filter(|f| f.is_null(event)) {
+    for f in fields.iter().filter(|f| f.is_null(event)) {
         let end = f.value + b"null".len();
         // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after.
         let before = event[..f.key].iter().rposition(|b| !b" \t\r\n".contains(b));
