@@ -338,14 +338,13 @@ async fn proxy(state: AppState, req: Request) -> Response {
 
     let (mut head, body) = resp.into_parts();
     headers::apply(&mut head.headers, &decision, &fixed);
-    let encoded = |head: &axum::http::response::Parts| {
-        head.headers
-            .get(CONTENT_ENCODING)
-            .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
-    };
     let meter = if !metered || !head.status.is_success() {
         Meter::None
-    } else if encoded(&head) {
+    } else if head
+        .headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
+    {
         tracing::warn!(key = %key.id, "compressed response (unasked for): its tokens are not metered");
         Meter::None
     } else {
