@@ -115,11 +115,19 @@ impl RedisConfig {
     /// Whether [`RedisStore::connect`] would take this URL, without connecting: for config
     /// checks. The error never shows the URL's password.
     pub fn check_url(&self) -> Result<(), Error> {
+        self.connection_info().map(drop)
+    }
+
+    /// The URL parsed, or an error that names it with its password hidden.
+    fn connection_info(&self) -> Result<::redis::ConnectionInfo, Error> {
         self.url
             .as_str()
             .into_connection_info()
-            .map(drop)
-            .map_err(|e| Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&self.url))))
+            .map_err(|e| self.invalid(e))
+    }
+
+    fn invalid(&self, e: RedisError) -> Error {
+        Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&self.url)))
     }
 }
 
@@ -368,18 +376,12 @@ impl RedisStore {
         if config.url.starts_with("rediss://") {
             install_crypto_provider();
         }
-        let invalid = |e: RedisError| {
-            Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&config.url)))
-        };
         // TCP_NODELAY (the redis crate leaves Nagle on): a call written while another is in
         // flight (a token record beside an admission batch) must not wait for the first's ACK.
         let info = config
-            .url
-            .as_str()
-            .into_connection_info()
-            .map_err(invalid)?
+            .connection_info()?
             .set_tcp_settings(TcpSettings::default().set_nodelay(true));
-        let client = Client::open(info).map_err(invalid)?;
+        let client = Client::open(info).map_err(|e| config.invalid(e))?;
         let manager = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(config.connect_timeout))
             // No per-request timer inside the connection: every call already runs under one
