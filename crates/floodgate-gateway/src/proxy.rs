@@ -17,7 +17,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::header::{self, HeaderName};
 use axum::http::uri::{Authority, PathAndQuery, Scheme};
-use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
+use axum::http::{HeaderMap, HeaderValue, Method, Request, Response, Uri, Version};
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use hyper::body::Incoming;
@@ -36,8 +36,8 @@ use crate::error::AppError;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an idle pooled upstream connection is reused: less than the 5 s after which common
 /// upstream servers (uvicorn, Node) close an idle keep-alive connection. A connection the
-/// upstream closes just as it is reused fails the request it carried (502): a request that may
-/// have reached the upstream is never sent twice.
+/// upstream closes just as it is reused fails the request it carried with 502, unless that
+/// request may safely be sent again (see `Pool::send`).
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
 
 /// Headers that describe one connection, not the message: never forwarded. (A `static`: a
@@ -279,10 +279,17 @@ struct Idle {
 impl Pool {
     /// Sends `req` on an idle connection, or a new one. A request that an idle connection
     /// refused before sending any of it (the upstream had just closed it) is sent again on
-    /// another; any other failure is the answer. Errors are causes for the log.
+    /// another. A bodyless request of a safe method (`GET`, `HEAD`, `OPTIONS`) that a reused
+    /// connection lost after sending it (the upstream closed its side as the request arrived) is
+    /// sent once more on a new connection: sending it twice changes nothing upstream (RFC 9110,
+    /// 9.2.2), as nginx's `proxy_next_upstream` does by default. Any other failure is the
+    /// answer: a request that may have reached the upstream is never sent twice. Errors are
+    /// causes for the log.
     async fn send(self: &Arc<Self>, mut req: Request<Body>) -> Result<Response<Body>, String> {
+        let mut fresh_only = false;
         loop {
-            let (mut conn, reused) = match self.checkout() {
+            let reused_conn = if fresh_only { None } else { self.checkout() };
+            let (mut conn, reused) = match reused_conn {
                 Some(c) => (c, true),
                 None => (self.connect().await?, false),
             };
@@ -292,6 +299,8 @@ impl Pool {
                 }
                 return Err("the upstream closed a new connection".into());
             }
+            // Only on a reused connection: a new one that fails is the upstream's answer.
+            let again = if reused { resendable(&req) } else { None };
             match conn.try_send_request(req).await {
                 Ok(resp) if http_body::Body::is_end_stream(resp.body()) => {
                     // No body (HEAD, 204, `Content-Length: 0`): hyper never polls it, so the
@@ -307,8 +316,13 @@ impl Pool {
                     };
                     return Ok(Response::from_parts(parts, Body::new(body)));
                 }
-                Err(mut e) => match e.take_message() {
-                    Some(unsent) if reused => req = unsent,
+                Err(mut e) => match (e.take_message(), again) {
+                    (Some(unsent), _) if reused => req = unsent,
+                    (None, Some(copy)) => {
+                        tracing::debug!(error = %cause(e.error()), "a reused upstream connection failed; sending the request again on a new one");
+                        req = copy;
+                        fresh_only = true;
+                    }
                     _ => return Err(cause(e.error())),
                 },
             }
@@ -379,6 +393,21 @@ where
         }
     });
     Ok(conn)
+}
+
+/// A copy of `req` to send again if its connection fails under it: only for a bodyless request
+/// of a safe method, the ones an upstream may receive twice without harm.
+fn resendable(req: &Request<Body>) -> Option<Request<Body>> {
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !safe || !http_body::Body::is_end_stream(req.body()) {
+        return None;
+    }
+    let mut copy = Request::new(Body::empty());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
 }
 
 /// An error and its source, for the log.

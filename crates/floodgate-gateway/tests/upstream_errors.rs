@@ -3,6 +3,9 @@
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
 use common::*;
 
 const CONFIG: &str = r#"
@@ -101,5 +104,104 @@ async fn an_upstream_retry_after_is_kept() {
         r.header("x-ratelimit-remaining-requests"),
         Some("2"),
         "the gateway's view"
+    );
+}
+
+/// An upstream that answers the first request on each connection and, on the second, reads it
+/// and closes the connection without an answer: the race of a kept-alive connection that the
+/// upstream closes just as the gateway reuses it. Counts the connections and requests it read.
+async fn closes_reused_connections() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (conns, reqs) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let (c, r) = (conns.clone(), reqs.clone());
+    tokio::spawn(async move {
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            c.fetch_add(1, Ordering::SeqCst);
+            let r = r.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                for n in 0.. {
+                    // One whole request: the head, then as many bytes as it announces.
+                    let mut chunk = [0u8; 4096];
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match tcp.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while buf.len() < head_end + len {
+                        match tcp.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    r.fetch_add(1, Ordering::SeqCst);
+                    if n > 0 {
+                        return; // closes the connection, the request unanswered
+                    }
+                    let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    tcp.write_all(answer.as_bytes()).await.unwrap();
+                }
+            });
+        }
+    });
+    (url, conns, reqs)
+}
+
+#[tokio::test]
+async fn a_get_lost_on_a_reused_connection_is_sent_again_on_a_new_one() {
+    let (url, conns, reqs) = closes_reused_connections().await;
+    let gw = gateway(CONFIG, &url).await;
+    for _ in 0..2 {
+        let r = gw
+            .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+            .await;
+        assert_eq!(r.status, 200, "{}", r.text());
+    }
+    assert_eq!(
+        conns.load(Ordering::SeqCst),
+        2,
+        "the second GET reused the first connection"
+    );
+    assert_eq!(
+        reqs.load(Ordering::SeqCst),
+        3,
+        "the lost GET was sent once more"
+    );
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(
+        r.header("x-ratelimit-remaining"),
+        Some("0"),
+        "each GET charged once"
+    );
+}
+
+#[tokio::test]
+async fn a_post_lost_on_a_reused_connection_is_not_sent_twice() {
+    let (url, conns, reqs) = closes_reused_connections().await;
+    let gw = gateway(CONFIG, &url).await;
+    assert_eq!(gw.chat("sk-k", CHAT).await.status, 200);
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        reqs.load(Ordering::SeqCst),
+        2,
+        "the upstream saw the POST once"
     );
 }
