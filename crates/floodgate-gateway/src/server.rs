@@ -60,10 +60,34 @@ pub fn serve(config: &Config) -> Result<(), String> {
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     }
     let (stop_tx, stop_rx) = watch::channel(false);
+    // SIGTERM and Ctrl-C are taken over before the first worker starts: workers start one at a
+    // time (each opening its store, up to `connect_timeout` with Redis slow to answer), and a
+    // signal in that window must stop the start and drain what has started, not kill the
+    // process under a worker that already listens.
+    let mut signals = {
+        let _runtime = background.enter();
+        Signals::new().map_err(|e| format!("cannot install the signal handlers: {e}"))?
+    };
+    background.spawn({
+        let stop_tx = stop_tx.clone();
+        async move {
+            signals.recv().await;
+            tracing::info!("shutting down: draining requests in flight");
+            let _ = stop_tx.send(true);
+            // A second signal during the drain: the operator wants out now.
+            signals.recv().await;
+            tracing::warn!("second signal: exiting without waiting for the drain");
+            std::process::exit(1);
+        }
+    });
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
     for i in 0..workers {
+        if *stop_rx.borrow() {
+            tracing::info!(started = i, "stopped while starting");
+            break;
+        }
         let worker = Worker {
             bind: addr,
             reuse_port: workers > 1,
@@ -92,31 +116,26 @@ pub fn serve(config: &Config) -> Result<(), String> {
     }
     drop(done_tx);
 
-    // The workers built their upstreams (and any TLS config) already; this only reads the config.
-    if config.upstream.target == UpstreamTarget::Demo {
-        tracing::warn!(
-            "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
+    // Stopped while starting: nothing to announce; the workers that started drain below.
+    if !*stop_rx.borrow() {
+        // The workers built their upstreams (and any TLS config) already; this only reads the
+        // config.
+        if config.upstream.target == UpstreamTarget::Demo {
+            tracing::warn!(
+                "upstream: the built-in DEMO upstream answers /v1/chat/completions with a fixed reply; no model is called"
+            );
+        }
+        tracing::info!(
+            %addr,
+            workers,
+            store = store::backend_name(config.store.backend),
+            keys = config.keys.len(),
+            config = %config.path.display(),
+            "floodgate gateway listening"
         );
     }
-    tracing::info!(
-        %addr,
-        workers,
-        store = store::backend_name(config.store.backend),
-        keys = config.keys.len(),
-        config = %config.path.display(),
-        "floodgate gateway listening"
-    );
 
     background.block_on(async move {
-        tokio::spawn(async move {
-            shutdown_signal().await;
-            tracing::info!("shutting down: draining requests in flight");
-            let _ = stop_tx.send(true);
-            // A second signal during the drain: the operator wants out now.
-            shutdown_signal().await;
-            tracing::warn!("second signal: exiting without waiting for the drain");
-            std::process::exit(1);
-        });
         let mut stopping = stop_rx.clone();
         let deadline = async move {
             let _ = stopping.wait_for(|s| *s).await;
@@ -245,26 +264,39 @@ fn listen(addr: SocketAddr, reuse_port: bool) -> std::io::Result<tokio::net::Tcp
     socket.listen(1024)
 }
 
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
+/// SIGTERM and Ctrl-C, taken over from their default action (ending the process) once built.
+struct Signals {
+    #[cfg(unix)]
+    term: tokio::signal::unix::Signal,
+    #[cfg(unix)]
+    interrupt: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    /// Installs the handlers now; needs a runtime with its signal driver (`enable_all`).
+    fn new() -> std::io::Result<Signals> {
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{SignalKind, signal};
+            Ok(Signals {
+                term: signal(SignalKind::terminate())?,
+                interrupt: signal(SignalKind::interrupt())?,
+            })
+        }
+        #[cfg(not(unix))]
+        Ok(Signals {})
+    }
+
+    /// Resolves on the next SIGTERM or Ctrl-C.
+    async fn recv(&mut self) {
+        #[cfg(unix)]
+        tokio::select! {
+            _ = self.term.recv() => {},
+            _ = self.interrupt.recv() => {},
+        }
+        #[cfg(not(unix))]
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {},
-        () = term => {},
     }
 }

@@ -67,6 +67,8 @@ impl Binary {
         let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
             .args(["serve", "--config"])
             .arg(&path)
+            // The config's store is the test's, whatever the environment says.
+            .env_remove("FLOODGATE_REDIS_URL")
             .stdout(Stdio::null())
             .stderr(if keep_stderr {
                 Stdio::piped()
@@ -215,6 +217,35 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
         !status.success(),
         "requests were cut: not a clean exit ({status:?})"
     );
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_sigterm_while_workers_start_stops_the_start_and_exits_cleanly() {
+    // A Redis that accepts connections and never answers: each worker waits `connect_timeout`
+    // (1 s) for its store before the next one starts.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let redis = silent.local_addr().unwrap();
+    let port = free_port();
+    let mut gw = Binary::start(
+        "starting",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[store]\nbackend = \"redis\"\nurl = \"redis://{redis}/0\"\n[upstream]\ndemo = true\n"
+        ),
+        true,
+    );
+    // The first worker listens before its store has answered: the start is under way.
+    gw.listening(&format!("127.0.0.1:{port}")).await;
+    gw.sigterm();
+    let status = gw.exited(Duration::from_secs(10)).await;
+    let status = status.expect("the gateway did not exit");
+    assert!(
+        status.success(),
+        "a clean stop, not killed by the signal: {status:?}"
+    );
+    let err = gw.stderr();
+    assert!(err.contains("stopped while starting"), "{err}");
+    assert!(!err.contains("floodgate gateway listening"), "{err}");
 }
 
 #[tokio::test]
