@@ -280,9 +280,10 @@ impl Pool {
     /// Sends `req` on an idle connection, or a new one. A request that an idle connection
     /// refused before sending any of it (the upstream had just closed it) is sent again on
     /// another. A bodyless request of a safe method (`GET`, `HEAD`, `OPTIONS`) that a reused
-    /// connection lost after sending it (the upstream closed its side as the request arrived) is
-    /// sent once more on a new connection: sending it twice changes nothing upstream (RFC 9110,
-    /// 9.2.2), as nginx's `proxy_next_upstream` does by default. Any other failure is the
+    /// connection lost after sending it (closed or reset before any answer: the upstream closed
+    /// its side as the request arrived) is sent once more on a new connection: sending it twice
+    /// changes nothing upstream (RFC 9110, 9.2.2), as nginx's `proxy_next_upstream` does by
+    /// default. An answer that cannot be parsed is not a reason to send again. Any other failure is the
     /// answer: a request that may have reached the upstream is never sent twice. Errors are
     /// causes for the log.
     async fn send(self: &Arc<Self>, mut req: Request<Body>) -> Result<Response<Body>, String> {
@@ -318,7 +319,7 @@ impl Pool {
                 }
                 Err(mut e) => match (e.take_message(), again) {
                     (Some(unsent), _) if reused => req = unsent,
-                    (None, Some(copy)) => {
+                    (None, Some(copy)) if connection_lost(e.error()) => {
                         tracing::debug!(error = %cause(e.error()), "a reused upstream connection failed; sending the request again on a new one");
                         req = copy;
                         fresh_only = true;
@@ -395,6 +396,19 @@ where
     Ok(conn)
 }
 
+/// Whether `e` says the connection went away under a request (closed before any answer, reset,
+/// a broken pipe), as a stale kept-alive connection does; not an answer hyper could not parse,
+/// which a second try would only get again.
+fn connection_lost(e: &hyper::Error) -> bool {
+    use std::io::ErrorKind::{BrokenPipe, ConnectionAborted, ConnectionReset};
+    if e.is_incomplete_message() {
+        return true;
+    }
+    std::error::Error::source(e)
+        .and_then(|s| s.downcast_ref::<std::io::Error>())
+        .is_some_and(|io| matches!(io.kind(), BrokenPipe | ConnectionAborted | ConnectionReset))
+}
+
 /// A copy of `req` to send again if its connection fails under it: only for a bodyless request
 /// of a safe method, the ones an upstream may receive twice without harm.
 fn resendable(req: &Request<Body>) -> Option<Request<Body>> {
@@ -402,6 +416,7 @@ fn resendable(req: &Request<Body>) -> Option<Request<Body>> {
     if !safe || !http_body::Body::is_end_stream(req.body()) {
         return None;
     }
+    // Extensions are not copied: the gateway sets none that the upstream request reads.
     let mut copy = Request::new(Body::empty());
     *copy.method_mut() = req.method().clone();
     *copy.uri_mut() = req.uri().clone();

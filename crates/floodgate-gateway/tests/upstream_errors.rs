@@ -108,9 +108,10 @@ async fn an_upstream_retry_after_is_kept() {
 }
 
 /// An upstream that answers the first request on each connection and, on the second, reads it
-/// and closes the connection without an answer: the race of a kept-alive connection that the
-/// upstream closes just as the gateway reuses it. Counts the connections and requests it read.
-async fn closes_reused_connections() -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
+/// and closes the connection without an answer (the race of a kept-alive connection that the
+/// upstream closes just as the gateway reuses it), or with `garbage`, answers what no HTTP
+/// parser accepts. Counts the connections and requests it read.
+async fn closes_reused_connections(garbage: bool) -> (String, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
@@ -149,7 +150,12 @@ async fn closes_reused_connections() -> (String, Arc<AtomicUsize>, Arc<AtomicUsi
                     buf.drain(..head_end + len);
                     r.fetch_add(1, Ordering::SeqCst);
                     if n > 0 {
-                        return; // closes the connection, the request unanswered
+                        if garbage {
+                            let _ = tcp
+                                .write_all(b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n")
+                                .await;
+                        }
+                        return; // closes the connection
                     }
                     let answer = "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
                     tcp.write_all(answer.as_bytes()).await.unwrap();
@@ -162,7 +168,7 @@ async fn closes_reused_connections() -> (String, Arc<AtomicUsize>, Arc<AtomicUsi
 
 #[tokio::test]
 async fn a_get_lost_on_a_reused_connection_is_sent_again_on_a_new_one() {
-    let (url, conns, reqs) = closes_reused_connections().await;
+    let (url, conns, reqs) = closes_reused_connections(false).await;
     let gw = gateway(CONFIG, &url).await;
     for _ in 0..2 {
         let r = gw
@@ -192,7 +198,7 @@ async fn a_get_lost_on_a_reused_connection_is_sent_again_on_a_new_one() {
 
 #[tokio::test]
 async fn a_post_lost_on_a_reused_connection_is_not_sent_twice() {
-    let (url, conns, reqs) = closes_reused_connections().await;
+    let (url, conns, reqs) = closes_reused_connections(false).await;
     let gw = gateway(CONFIG, &url).await;
     assert_eq!(gw.chat("sk-k", CHAT).await.status, 200);
     let r = gw.chat("sk-k", CHAT).await;
@@ -203,5 +209,21 @@ async fn a_post_lost_on_a_reused_connection_is_not_sent_twice() {
         reqs.load(Ordering::SeqCst),
         2,
         "the upstream saw the POST once"
+    );
+}
+
+#[tokio::test]
+async fn a_get_whose_answer_cannot_be_parsed_is_not_sent_again() {
+    let (url, conns, reqs) = closes_reused_connections(true).await;
+    let gw = gateway(CONFIG, &url).await;
+    let get = || gw.request("GET", "/v1/models", Some("sk-k"), "");
+    assert_eq!(gw.send(get()).await.status, 200);
+    let r = gw.send(get()).await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(conns.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        reqs.load(Ordering::SeqCst),
+        2,
+        "the upstream answered: no second try"
     );
 }
