@@ -34,6 +34,27 @@ pub fn serve(config: &Config) -> Result<(), String> {
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
+    let (stop_tx, stop_rx) = watch::channel(false);
+    // SIGTERM and Ctrl-C are taken over before anything starts: workers start one at a time
+    // (each opening its store: up to the Redis store's 1 s connect timeout with Redis slow to
+    // answer), and a signal in that window must stop the start and drain what has started, not
+    // kill the process under a worker that already listens.
+    let mut signals = {
+        let _runtime = background.enter();
+        Signals::new().map_err(|e| format!("cannot install the signal handlers: {e}"))?
+    };
+    background.spawn({
+        let stop_tx = stop_tx.clone();
+        async move {
+            signals.recv().await;
+            tracing::info!("shutting down: draining requests in flight");
+            let _ = stop_tx.send(true);
+            // A second signal during the drain: the operator wants out now.
+            signals.recv().await;
+            tracing::warn!("second signal: exiting without waiting for the drain");
+            std::process::exit(1);
+        }
+    });
     // The memory store is one state that every worker shares. A Redis store is opened by each
     // worker on its own event loop instead (see `Worker::run`): its connection's driver task
     // then runs on the thread of the requests that use it.
@@ -59,33 +80,14 @@ pub fn serve(config: &Config) -> Result<(), String> {
         std::net::TcpListener::bind(config.listen)
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     }
-    let (stop_tx, stop_rx) = watch::channel(false);
-    // SIGTERM and Ctrl-C are taken over before the first worker starts: workers start one at a
-    // time (each opening its store, up to `connect_timeout` with Redis slow to answer), and a
-    // signal in that window must stop the start and drain what has started, not kill the
-    // process under a worker that already listens.
-    let mut signals = {
-        let _runtime = background.enter();
-        Signals::new().map_err(|e| format!("cannot install the signal handlers: {e}"))?
-    };
-    background.spawn({
-        let stop_tx = stop_tx.clone();
-        async move {
-            signals.recv().await;
-            tracing::info!("shutting down: draining requests in flight");
-            let _ = stop_tx.send(true);
-            // A second signal during the drain: the operator wants out now.
-            signals.recv().await;
-            tracing::warn!("second signal: exiting without waiting for the drain");
-            std::process::exit(1);
-        }
-    });
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
+    let mut started = 0;
+    // A worker that cannot start stops the start; those already listening drain first.
+    let mut start_failure = None;
     for i in 0..workers {
         if *stop_rx.borrow() {
-            tracing::info!(started = i, "stopped while starting");
             break;
         }
         let worker = Worker {
@@ -97,27 +99,39 @@ pub fn serve(config: &Config) -> Result<(), String> {
             ready: ready_tx.clone(),
             done: done_tx.clone(),
         };
-        std::thread::Builder::new()
+        let spawned = std::thread::Builder::new()
             .name(format!("floodgate-{i}"))
-            .spawn(move || worker.run())
-            .map_err(|e| format!("cannot start a worker thread: {e}"))?;
-        match ready_rx.recv() {
+            .spawn(move || worker.run());
+        let ready = match spawned {
+            Ok(_) => ready_rx.recv(),
+            Err(e) => Ok(Err(format!("cannot start a worker thread: {e}"))),
+        };
+        match ready {
             // With `listen = "...:0"` the first worker's port is everyone's.
-            Ok(Ok(bound)) => addr = bound,
+            Ok(Ok(bound)) => {
+                addr = bound;
+                started += 1;
+            }
             Ok(Err(e)) => {
-                let _ = stop_tx.send(true);
-                return Err(e);
+                start_failure = Some(e);
+                break;
             }
             Err(_) => {
-                let _ = stop_tx.send(true);
-                return Err("a worker thread died at start".into());
+                start_failure = Some("a worker thread died at start".to_owned());
+                break;
             }
         }
     }
     drop(done_tx);
 
-    // Stopped while starting: nothing to announce; the workers that started drain below.
-    if !*stop_rx.borrow() {
+    if let Some(e) = &start_failure {
+        let _ = stop_tx.send(true);
+        if started > 0 {
+            tracing::error!(error = %e, started, "a worker could not start: draining those that did");
+        }
+    } else if *stop_rx.borrow() {
+        tracing::info!(started, workers, "stopped while starting");
+    } else {
         // The workers built their upstreams (and any TLS config) already; this only reads the
         // config.
         if config.upstream.target == UpstreamTarget::Demo {
@@ -161,7 +175,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
                 }
             }
         }
-        match failure {
+        match start_failure.or(failure) {
             Some(e) => Err(e),
             None => {
                 tracing::info!("stopped");
@@ -270,6 +284,8 @@ struct Signals {
     term: tokio::signal::unix::Signal,
     #[cfg(unix)]
     interrupt: tokio::signal::unix::Signal,
+    #[cfg(windows)]
+    ctrl_c: tokio::signal::windows::CtrlC,
 }
 
 impl Signals {
@@ -283,7 +299,13 @@ impl Signals {
                 interrupt: signal(SignalKind::interrupt())?,
             })
         }
-        #[cfg(not(unix))]
+        #[cfg(windows)]
+        {
+            Ok(Signals {
+                ctrl_c: tokio::signal::windows::ctrl_c()?,
+            })
+        }
+        #[cfg(not(any(unix, windows)))]
         Ok(Signals {})
     }
 
@@ -294,9 +316,9 @@ impl Signals {
             _ = self.term.recv() => {},
             _ = self.interrupt.recv() => {},
         }
-        #[cfg(not(unix))]
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
+        #[cfg(windows)]
+        self.ctrl_c.recv().await;
+        #[cfg(not(any(unix, windows)))]
+        std::future::pending::<()>().await;
     }
 }

@@ -67,8 +67,10 @@ impl Binary {
         let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
             .args(["serve", "--config"])
             .arg(&path)
-            // The config's store is the test's, whatever the environment says.
+            // The config's store is the test's, and the log at its default level, whatever the
+            // environment says.
             .env_remove("FLOODGATE_REDIS_URL")
+            .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(if keep_stderr {
                 Stdio::piped()
@@ -222,15 +224,15 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
 #[cfg(unix)]
 #[tokio::test]
 async fn a_sigterm_while_workers_start_stops_the_start_and_exits_cleanly() {
-    // A Redis that accepts connections and never answers: each worker waits `connect_timeout`
-    // (1 s) for its store before the next one starts.
+    // A Redis that accepts connections and never answers: each of the four workers waits the
+    // store's connect timeout (1 s) before the next one starts, so the start takes 4 s.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let redis = silent.local_addr().unwrap();
     let port = free_port();
     let mut gw = Binary::start(
         "starting",
         &format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[store]\nbackend = \"redis\"\nurl = \"redis://{redis}/0\"\n[upstream]\ndemo = true\n"
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 4\n[store]\nbackend = \"redis\"\nurl = \"redis://{redis}/0\"\n[upstream]\ndemo = true\n"
         ),
         true,
     );
