@@ -12,7 +12,7 @@
 //! stricter one is kept: a chain's limits need distinct storage keys, and the stricter limit is
 //! the one that would refuse first anyway.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::net::SocketAddr;
 use std::ops::Range;
@@ -206,6 +206,19 @@ pub struct StoreConfig {
     pub on_error: OnError,
     /// The Redis key prefix (the library's default `fg:` when `None`).
     pub prefix: Option<String>,
+}
+
+impl StoreConfig {
+    /// A warning for a Redis URL that the memory store ignores: one set in `FLOODGATE_REDIS_URL`
+    /// (one in the file is refused at load), likely meant for a Redis backend the file does not
+    /// choose. Each replica then counts alone.
+    pub fn ignored_url_warning(&self) -> Option<String> {
+        (self.backend == Backend::Memory && self.url.is_some()).then(|| {
+            format!(
+                "{REDIS_URL_ENV} is set, but the store is memory (set `backend = \"redis\"` to use it): each gateway process counts its limits alone"
+            )
+        })
+    }
 }
 
 /// `[upstream]`.
@@ -492,7 +505,7 @@ impl Validator<'_> {
 
         let mut keys = Vec::with_capacity(raw.keys.len());
         let mut ids: HashMap<String, usize> = HashMap::new();
-        let mut hashes: HashSet<[u8; 32]> = HashSet::new();
+        let mut hashes: HashMap<[u8; 32], usize> = HashMap::new();
         for (i, k) in raw.keys.into_iter().enumerate() {
             let span = k.span();
             let k = k.into_inner();
@@ -515,6 +528,15 @@ impl Validator<'_> {
                             s.span(),
                             field("secret"),
                             "a secret must not be empty",
+                        ));
+                    }
+                    // A bearer token is visible ASCII, and the gateway trims the one it reads:
+                    // any other secret could never authenticate.
+                    if !s.get_ref().bytes().all(|b| b.is_ascii_graphic()) {
+                        return Err(self.error(
+                            s.span(),
+                            field("secret"),
+                            "a secret holds visible ASCII only (no spaces, no other characters): no bearer token could match this one",
                         ));
                     }
                     Sha256::digest(s.get_ref().as_bytes()).into()
@@ -541,13 +563,17 @@ impl Validator<'_> {
                     ));
                 }
             };
-            if !hashes.insert(secret_sha256) {
-                let at = k
-                    .secret
-                    .as_ref()
-                    .or(k.secret_sha256.as_ref())
-                    .map_or(span.clone(), |s| s.span());
-                return Err(self.error(at, field("secret"), "two keys share one secret"));
+            if let Some(first) = hashes.insert(secret_sha256, i) {
+                let (at, name) = match (&k.secret, &k.secret_sha256) {
+                    (Some(s), _) => (s.span(), "secret"),
+                    (None, Some(h)) => (h.span(), "secret_sha256"),
+                    (None, None) => (span.clone(), "secret"),
+                };
+                return Err(self.error(
+                    at,
+                    field(name),
+                    format!("two keys share one secret (also keys[{first}])"),
+                ));
             }
             let attr =
                 |name: &str, v: Option<Spanned<String>>| -> Result<Option<String>, ConfigError> {
@@ -698,6 +724,15 @@ impl Validator<'_> {
         };
         let backend_span = backend.as_ref().map(|b| b.span());
         let backend = backend.map_or(Backend::Memory, Spanned::into_inner);
+        // A Redis URL on the memory store would be ignored, and each replica would then count
+        // alone, letting N times every limit through: almost surely a forgotten `backend`.
+        if let (Backend::Memory, Some(u)) = (backend, &url) {
+            return Err(self.error(
+                u.span(),
+                "store.url",
+                "a Redis URL, but the store is memory (the default): add `backend = \"redis\"`, or remove `url`",
+            ));
+        }
         if let Some(u) = &url {
             let ok = u.get_ref().starts_with("redis://")
                 || u.get_ref().starts_with("rediss://")
@@ -706,7 +741,7 @@ impl Validator<'_> {
                 return Err(self.error(
                     u.span(),
                     "store.url",
-                    "expected a redis:// or rediss:// URL",
+                    "expected a redis://, rediss:// or unix:// URL",
                 ));
             }
         }
@@ -837,6 +872,15 @@ impl Validator<'_> {
                             "must not be empty",
                         ));
                     }
+                    // Not echoed: a value that is no variable name may be the key itself,
+                    // pasted where its variable's name belongs.
+                    Some(k) if !is_env_name(k.get_ref()) => {
+                        return Err(self.error(
+                            k.span(),
+                            "upstream.api_key_env",
+                            "expected the name of an environment variable (letters, digits and `_`, such as UPSTREAM_API_KEY), not the key itself",
+                        ));
+                    }
                     k => k.map(Spanned::into_inner),
                 };
                 let ca_file = match raw.ca_file {
@@ -920,7 +964,8 @@ fn merge(
 
 fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
     let hex = hex.trim();
-    if hex.len() != 64 {
+    // `from_str_radix` alone would take a sign (`+a` as 0x0a).
+    if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
         return None;
     }
     let mut out = [0u8; 32];
@@ -928,6 +973,16 @@ fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
         *byte = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
     }
     Some(out)
+}
+
+/// Whether `name` can name an environment variable: letters, digits and `_`, not starting with
+/// a digit.
+fn is_env_name(name: &str) -> bool {
+    let mut bytes = name.bytes();
+    bytes
+        .next()
+        .is_some_and(|b| b.is_ascii_alphabetic() || b == b'_')
+        && bytes.all(|b| b.is_ascii_alphanumeric() || b == b'_')
 }
 
 /// The text between backticks right after `prefix` in `message`.

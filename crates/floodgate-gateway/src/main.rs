@@ -70,6 +70,9 @@ fn check_config(file: &PathBuf) -> ExitCode {
         Some(_) => println!("store: {backend} (url set, on_error = {on_error})"),
         None => println!("store: {backend} (on_error = {on_error})"),
     }
+    if let Some(warning) = config.store.ignored_url_warning() {
+        println!("warning: {warning}");
+    }
     match &config.upstream.target {
         UpstreamTarget::Demo => println!("upstream: built-in DEMO (fixed replies, not a model)"),
         UpstreamTarget::Http {

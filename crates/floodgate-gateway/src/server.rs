@@ -55,6 +55,9 @@ pub fn serve(config: &Config) -> Result<(), String> {
             std::process::exit(1);
         }
     });
+    if let Some(warning) = config.store.ignored_url_warning() {
+        tracing::warn!("{warning}");
+    }
     // The memory store is one state that every worker shares. A Redis store is opened by each
     // worker on its own event loop instead (see `Worker::run`): its connection's driver task
     // then runs on the thread of the requests that use it.

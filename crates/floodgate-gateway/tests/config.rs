@@ -8,6 +8,7 @@ use floodgate_gateway::Config;
 
 /// `(fixture, line, field)`.
 const CASES: &[(&str, usize, &str)] = &[
+    ("api-key-env-not-a-name.toml", 3, "upstream.api_key_env"),
     ("bad-backend.toml", 2, "backend"),
     ("bad-listen.toml", 2, "server.listen"),
     ("bad-secret-sha256.toml", 6, "keys[0].secret_sha256"),
@@ -20,6 +21,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("ftp-upstream.toml", 2, "upstream.base_url"),
     ("credentials-in-upstream-url.toml", 3, "upstream.base_url"),
     ("redis-url-bad-port.toml", 3, "store.url"),
+    ("redis-url-with-memory.toml", 2, "store.url"),
     ("missing-upstream.toml", 1, "upstream"),
     ("negative-requests.toml", 7, "requests"),
     ("neither-rpm-nor-tpm.toml", 4, "rate_limits[0].rpm"),
@@ -29,7 +31,9 @@ const CASES: &[(&str, usize, &str)] = &[
     ("redis-without-url.toml", 2, "store.url"),
     ("rpm-wrong-type.toml", 7, "rpm"),
     ("secret-and-hash.toml", 6, "keys[0].secret"),
+    ("secret-with-a-space.toml", 6, "keys[0].secret"),
     ("shared-secret.toml", 10, "keys[1].secret"),
+    ("shared-secret-by-hash.toml", 11, "keys[1].secret_sha256"),
     ("team-without-org.toml", 7, "keys[0].org"),
     ("unknown-field.toml", 3, "port"),
     ("unknown-rate-limit-field.toml", 5, "burst"),
@@ -61,6 +65,45 @@ fn every_bad_config_names_file_line_and_field() {
         );
         assert!(shown.contains(&format!("field `{field}`")), "{shown}");
     }
+}
+
+#[test]
+fn errors_never_echo_what_may_be_a_secret() {
+    let path = fixtures().join("api-key-env-not-a-name.toml");
+    let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("sk-proj-abc123"), "{err}");
+    let path = fixtures().join("shared-secret.toml");
+    let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
+        .unwrap_err()
+        .to_string();
+    assert!(!err.contains("sk-1"), "{err}");
+    assert!(err.contains("also keys[0]"), "{err}");
+}
+
+#[test]
+fn a_redis_url_in_the_environment_on_the_memory_store_is_warned_about() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(root.join("examples/quickstart.toml"))
+        .env("FLOODGATE_REDIS_URL", "redis://127.0.0.1:6379/0")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.contains("warning: FLOODGATE_REDIS_URL is set, but the store is memory"),
+        "{stdout}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(root.join("examples/quickstart.toml"))
+        .env_remove("FLOODGATE_REDIS_URL")
+        .output()
+        .unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("warning: FLOODGATE_REDIS_URL"));
 }
 
 #[test]
