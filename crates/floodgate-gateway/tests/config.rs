@@ -231,4 +231,17 @@ fn a_bad_redis_url_is_a_config_error_wherever_it_comes_from() {
     .expect_err("a bad port is refused")
     .to_string();
     assert!(!shown.contains("hunter2"), "{shown}");
+    // A Unix socket's URL carries its password as a query parameter.
+    let shown = Config::parse_with_env(
+        "unix.toml",
+        &text.replace(
+            "redis://127.0.0.1:6379/0",
+            "unix:///run/redis.sock?db=one&pass=hunter2",
+        ),
+        None,
+    )
+    .expect_err("a bad database number is refused")
+    .to_string();
+    assert!(!shown.contains("hunter2"), "{shown}");
+    assert!(shown.contains("pass=***"), "{shown}");
 }

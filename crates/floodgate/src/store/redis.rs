@@ -146,12 +146,33 @@ impl fmt::Debug for RedisConfig {
     }
 }
 
-/// `url` with any credentials between `://` and `@` replaced.
+/// `url` with its credentials replaced: those between `://` and `@`, and a `pass` or `password`
+/// query parameter (how a `unix://` URL carries its password).
 fn redacted(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &url[..s], &url[at + 1..]),
-        _ => url.to_owned(),
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &base[..s], &base[at + 1..]),
+        _ => base.to_owned(),
+    };
+    if let Some(query) = query {
+        out.push('?');
+        for (i, param) in query.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            match param.split_once('=') {
+                Some((name @ ("pass" | "password"), _)) => {
+                    out.push_str(name);
+                    out.push_str("=***");
+                }
+                _ => out.push_str(param),
+            }
+        }
     }
+    out
 }
 
 /// Counters since the store was created, for metrics. Decisions count chain admissions and
@@ -1250,6 +1271,18 @@ mod tests {
             "redis://***@db:6379/0"
         );
         assert_eq!(redacted("redis://db:6379"), "redis://db:6379");
+        assert_eq!(
+            redacted("unix:///run/redis.sock?db=one&pass=hunter2"),
+            "unix:///run/redis.sock?db=one&pass=***"
+        );
+        assert_eq!(
+            redacted("redis+unix:///r.sock?password=hunter2&user=u"),
+            "redis+unix:///r.sock?password=***&user=u"
+        );
+        assert_eq!(
+            redacted("rediss://u:p@db/0?protocol=resp3"),
+            "rediss://***@db/0?protocol=resp3"
+        );
     }
 
     #[test]
