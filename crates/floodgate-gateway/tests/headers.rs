@@ -186,3 +186,53 @@ rate_limit = { requests = 0 }
     assert!(message.contains("never"), "{message}");
     assert_eq!(up.seen.hits(), 0);
 }
+
+#[tokio::test]
+async fn when_two_limits_refuse_the_headers_name_the_one_that_decides_the_wait() {
+    let up = fake_upstream().await;
+    // Two requests fill both the key (2 per 10 s) and its org (2 per minute); the key's wait
+    // is the shorter, and comes first in the chain.
+    let clock = FakeClock::new(Timestamp::from_secs(6000 + 30));
+    let store = GatewayStore::Memory(MemoryStore::with_clock(clock));
+    let text = r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "alice"
+secret = "sk-alice"
+org = "acme"
+rate_limit = { requests = 2, window_sec = 10 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+rpm = 2
+"#;
+    let gw = gateway_on(&config(text, &up.url()), store).await;
+    for _ in 0..2 {
+        assert_eq!(gw.chat("sk-alice", CHAT).await.status, 200);
+    }
+    let refused = gw.chat("sk-alice", CHAT).await;
+    assert_eq!(refused.status, 429);
+    let wait = refused.header("retry-after").unwrap().to_owned();
+    assert!(wait.parse::<u64>().unwrap() > 20, "the org's wait: {wait}");
+    assert_eq!(
+        refused.header("ratelimit"),
+        Some(format!("\"org\";r=0;t={wait}").as_str()),
+        "the IETF reset is the wait a client must keep"
+    );
+    assert_eq!(refused.header("ratelimit-policy"), Some("\"org\";q=2;w=60"));
+    assert_eq!(refused.header("x-ratelimit-limit-requests"), Some("2"));
+    assert_eq!(refused.header("x-ratelimit-remaining-requests"), Some("0"));
+    let ms: u64 = refused.header("retry-after-ms").unwrap().parse().unwrap();
+    let reset = refused.header("x-ratelimit-reset-requests").unwrap();
+    let (m, s) = reset
+        .trim_end_matches('s')
+        .split_once('m')
+        .unwrap_or(("0", reset.trim_end_matches('s')));
+    let reset_ms = (m.parse::<f64>().unwrap() * 60.0 + s.parse::<f64>().unwrap()) * 1000.0;
+    assert!(
+        (reset_ms - ms as f64).abs() < 1.0,
+        "{reset} against {ms} ms"
+    );
+    assert!(refused.text().contains("org"), "{}", refused.text());
+}

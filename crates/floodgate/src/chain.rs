@@ -186,7 +186,9 @@ pub struct ChainDecision {
     pub enforced: bool,
     /// The instant the decision was taken at (the store's clock).
     pub now: Timestamp,
-    /// Index into the chain of the first limit that refused.
+    /// Index into the chain of the limit that refused: when several did, one the request can
+    /// never pass, else the one with the longest wait (the first of those), so that its status's
+    /// `reset` is [`retry_after`](Self::retry_after).
     pub refused_by: Option<usize>,
     /// For a refusal, the exact wait until every limit would admit the same request with no
     /// other traffic (the largest wait among refusing limits); `None` if admitted, or if the
@@ -205,14 +207,12 @@ impl ChainDecision {
         cost: u64,
         admitted: bool,
     ) -> ChainDecision {
-        let refused_by = if admitted {
-            None
-        } else {
-            first_refusal(limits, snapshots, cost)
-        };
         let mut retry_after = None;
+        // The refusing limit that decides: one the request can never pass, else the one with the
+        // longest wait (the first of those), whose reset is then the chain's `retry_after`.
+        let mut refused_by: Option<(usize, bool, Duration)> = None;
         let mut statuses = Vec::with_capacity(limits.len());
-        for (l, s) in limits.iter().zip(snapshots) {
+        for (i, (l, s)) in limits.iter().zip(snapshots).enumerate() {
             let charged = if admitted { l.charged(cost) } else { 0 };
             let wait = if admitted {
                 None
@@ -222,6 +222,14 @@ impl ChainDecision {
             };
             if let Some(w) = wait {
                 retry_after = Some(retry_after.map_or(w, |r: Duration| r.max(w)));
+            }
+            if !admitted && !s.admits(l.limit, l.charge, cost) {
+                let this = (i, !l.fits(cost), wait.unwrap_or_default());
+                let decides = refused_by
+                    .is_none_or(|(_, never, longest)| (this.1, this.2) > (never, longest));
+                if decides {
+                    refused_by = Some(this);
+                }
             }
             statuses.push(LimitStatus {
                 scope: l.scope,
@@ -235,6 +243,7 @@ impl ChainDecision {
                 reset: wait.unwrap_or_else(|| s.until_empty(l.limit, charged)),
             });
         }
+        let refused_by = refused_by.map(|(i, ..)| i);
         if refused_by.is_some() && limits.iter().any(|l| !l.fits(cost)) {
             // A refusal that no wait can cure (cost > max somewhere) has no retry time.
             retry_after = None;
@@ -350,6 +359,45 @@ mod tests {
             d.most_restrictive(Charge::Admission).map(|s| s.scope),
             Some(ScopeKind::Key)
         );
+    }
+
+    #[test]
+    fn the_refusing_limit_named_is_the_one_that_decides_the_wait() {
+        let limits = [
+            limit(ScopeKind::Key, "k", Charge::Admission, 1),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 1),
+        ];
+        // Key: full from the previous bucket, 30 s into this one: 30 s to wait. Org: full in
+        // this bucket: 90 s.
+        let key = Snapshot {
+            bucket: 1,
+            cur: 0,
+            prev: 1,
+            elapsed: 30_000_000,
+        };
+        let org = Snapshot {
+            bucket: 1,
+            cur: 1,
+            prev: 0,
+            elapsed: 30_000_000,
+        };
+        let d = ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1, false);
+        assert_eq!(d.retry_after, Some(Duration::from_secs(90)));
+        assert_eq!(
+            d.refused_by,
+            Some(1),
+            "the org's wait is the one that counts"
+        );
+        assert_eq!(d.refusing().map(|s| s.reset), d.retry_after);
+        assert_eq!(d.statuses[0].reset, Duration::from_secs(30));
+        // A limit the request can never pass (org: 2 > 1) decides over any wait (key: full).
+        let limits = [
+            limit(ScopeKind::Key, "k", Charge::Admission, 5),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 1),
+        ];
+        let full = Snapshot { cur: 5, ..org };
+        let d = ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2, false);
+        assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
     }
 
     #[test]
