@@ -153,6 +153,10 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
     // headers, and would otherwise grow (and rehash) twice on the way. A map too large to grow
     // is left to `insert`, which then fails the same way.
     let _ = headers.try_reserve(ALL.len() + 2);
+    // A refusal that no wait can cure (a limit of 0, or a cost above a limit's max) is decided
+    // without reading the store: it has no time to announce (a reset of 0 would invite an
+    // immediate retry, forever), and the other limits' states are unknown.
+    let never = !decision.admitted && decision.retry_after.is_none();
     let mut b = Buf::new();
     if let Some(i) = primary_index(decision) {
         let p = &decision.statuses[i];
@@ -162,9 +166,23 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
         b.quoted(p.scope.as_str());
         b.push(b";r=");
         b.u64(p.remaining);
-        b.push(b";t=");
-        b.u64(ceil_secs(p.reset));
+        if !never {
+            b.push(b";t=");
+            b.u64(ceil_secs(p.reset));
+        }
         b.insert(headers, RATELIMIT);
+    }
+    if never {
+        // Only the refusing limit's own state is known.
+        if let Some(i) = decision.refused_by.filter(|&i| i < decision.statuses.len()) {
+            let (limit, remaining) = match decision.statuses[i].charge {
+                Charge::Admission => (LIMIT_REQ, REMAINING_REQ),
+                Charge::Reactive => (LIMIT_TOK, REMAINING_TOK),
+            };
+            headers.insert(limit, fixed.limits[i].max.clone());
+            headers.insert(remaining, decision.statuses[i].remaining.into());
+        }
+        return;
     }
     if let Some(i) = most_restrictive_index(decision, Charge::Admission) {
         let r = &decision.statuses[i];

@@ -172,6 +172,10 @@ base_url = "{upstream}"
 id = "k"
 secret = "sk-k"
 rate_limit = { requests = 0 }
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 1000
 "#,
         &up.url(),
     )
@@ -182,6 +186,14 @@ rate_limit = { requests = 0 }
     assert_eq!(r.header("retry-after-ms"), None);
     assert_eq!(r.header("x-ratelimit-limit"), Some("0"));
     assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
+    // No reset to announce: a `t=0` or `0s` would invite an immediate retry, forever.
+    assert_eq!(r.header("ratelimit"), Some("\"key\";r=0"));
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("0"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert_eq!(r.header("x-ratelimit-reset-requests"), None);
+    // The token limit was not read: its state is not made up.
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), None);
+    assert_eq!(r.header("x-ratelimit-reset-tokens"), None);
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("never"), "{message}");
     assert_eq!(up.seen.hits(), 0);
