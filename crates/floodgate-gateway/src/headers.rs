@@ -263,7 +263,9 @@ impl Buf {
         if d.is_zero() {
             return self.push(b"0s");
         }
-        if d < Duration::from_secs(1) {
+        // Below a second in whole milliseconds, unless rounding up makes it a whole second
+        // (999.5 ms is `1s`, not `1000ms`).
+        if ceil_millis(d) < 1000 {
             self.u64(ceil_millis(d));
             return self.push(b"ms");
         }
@@ -322,6 +324,8 @@ mod tests {
         assert_eq!(openai_duration(Duration::ZERO), "0s");
         assert_eq!(openai_duration(Duration::from_micros(11_200)), "12ms");
         assert_eq!(openai_duration(Duration::from_millis(1000)), "1s");
+        assert_eq!(openai_duration(Duration::from_micros(999_001)), "1s");
+        assert_eq!(openai_duration(Duration::from_micros(998_999)), "999ms");
         assert_eq!(openai_duration(Duration::from_millis(41_001)), "42s");
         assert_eq!(openai_duration(Duration::from_secs(360)), "6m0s");
         assert_eq!(openai_duration(Duration::from_secs(3723)), "1h2m3s");
