@@ -196,7 +196,7 @@ pub struct Config {
 }
 
 /// `[store]`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct StoreConfig {
     /// Memory or Redis.
     pub backend: Backend,
@@ -206,6 +206,18 @@ pub struct StoreConfig {
     pub on_error: OnError,
     /// The Redis key prefix (the library's default `fg:` when `None`).
     pub prefix: Option<String>,
+}
+
+impl fmt::Debug for StoreConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL may carry a password: never printed, not even by `{:?}` of a whole config.
+        f.debug_struct("StoreConfig")
+            .field("backend", &self.backend)
+            .field("url", &self.url.as_ref().map(|_| "<set>"))
+            .field("on_error", &self.on_error)
+            .field("prefix", &self.prefix)
+            .finish()
+    }
 }
 
 impl StoreConfig {
@@ -995,6 +1007,15 @@ fn quoted_after(message: &str, prefix: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_config_printed_with_debug_shows_no_redis_password() {
+        let text = "[store]\nbackend = \"redis\"\nurl = \"redis://:hunter2@db:6379/0\"\n[upstream]\ndemo = true\n";
+        let config = Config::parse_with_env("t.toml", text, None).unwrap();
+        let shown = format!("{config:?}");
+        assert!(!shown.contains("hunter2"), "{shown}");
+        assert!(shown.contains("url: Some(\"<set>\")"), "{shown}");
+    }
 
     fn parse(text: &str) -> Result<Config, ConfigError> {
         Config::parse_with_env("test.toml", text, None)
