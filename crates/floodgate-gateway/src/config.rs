@@ -195,6 +195,26 @@ pub struct Config {
     pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
 }
 
+impl Config {
+    /// A warning for each limit on a team, project, business unit or org that no key belongs
+    /// to: its limits apply to nobody (a typo in an id, most likely).
+    pub fn unused_limit_warnings(&self) -> Vec<String> {
+        self.limits
+            .keys()
+            .filter(|(kind, id)| match kind {
+                ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => false,
+                _ => !self
+                    .keys
+                    .iter()
+                    .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
+            })
+            .map(|(kind, id)| {
+                format!("no key belongs to {kind} `{id}`: its limits apply to nobody")
+            })
+            .collect()
+    }
+}
+
 /// `[store]`.
 #[derive(Clone, PartialEq, Eq)]
 pub struct StoreConfig {

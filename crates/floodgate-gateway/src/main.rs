@@ -146,17 +146,8 @@ fn check_config(file: &PathBuf) -> ExitCode {
             }
         }
     }
-    for (kind, id) in config.limits.keys() {
-        let used = match kind {
-            ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => true,
-            _ => config
-                .keys
-                .iter()
-                .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
-        };
-        if !used {
-            println!("warning: no key belongs to {kind} `{id}`: its limits apply to nobody");
-        }
+    for warning in config.unused_limit_warnings() {
+        println!("warning: {warning}");
     }
     ExitCode::SUCCESS
 }

@@ -55,7 +55,12 @@ pub fn serve(config: &Config) -> Result<(), String> {
             std::process::exit(1);
         }
     });
-    if let Some(warning) = config.store.ignored_url_warning() {
+    for warning in config
+        .store
+        .ignored_url_warning()
+        .into_iter()
+        .chain(config.unused_limit_warnings())
+    {
         tracing::warn!("{warning}");
     }
     // The memory store is one state that every worker shares. A Redis store is opened by each

@@ -245,3 +245,27 @@ fn a_bad_redis_url_is_a_config_error_wherever_it_comes_from() {
     assert!(!shown.contains("hunter2"), "{shown}");
     assert!(shown.contains("pass=***"), "{shown}");
 }
+
+#[test]
+fn a_limit_on_a_team_no_key_belongs_to_is_warned_about() {
+    let path = std::env::temp_dir().join(format!("floodgate-nobody-{}.toml", std::process::id()));
+    let text = "[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\norg = \"acme\"\nteam = \"ml\"\n[[rate_limits]]\nscope = \"team\"\nid = \"{team}\"\nrpm = 5\n";
+    let check = |team: &str| {
+        std::fs::write(&path, text.replace("{team}", team)).unwrap();
+        let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .arg("check-config")
+            .arg(&path)
+            .output()
+            .unwrap();
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let typo = check("ml-typo");
+    let fine = check("ml");
+    let _ = std::fs::remove_file(&path);
+    assert!(
+        typo.contains("warning: no key belongs to team `ml-typo`: its limits apply to nobody"),
+        "{typo}"
+    );
+    assert!(!fine.contains("warning"), "{fine}");
+}
