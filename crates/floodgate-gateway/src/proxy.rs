@@ -277,15 +277,16 @@ struct Idle {
 }
 
 impl Pool {
-    /// Sends `req` on an idle connection, or a new one. A request that an idle connection
-    /// refused before sending any of it (the upstream had just closed it) is sent again on
-    /// another. A bodyless request of a safe method (`GET`, `HEAD`, `OPTIONS`) that a reused
-    /// connection lost after sending it (closed or reset before any answer: the upstream closed
-    /// its side as the request arrived) is sent once more on a new connection: sending it twice
-    /// changes nothing upstream (RFC 9110, 9.2.2), as nginx's `proxy_next_upstream` does by
-    /// default. An answer that cannot be parsed is not a reason to send again. Any other failure is the
-    /// answer: a request that may have reached the upstream is never sent twice. Errors are
-    /// causes for the log.
+    /// Sends `req` on an idle connection, or a new one.
+    ///
+    /// A request that an idle connection refused before sending any of it (the upstream had
+    /// just closed it) is sent again on another. A bodyless request of a safe method (`GET`,
+    /// `HEAD`, `OPTIONS`) that a reused connection lost after sending it (closed or reset before
+    /// any answer: the upstream closed its side as the request arrived) is sent once more on a
+    /// new connection: sending it twice changes nothing upstream (RFC 9110, 9.2.2), as nginx's
+    /// `proxy_next_upstream` does by default. An answer that cannot be parsed is no reason to
+    /// send again. Any other failure is the answer: a request that may have reached the
+    /// upstream is never sent twice. Errors are causes for the log.
     async fn send(self: &Arc<Self>, mut req: Request<Body>) -> Result<Response<Body>, String> {
         let mut fresh_only = false;
         loop {
@@ -320,7 +321,10 @@ impl Pool {
                 Err(mut e) => match (e.take_message(), again) {
                     (Some(unsent), _) if reused => req = unsent,
                     (None, Some(copy)) if connection_lost(e.error()) => {
-                        tracing::debug!(error = %cause(e.error()), "a reused upstream connection failed; sending the request again on a new one");
+                        tracing::debug!(
+                            error = %cause(e.error()),
+                            "a reused upstream connection failed; sending the request again on a new one"
+                        );
                         req = copy;
                         fresh_only = true;
                     }
