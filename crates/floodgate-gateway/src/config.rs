@@ -94,7 +94,7 @@ pub enum OnError {
 // The file as written.
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a TOML document of tables")]
 struct RawConfig {
     server: Option<RawServer>,
     store: Option<RawStore>,
@@ -107,7 +107,10 @@ struct RawConfig {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [server] table (listen, workers, header_timeout_sec)"
+)]
 struct RawServer {
     listen: Option<Spanned<String>>,
     workers: Option<Spanned<usize>>,
@@ -115,7 +118,10 @@ struct RawServer {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [store] table (backend, url, on_error, prefix)"
+)]
 struct RawStore {
     backend: Option<Spanned<Backend>>,
     url: Option<Spanned<String>>,
@@ -124,7 +130,10 @@ struct RawStore {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an [upstream] table (base_url or demo, api_key_env, timeout_sec, ca_file)"
+)]
 struct RawUpstream {
     base_url: Option<Spanned<String>>,
     api_key_env: Option<Spanned<String>>,
@@ -134,20 +143,26 @@ struct RawUpstream {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a [gateway] table (rate_limit)")]
 struct RawGateway {
     rate_limit: Option<Spanned<RawWindow>>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a table like { requests = 100, window_sec = 60 }"
+)]
 struct RawWindow {
     requests: Option<u64>,
     window_sec: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [[keys]] entry (id, secret or secret_sha256, org, team, project, business_unit, rate_limit)"
+)]
 struct RawKey {
     id: Spanned<String>,
     secret: Option<Spanned<String>>,
@@ -160,7 +175,10 @@ struct RawKey {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm)"
+)]
 struct RawRateLimit {
     scope: Spanned<String>,
     id: Option<Spanned<String>>,

@@ -28,6 +28,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("no-secret.toml", 4, "keys[0].secret"),
     ("no-upstream-target.toml", 1, "upstream.base_url"),
     ("rate-limit-for-unknown-key.toml", 8, "rate_limits[0].id"),
+    ("rate-limit-not-a-table.toml", 6, "rate_limit"),
     ("redis-without-url.toml", 2, "store.url"),
     ("rpm-wrong-type.toml", 7, "rpm"),
     ("secret-and-hash.toml", 6, "keys[0].secret"),
@@ -104,6 +105,19 @@ fn a_redis_url_in_the_environment_on_the_memory_store_is_warned_about() {
         .output()
         .unwrap();
     assert!(!String::from_utf8_lossy(&out.stdout).contains("warning: FLOODGATE_REDIS_URL"));
+}
+
+#[test]
+fn a_value_of_the_wrong_shape_says_what_was_expected() {
+    let path = fixtures().join("rate-limit-not-a-table.toml");
+    let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("expected a table like { requests = 100, window_sec = 60 }"),
+        "{err}"
+    );
+    assert!(!err.contains("Raw"), "no internal names: {err}");
 }
 
 #[test]
