@@ -560,6 +560,58 @@ async fn full_token_window_refuses_and_charges_no_request_slot() {
     assert_eq!(stored_cur(&url, &store, requests.key()).await, 1);
 }
 
+#[tokio::test]
+async fn a_refusal_names_the_limit_whose_wait_decides_on_both_stores() {
+    let Some(url) = redis_url("a_refusal_names_the_limit_whose_wait_decides_on_both_stores") else {
+        return;
+    };
+    let redis = store(&url).await;
+    let memory = MemoryStore::new();
+    // The key frees its slot within seconds, the org only after a minute: the org, second in
+    // the chain, is the refusal to name.
+    let key = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "quick",
+        Charge::Admission,
+        WindowLimit::per_second(1),
+    );
+    let chain = Chain::new(vec![key, req("slow", ScopeKind::Org, 1)]);
+    assert!(
+        chain
+            .admit_at(&redis, 1, pinned(30))
+            .await
+            .unwrap()
+            .admitted
+    );
+    assert!(
+        chain
+            .admit_at(&memory, 1, pinned(30))
+            .await
+            .unwrap()
+            .admitted
+    );
+    let r = chain.admit_at(&redis, 1, pinned(30)).await.unwrap();
+    let m = chain.admit_at(&memory, 1, pinned(30)).await.unwrap();
+    assert_eq!(r, m, "both stores decide alike");
+    assert!(!r.admitted);
+    assert_eq!(
+        r.refused_by,
+        Some(1),
+        "the org's wait is the one that counts"
+    );
+    assert!(
+        r.retry_after > Some(Duration::from_secs(10)),
+        "{:?}",
+        r.retry_after
+    );
+    assert_eq!(r.refusing().map(|s| s.reset), r.retry_after);
+    assert!(
+        r.statuses[0].reset < Duration::from_secs(3),
+        "the key's own wait"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn first_check_after_client_kill_is_enforced_through_the_replay() {
     let test = "first_check_after_client_kill_is_enforced_through_the_replay";
