@@ -200,10 +200,10 @@ tpm = 1000
 }
 
 #[tokio::test]
-async fn when_two_limits_refuse_the_headers_name_the_one_that_decides_the_wait() {
+async fn when_two_limits_refuse_the_first_is_named_with_the_wait_of_the_chain() {
     let up = fake_upstream().await;
-    // Two requests fill both the key (2 per 10 s) and its org (2 per minute); the key's wait
-    // is the shorter, and comes first in the chain.
+    // Two requests fill both the key (2 per 10 s) and its org (2 per minute); the key, first in
+    // the chain, is named, and the org's longer wait is when the next request passes.
     let clock = FakeClock::new(Timestamp::from_secs(6000 + 30));
     let store = GatewayStore::Memory(MemoryStore::with_clock(clock));
     let text = r#"
@@ -229,10 +229,10 @@ rpm = 2
     assert!(wait.parse::<u64>().unwrap() > 20, "the org's wait: {wait}");
     assert_eq!(
         refused.header("ratelimit"),
-        Some(format!("\"org\";r=0;t={wait}").as_str()),
-        "the IETF reset is the wait a client must keep"
+        Some(format!("\"key\";r=0;t={wait}").as_str()),
+        "the first refusal (DESIGN §2), with the wait a client must keep"
     );
-    assert_eq!(refused.header("ratelimit-policy"), Some("\"org\";q=2;w=60"));
+    assert_eq!(refused.header("ratelimit-policy"), Some("\"key\";q=2;w=10"));
     assert_eq!(refused.header("x-ratelimit-limit-requests"), Some("2"));
     assert_eq!(refused.header("x-ratelimit-remaining-requests"), Some("0"));
     let ms: u64 = refused.header("retry-after-ms").unwrap().parse().unwrap();
@@ -246,5 +246,6 @@ rpm = 2
         (reset_ms - ms as f64).abs() < 1.0,
         "{reset} against {ms} ms"
     );
-    assert!(refused.text().contains("org"), "{}", refused.text());
+    let body = refused.text();
+    assert!(body.contains("key") && !body.contains("org"), "{body}");
 }

@@ -171,8 +171,9 @@ pub struct LimitStatus {
     pub limit: WindowLimit,
     /// Whole units left after this request's charge (0 on the refusing limit).
     pub remaining: u64,
-    /// For the refusing limit, the exact wait until the request would pass; otherwise the time
-    /// until the limit is whole again with no other traffic.
+    /// For the refusing limit ([`ChainDecision::refused_by`]), the exact wait until the request
+    /// would pass (the chain's `retry_after`); for another limit that refused, its own wait;
+    /// otherwise the time until the limit is whole again with no other traffic.
     pub reset: Duration,
 }
 
@@ -186,9 +187,9 @@ pub struct ChainDecision {
     pub enforced: bool,
     /// The instant the decision was taken at (the store's clock).
     pub now: Timestamp,
-    /// Index into the chain of the limit that refused: when several did, one the request can
-    /// never pass, else the one with the longest wait (the first of those), so that its status's
-    /// `reset` is [`retry_after`](Self::retry_after).
+    /// Index into the chain of the first limit that refused, in chain order (DESIGN §2). Its
+    /// status's `reset` is the chain's [`retry_after`](Self::retry_after): the wait until this
+    /// request would pass, which a later limit of the chain may decide.
     pub refused_by: Option<usize>,
     /// For a refusal, the exact wait until every limit would admit the same request with no
     /// other traffic (the largest wait among refusing limits); `None` if admitted, or if the
@@ -207,12 +208,14 @@ impl ChainDecision {
         cost: u64,
         admitted: bool,
     ) -> ChainDecision {
+        let refused_by = if admitted {
+            None
+        } else {
+            first_refusal(limits, snapshots, cost)
+        };
         let mut retry_after = None;
-        // The refusing limit that decides: one the request can never pass, else the one with the
-        // longest wait (the first of those), whose reset is then the chain's `retry_after`.
-        let mut refused_by: Option<(usize, bool, Duration)> = None;
         let mut statuses = Vec::with_capacity(limits.len());
-        for (i, (l, s)) in limits.iter().zip(snapshots).enumerate() {
+        for (l, s) in limits.iter().zip(snapshots) {
             let charged = if admitted { l.charged(cost) } else { 0 };
             let wait = if admitted {
                 None
@@ -222,14 +225,6 @@ impl ChainDecision {
             };
             if let Some(w) = wait {
                 retry_after = Some(retry_after.map_or(w, |r: Duration| r.max(w)));
-            }
-            if !admitted && !s.admits(l.limit, l.charge, cost) {
-                let this = (i, !l.fits(cost), wait.unwrap_or_default());
-                let decides = refused_by
-                    .is_none_or(|(_, never, longest)| (this.1, this.2) > (never, longest));
-                if decides {
-                    refused_by = Some(this);
-                }
             }
             statuses.push(LimitStatus {
                 scope: l.scope,
@@ -243,10 +238,15 @@ impl ChainDecision {
                 reset: wait.unwrap_or_else(|| s.until_empty(l.limit, charged)),
             });
         }
-        let refused_by = refused_by.map(|(i, ..)| i);
         if refused_by.is_some() && limits.iter().any(|l| !l.fits(cost)) {
             // A refusal that no wait can cure (cost > max somewhere) has no retry time.
             retry_after = None;
+        }
+        // The reported limit's reset is when the request would pass: with a key that frees in
+        // 15 s under an org that frees in 60 s, the key is named (the first refusal) with 60 s,
+        // as `Retry-After` says, so that a client pacing on either header is not refused again.
+        if let (Some(i), Some(wait)) = (refused_by, retry_after) {
+            statuses[i].reset = wait;
         }
         ChainDecision {
             admitted,
@@ -362,7 +362,7 @@ mod tests {
     }
 
     #[test]
-    fn the_refusing_limit_named_is_the_one_that_decides_the_wait() {
+    fn the_first_refusal_is_named_with_the_wait_of_the_whole_chain() {
         let limits = [
             limit(ScopeKind::Key, "k", Charge::Admission, 1),
             limit(ScopeKind::Org, "acme", Charge::Admission, 1),
@@ -385,19 +385,24 @@ mod tests {
         assert_eq!(d.retry_after, Some(Duration::from_secs(90)));
         assert_eq!(
             d.refused_by,
-            Some(1),
-            "the org's wait is the one that counts"
+            Some(0),
+            "the first refusal in chain order is named"
         );
-        assert_eq!(d.refusing().map(|s| s.reset), d.retry_after);
-        assert_eq!(d.statuses[0].reset, Duration::from_secs(30));
-        // A limit the request can never pass (org: 2 > 1) decides over any wait (key: full).
+        assert_eq!(
+            d.refusing().map(|s| s.reset),
+            d.retry_after,
+            "with the wait until the request passes, which the org decides"
+        );
+        assert_eq!(d.statuses[1].reset, Duration::from_secs(90));
+        // A limit the request can never pass, after one that refuses for a while: the first is
+        // still named, and nothing announces a retry.
         let limits = [
             limit(ScopeKind::Key, "k", Charge::Admission, 5),
             limit(ScopeKind::Org, "acme", Charge::Admission, 1),
         ];
         let full = Snapshot { cur: 5, ..org };
         let d = ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2, false);
-        assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
+        assert_eq!((d.refused_by, d.retry_after), (Some(0), None));
     }
 
     #[test]
