@@ -638,6 +638,48 @@ async fn first_check_after_client_kill_is_enforced_through_the_replay() {
     assert!(d.enforced && !d.admitted, "the replay charged once");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
+    let test = "a_record_cut_off_by_a_dropped_connection_opens_no_breaker";
+    // A server of its own: CLIENT KILL TYPE normal would cut every other test's connections.
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let store = store(&server.url()).await;
+    let tokens = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "cut",
+        Charge::Reactive,
+        WindowLimit::per_minute(100),
+    );
+    let chain = Chain::new(vec![req("cut", ScopeKind::Key, 2), tokens]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal"])
+        .query_async(&mut raw(&server.url()).await)
+        .await
+        .unwrap();
+    assert!(killed >= 1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Recording never replays, so the units are lost with the connection; Redis itself is fine.
+    assert!(chain.record(&store, 10).await.is_err());
+    assert_eq!(
+        store.stats().outages,
+        0,
+        "a dropped connection is not an outage"
+    );
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(
+        d.enforced,
+        "the next admission is checked, not waved through"
+    );
+    assert!(d.admitted);
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced && !d.admitted, "the key's 2 requests are spent");
+}
+
 #[tokio::test]
 async fn decisions_work_after_script_flush() {
     let Some(url) = redis_url("decisions_work_after_script_flush") else {

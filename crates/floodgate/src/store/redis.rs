@@ -605,6 +605,13 @@ impl Inner {
                     replays -= 1;
                     bump(&self.counters.replays);
                 }
+                Class::Dropped if op.replay == Replay::Never => {
+                    // A call that may not run twice fails, but a dropped connection is not an
+                    // outage: the manager is reconnecting, and the next call that may replay
+                    // (an admission) finds out whether Redis answers. Opening the breaker here
+                    // would let admissions through unchecked while Redis is fine.
+                    return Err(Failure::Unavailable(format!("{}: {err}", op.name)));
+                }
                 Class::Dropped | Class::Unavailable => {
                     let why = format!("{}: {err}", op.name);
                     self.trip(&why);
