@@ -1,6 +1,6 @@
 //! When the store cannot be reached: fail open (the default) lets requests through without
-//! rate-limit headers; fail closed answers 503 and charges nothing. Uses a Redis URL nothing
-//! listens on, so it needs no Redis.
+//! rate-limit headers; fail closed answers 503 and charges nothing; a key with no limit at all
+//! does not depend on the store. Uses a Redis URL nothing listens on, so it needs no Redis.
 
 mod common;
 
@@ -60,4 +60,21 @@ async fn fail_closed_is_503_and_reaches_nothing() {
         r.text()
     );
     assert_eq!(up.seen.hits(), 0);
+}
+
+#[tokio::test]
+async fn an_unlimited_key_is_served_even_when_failing_closed() {
+    let up = fake_upstream().await;
+    let text = config("closed", dead_port()).replace("rate_limit = { requests = 1 }\n", "");
+    assert!(!text.contains("rate_limit"), "{text}");
+    let gw = gateway(&text, &up.url()).await;
+    for _ in 0..3 {
+        let r = gw.chat("sk-k", CHAT).await;
+        assert_eq!(r.status, 200, "nothing to decide, so no store to wait for");
+        assert!(
+            r.header("x-ratelimit-limit").is_none(),
+            "no limit, no headers"
+        );
+    }
+    assert_eq!(up.seen.hits(), 3);
 }

@@ -281,6 +281,18 @@ impl ChainDecision {
         }
     }
 
+    /// The admission of a chain without limits: nothing to check, nothing charged.
+    pub fn unlimited(now: Timestamp) -> ChainDecision {
+        ChainDecision {
+            admitted: true,
+            enforced: true,
+            now,
+            refused_by: None,
+            retry_after: None,
+            statuses: Vec::new(),
+        }
+    }
+
     /// An admission the store could not check and let through (fail open).
     pub fn unenforced(now: Timestamp) -> ChainDecision {
         ChainDecision {

@@ -74,7 +74,8 @@ impl Chain {
     /// remaining units and reset for response headers.
     ///
     /// A request that can never pass (`cost` above a charged limit's max, or a token limit of
-    /// zero) is refused without a retry time and without touching the store.
+    /// zero) is refused without a retry time and without touching the store; a chain without
+    /// limits admits without touching it either.
     pub fn admit_at<S: Store>(
         &self,
         store: &S,
@@ -93,6 +94,12 @@ impl Chain {
         if let Some(i) = self.limits.iter().position(|l| !l.fits(cost)) {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
+        }
+        if self.limits.is_empty() {
+            // Nothing to decide (DESIGN §2: a scope with no limit is skipped), so nothing to ask
+            // the store: an unlimited caller neither waits for it nor fails with it.
+            let now = now.unwrap_or_else(Timestamp::now);
+            return Ok(ChainDecision::unlimited(now));
         }
         let seen = store.admit(&self.limits, cost, now).await?;
         if !seen.enforced {
