@@ -275,8 +275,14 @@ pub fn record_later(store: &GatewayStore, chain: &Arc<Chain>, tokens: u64) {
     let store = store.clone();
     let chain = Arc::clone(chain);
     rt.spawn(async move {
-        if let Err(e) = chain.record(&store, tokens).await {
-            tracing::warn!(error = %e, tokens, "could not record tokens");
+        match chain.record(&store, tokens).await {
+            Ok(()) => {}
+            // The store logs an outage (or a dropped connection) once; a line for every
+            // metered response would flood the log for as long as it lasts.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, tokens, "could not record tokens");
+            }
+            Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
         }
     });
 }

@@ -610,6 +610,11 @@ impl Inner {
                     // outage: the manager is reconnecting, and the next call that may replay
                     // (an admission) finds out whether Redis answers. Opening the breaker here
                     // would let admissions through unchecked while Redis is fine.
+                    tracing::warn!(
+                        op = op.name,
+                        error = %err,
+                        "floodgate: connection dropped under a call that is never replayed; its units are lost"
+                    );
                     return Err(Failure::Unavailable(format!("{}: {err}", op.name)));
                 }
                 Class::Dropped | Class::Unavailable => {
