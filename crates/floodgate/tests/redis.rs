@@ -680,6 +680,56 @@ async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
     assert!(d.enforced && !d.admitted, "the key's 2 requests are spent");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admission_abandoned_while_queued_is_never_charged() {
+    let test = "an_admission_abandoned_while_queued_is_never_charged";
+    // A server of its own: the busy script below stalls every client of the server.
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let url = server.url();
+    let store = RedisStore::connect(RedisConfig {
+        timeout: Duration::from_secs(5),
+        ..config(&url)
+    })
+    .await
+    .unwrap();
+    let chain = Chain::new(vec![req("queued", ScopeKind::Key, 10)]);
+    assert!(chain.admit(&store, 1).await.unwrap().admitted);
+    // Redis runs a script to completion before anything else: 450 ms of nothing.
+    let mut busy = raw(&url).await;
+    let stall = tokio::spawn(async move {
+        let _: i64 = redis::Script::new(
+            "local t = redis.call('TIME'); local s = t[1] * 1e6 + t[2]; \
+             repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] > s + 450000; return 1",
+        )
+        .invoke_async(&mut busy)
+        .await
+        .unwrap();
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // A: its batch goes out at once and waits for the stall. B: queued behind A's batch, and
+    // given up on (as a caller that disconnects) before that batch returns.
+    let a = tokio::spawn({
+        let (chain, store) = (chain.clone(), store.clone());
+        async move { chain.admit(&store, 1).await }
+    });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let b = tokio::time::timeout(Duration::from_millis(50), chain.admit(&store, 1)).await;
+    assert!(b.is_err(), "B was still waiting");
+    assert!(a.await.unwrap().unwrap().admitted);
+    stall.await.unwrap();
+    assert_eq!(
+        stored_cur(&url, &store, chain.limits()[0].key()).await,
+        2,
+        "the first admission and A; B never went out"
+    );
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced && d.admitted);
+    assert_eq!(d.statuses[0].remaining, 7, "D is the third charged");
+}
+
 #[tokio::test]
 async fn decisions_work_after_script_flush() {
     let Some(url) = redis_url("decisions_work_after_script_flush") else {

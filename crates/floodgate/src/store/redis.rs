@@ -826,6 +826,9 @@ impl RedisStore {
         loop {
             let batch: Vec<PendingAdmit> = {
                 let mut q = self.queue();
+                // An admission whose caller gave up while it waited (a client that
+                // disconnected) goes nowhere: nothing is charged for a request never served.
+                q.pending.retain(|p| !p.reply.is_closed());
                 let Some(time) = q.pending.first().map(|p| p.time) else {
                     q.sending = false;
                     unmark.done = true;
