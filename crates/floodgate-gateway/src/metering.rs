@@ -124,14 +124,19 @@ impl<'de> Deserialize<'de> for TopLevel {
     }
 }
 
-/// Prepares a completion request body: a streaming request (`"stream": true`) is rewritten to
-/// ask the upstream for usage. Returns the body to forward and, for a streaming request, what
-/// the caller asked for. A body that is not a JSON object is forwarded unchanged (the upstream
-/// answers it). A body that names `stream` or `stream_options` twice is refused: servers differ
-/// on which one counts, and the one the upstream obeys could stream without usage.
+/// Prepares a metered completion request body: a streaming request (`"stream": true`) is
+/// rewritten to ask the upstream for usage. Returns the body to forward and, for a streaming
+/// request, what the caller asked for.
+///
+/// Refused (the caller gets 400, nothing is charged) where the gateway cannot tell for sure
+/// whether the upstream will stream, since a stream it did not ask usage for would go
+/// uncharged: a body that is not a strict JSON object (a lenient upstream may still read one
+/// with a byte-order mark or a `NaN` in it), a `stream` that is not `true`, `false` or `null`
+/// (some servers take `1` or `"true"` for true), and a body that names `stream` or
+/// `stream_options` twice (servers differ on which one counts).
 pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
-        return Ok((body, None));
+        return Err("The request body is not a JSON object.".into());
     };
     let field = |name: &str| -> Result<Option<&RawValue>, String> {
         let mut found = fields.iter().filter(|(k, _)| k == name);
@@ -145,8 +150,10 @@ pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), St
     };
     let stream = field("stream")?;
     let options = field("stream_options")?;
-    if stream.map(RawValue::get) != Some("true") {
-        return Ok((body, None));
+    match stream.map(RawValue::get) {
+        Some("true") => {}
+        None | Some("false" | "null") => return Ok((body, None)),
+        Some(_) => return Err("`stream` must be true or false.".into()),
     }
     // The caller's options, with include_usage set; each field once (a duplicate
     // include_usage would leave the choice to the upstream's parser).
@@ -180,13 +187,20 @@ pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), St
     Ok((Bytes::from(out), Some(asked)))
 }
 
-/// Whether a request path names a completion endpoint (`.../completions`), as the upstream
-/// reads it: percent-escapes decoded (`/v1/chat/completion%73` is the same endpoint).
+/// Whether a request path names a completion endpoint (`.../completions`), as a lenient
+/// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), in any case
+/// (`/v1/chat/Completions`), with trailing slashes (`/v1/chat/completions/`). A path taken for a
+/// completion that is not one only has its body checked.
 pub fn is_completion_path(path: &str) -> bool {
-    const END: &[u8] = b"/completions";
+    fn ends_with_completions(path: &[u8]) -> bool {
+        const END: &[u8] = b"/completions";
+        let end = path.iter().rposition(|&b| b != b'/').map_or(0, |i| i + 1);
+        let path = &path[..end];
+        path.len() >= END.len() && path[path.len() - END.len()..].eq_ignore_ascii_case(END)
+    }
     let raw = path.as_bytes();
     if !raw.contains(&b'%') {
-        return raw.ends_with(END);
+        return ends_with_completions(raw);
     }
     let mut decoded = Vec::with_capacity(raw.len());
     let mut i = 0;
@@ -207,7 +221,7 @@ pub fn is_completion_path(path: &str) -> bool {
             }
         }
     }
-    decoded.ends_with(END)
+    ends_with_completions(&decoded)
 }
 
 /// How a response body is metered.
@@ -809,15 +823,26 @@ mod tests {
             &b[..],
             br#"{"stream":true,"stream_options":{"include_usage":true}}"#
         );
-        // Not streaming, or not an object: forwarded as it came.
+        // Not streaming: forwarded as it came.
         for body in [
             &br#"{"model":"m"}"#[..],
             b"{\"stream\":false}",
-            b"[1]",
-            b"not json",
+            b"{\"stream\" : null}",
         ] {
             let (b, s) = prepare_request(Bytes::copy_from_slice(body)).unwrap();
             assert_eq!((&b[..], s), (body, None));
+        }
+        // Whether the upstream streams would be its guess: refused.
+        for body in [
+            &b"[1]"[..],
+            b"not json",
+            b"\xef\xbb\xbf{\"stream\":true}",
+            b"{\"stream\":true,\"x\":NaN}",
+            b"",
+            b"{\"stream\":1}",
+            b"{\"stream\":\"true\"}",
+        ] {
+            assert!(prepare_request(Bytes::copy_from_slice(body)).is_err());
         }
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
@@ -825,12 +850,17 @@ mod tests {
     }
 
     #[test]
-    fn completion_paths_are_matched_as_the_upstream_decodes_them() {
+    fn completion_paths_are_matched_as_a_lenient_upstream_reads_them() {
         assert!(is_completion_path("/v1/chat/completions"));
         assert!(is_completion_path("/v1/completions"));
         assert!(is_completion_path("/v1/chat/completion%73"));
         assert!(is_completion_path("/v1/chat%2Fcompletions"));
+        assert!(is_completion_path("/v1/chat/Completions"));
+        assert!(is_completion_path("/v1/chat/completions/"));
+        assert!(is_completion_path("/v1/chat/COMPLETION%53//"));
         assert!(!is_completion_path("/v1/embeddings"));
+        assert!(!is_completion_path("/"));
+        assert!(!is_completion_path("completions"));
         assert!(!is_completion_path("/v1/chat/completions%2"));
         assert!(!is_completion_path("/v1/models%"));
     }

@@ -187,3 +187,59 @@ async fn metered_requests_ask_the_upstream_for_an_uncompressed_answer() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_stream_flag_an_upstream_might_read_either_way_is_refused_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 100
+"#,
+        &up.url(),
+    )
+    .await;
+    // Lenient servers stream for `"stream": 1` or `"true"`, and read a body with a NaN in it;
+    // without the usage the gateway asks for, such a stream would never be charged.
+    for body in [
+        r#"{"model":"m","stream":1,"messages":[]}"#,
+        r#"{"model":"m","stream":"true","messages":[]}"#,
+        r#"{"model":"m","stream":true,"temperature":NaN,"messages":[]}"#,
+    ] {
+        let r = gw.chat("sk-k", body).await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+        assert_eq!(
+            r.json()["error"]["type"],
+            "invalid_request_error",
+            "{}",
+            r.text()
+        );
+    }
+    // The same holds on a path a lenient router takes for the completions endpoint.
+    let r = gw
+        .send(gw.request(
+            "POST",
+            "/v1/chat/Completions/",
+            Some("sk-k"),
+            r#"{"model":"m","stream":1,"messages":[]}"#,
+        ))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(up.seen.hits(), 0);
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("4"),
+        "the refused bodies took no request"
+    );
+}
