@@ -122,6 +122,11 @@ pub struct BucketState {
     pub ts: Timestamp,
 }
 
+/// The longest a bucket's state is kept (2^52 µs, about 142 years): an absurdly slow rate's
+/// time to full again is cut to it, so that the expiry still fits the Redis script's integers
+/// (Lua's `%d` is an i64, its numbers exact to 2^53) and both stores expire alike.
+pub const MAX_TTL_MICROS: u64 = 1 << 52;
+
 /// The parameters of one bucket: capacity and refill rate.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BucketLimit {
@@ -189,7 +194,8 @@ impl BucketLimit {
     }
 
     /// How long a bucket left with `tokens` takes to be full again: its state may be dropped
-    /// then, since a missing bucket reads as full.
+    /// then, since a missing bucket reads as full. At most [`MAX_TTL_MICROS`] (an absurdly slow
+    /// rate's time to full would not fit the scripts' integers).
     #[inline]
     pub fn ttl_micros(&self, tokens: f64) -> u64 {
         let missing = self.capacity as f64 - tokens;
@@ -198,6 +204,9 @@ impl BucketLimit {
         }
         // Ceiling of a positive value by truncation: no libm call on the hot path.
         let micros = self.rate.time_for(missing);
+        if micros >= MAX_TTL_MICROS as f64 {
+            return MAX_TTL_MICROS;
+        }
         let whole = micros as u64;
         if (whole as f64) < micros {
             whole + 1
@@ -265,6 +274,12 @@ mod tests {
     fn ttl_is_the_time_to_full() {
         assert_eq!(LOGIN.ttl_micros(0.0), 60_000_000);
         assert_eq!(LOGIN.ttl_micros(20.0), 0);
+        let absurd = BucketLimit {
+            capacity: 2,
+            rate: Rate::new(1, Duration::from_micros(u64::MAX)),
+        };
+        // 2^65 µs to full: kept for the longest a state is kept, not wrapped to nothing.
+        assert_eq!(absurd.ttl_micros(0.0), MAX_TTL_MICROS);
     }
 
     #[test]

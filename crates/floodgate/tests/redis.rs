@@ -1021,6 +1021,31 @@ async fn two_hundred_concurrent_acquires_against_capacity_twenty_admit_twenty() 
 }
 
 #[tokio::test]
+async fn an_absurdly_slow_bucket_keeps_working_on_both_stores() {
+    let Some(url) = redis_url("an_absurdly_slow_bucket_keeps_working_on_both_stores") else {
+        return;
+    };
+    let redis = store(&url).await;
+    let memory = MemoryStore::new();
+    // One token per 2^64 µs: the time to full again is past what an i64 (Lua's `%d`) holds.
+    const ABSURD: TokenBucket<str> =
+        TokenBucket::new("absurd", 2, Rate::new(1, Duration::from_micros(u64::MAX)));
+    for (i, at) in [1, 2, 3].into_iter().enumerate() {
+        let r = ABSURD.acquire_at(&redis, "x", 1, pinned(at)).await.unwrap();
+        let m = ABSURD
+            .acquire_at(&memory, "x", 1, pinned(at))
+            .await
+            .unwrap();
+        assert_eq!(r, m, "acquire {i}");
+        assert_eq!(r.is_allowed(), i < 2, "acquire {i}: {r:?}");
+    }
+    assert!(
+        ABSURD.reset(&redis, "x").await.unwrap(),
+        "the state is readable"
+    );
+}
+
+#[tokio::test]
 async fn both_clocks_decide_at_about_now() {
     let Some(url) = redis_url("both_clocks_decide_at_about_now") else {
         return;

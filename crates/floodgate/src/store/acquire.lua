@@ -28,7 +28,9 @@ if missing <= 0 then
   -- Full: a missing bucket reads as full, so nothing needs keeping.
   redis.call('DEL', KEYS[1])
 else
-  local ttl = math.ceil(missing * period / rate)
+  -- At most 2^52 µs (bucket.rs, MAX_TTL_MICROS): `now + ttl` must fit `%d` (an i64) and PX
+  -- must print as an integer.
+  local ttl = math.min(math.ceil(missing * period / rate), 4503599627370496)
   redis.call('SET', KEYS[1], string.format('%.17g %d %d', tokens, now, now + ttl),
     'PX', math.ceil(ttl / 1000))
 end
