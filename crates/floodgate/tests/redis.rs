@@ -884,6 +884,62 @@ async fn outage_fails_open_or_closed_at_once_and_enforcement_resumes() {
 }
 
 #[tokio::test]
+async fn a_server_that_answers_ping_but_not_scripts_is_one_outage() {
+    let test = "a_server_that_answers_ping_but_not_scripts_is_one_outage";
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let logs = LogCount::default();
+    let _logging = tracing::subscriber::set_default(logs.clone());
+    let url = server.url();
+    let store = RedisStore::connect(RedisConfig {
+        probe_interval: Duration::from_millis(50),
+        ..config(&url)
+    })
+    .await
+    .unwrap();
+    let chain = Chain::new(vec![req("replica", ScopeKind::Key, 1000)]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+    // A replica of a master that is gone: PING answers, every write is READONLY.
+    let dead = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut admin = raw(&url).await;
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(dead)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        assert!(
+            !chain.admit(&store, 1).await.unwrap().enforced,
+            "fails open"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.stats().outages, 1, "probes answered, calls did not");
+    assert_eq!((logs.warns(), logs.infos()), (1, 0), "logged once");
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("NO")
+        .arg("ONE")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !chain.admit(&store, 1).await.unwrap().enforced {
+        assert!(Instant::now() < deadline, "enforcement did not resume");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.stats().outages, 1);
+    assert_eq!((logs.warns(), logs.infos()), (1, 1), "and its end once");
+}
+
+#[tokio::test]
 async fn state_expires_after_two_windows_and_full_buckets_leave_nothing() {
     let Some(url) = redis_url("state_expires_after_two_windows_and_full_buckets_leave_nothing")
     else {

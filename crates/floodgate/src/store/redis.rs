@@ -364,6 +364,12 @@ struct Inner {
     admissions: std::sync::Mutex<AdmitQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
+    /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
+    /// until then a failure is the same outage (a server that answers `PING` but not scripts,
+    /// such as a read-only replica, would otherwise log an outage at every probe).
+    unconfirmed: AtomicBool,
+    /// When the outage being logged began.
+    outage_since: std::sync::Mutex<Option<Instant>>,
     counters: Counters,
 }
 
@@ -421,6 +427,8 @@ impl RedisStore {
                 config,
                 admissions: std::sync::Mutex::new(AdmitQueue::default()),
                 open: AtomicBool::new(false),
+                unconfirmed: AtomicBool::new(false),
+                outage_since: std::sync::Mutex::new(None),
                 counters: Counters::default(),
             }),
         };
@@ -555,18 +563,40 @@ impl Inner {
             .map_err(|e| e.to_string())
     }
 
-    /// Opens the breaker; the first failure of an outage logs it and starts the probe.
+    /// Opens the breaker and starts the probe; the first failure of an outage logs it.
     fn trip(self: &Arc<Self>, why: &str) {
         if self.open.swap(true, Ordering::AcqRel) {
             return;
         }
-        bump(&self.counters.outages);
-        tracing::warn!(
-            error = why,
-            on_error = ?self.config.on_error,
-            "floodgate: Redis unreachable; deciding without it until it answers again"
-        );
-        tokio::spawn(probe(Arc::downgrade(self), Instant::now()));
+        if self.unconfirmed.swap(false, Ordering::AcqRel) {
+            // A probe's PING answered, but no call has since: the outage goes on.
+            tracing::debug!(error = why, "floodgate: Redis answers PING but not calls");
+        } else {
+            bump(&self.counters.outages);
+            *self.since() = Some(Instant::now());
+            tracing::warn!(
+                error = why,
+                on_error = ?self.config.on_error,
+                "floodgate: Redis unreachable; deciding without it until it answers again"
+            );
+        }
+        tokio::spawn(probe(Arc::downgrade(self)));
+    }
+
+    /// A call succeeded: the first after a probe ends the outage.
+    fn confirm(&self) {
+        if self.unconfirmed.load(Ordering::Relaxed)
+            && self.unconfirmed.swap(false, Ordering::AcqRel)
+        {
+            let outage = self.since().take().map(|t| t.elapsed());
+            tracing::info!(?outage, "floodgate: Redis answers again; enforcing limits");
+        }
+    }
+
+    fn since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.outage_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Runs `op` (the command `cmd`) once, or twice if its connection dropped and its policy
@@ -590,7 +620,10 @@ impl Inner {
             let mut conn = self.conn.clone();
             let attempt = tokio::time::timeout_at(deadline, evalsha(op, cmd, &mut conn));
             let err = match attempt.await {
-                Ok(Ok(value)) => return Ok(value),
+                Ok(Ok(value)) => {
+                    self.confirm();
+                    return Ok(value);
+                }
                 Ok(Err(e)) => e,
                 Err(_) => {
                     let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
@@ -657,7 +690,7 @@ async fn evalsha<T: FromRedisValue>(
 }
 
 /// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
-async fn probe(inner: Weak<Inner>, since: Instant) {
+async fn probe(inner: Weak<Inner>) {
     // Dropped before Redis answered (its runtime shut down, with a store shared across
     // runtimes), the probe would leave the breaker open for good: it closes it instead, so the
     // next call tries Redis and, if Redis is still down, trips it again with a new probe.
@@ -680,11 +713,11 @@ async fn probe(inner: Weak<Inner>, since: Instant) {
         };
         let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
         if let Ok(Ok(())) = answered {
+            // Calls go to Redis again; the first that succeeds logs the end of the outage, and
+            // a failure before that continues it (see `trip`).
+            inner.unconfirmed.store(true, Ordering::Release);
             inner.open.store(false, Ordering::Release);
-            tracing::info!(
-                outage = ?since.elapsed(),
-                "floodgate: Redis answers again; enforcing limits"
-            );
+            tracing::debug!("floodgate: Redis answers PING; trying calls again");
             return;
         }
     }
