@@ -368,9 +368,9 @@ impl MeteredBody {
 
 impl Drop for MeteredBody {
     fn drop(&mut self) {
-        if !self.finished && http_body::Body::is_end_stream(&self.inner) {
-            self.finish();
-        }
+        // A caller that leaves early is charged the usage seen so far: a JSON body read whole
+        // (only its end still to come) parses; one cut short does not, and charges nothing.
+        self.finish();
         if let Mode::Sse(f) = &self.mode {
             self.tokens = f.tokens.or(self.tokens);
         }

@@ -3,6 +3,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 use serde_json::Value;
 
@@ -242,4 +244,43 @@ tpm = 100
         Some("4"),
         "the refused bodies took no request"
     );
+}
+
+#[tokio::test]
+async fn a_json_answer_read_whole_is_charged_when_the_caller_leaves_before_its_end() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // The upstream sends the whole completion at once and its end of body 5 s later; the caller
+    // reads the completion and hangs up.
+    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+         x-test-tokens: 60\r\nx-test-end-delay-ms: 5000\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains("total_tokens") {
+        let n = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+        )
+        .await
+        .expect("the completion came at once")
+        .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    drop(conn);
+    // Its usage was all there: charged, as a caller that stays would be (well before the
+    // upstream's end of body, 5 s on).
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    settle().await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("40"));
 }

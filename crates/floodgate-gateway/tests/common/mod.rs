@@ -79,7 +79,8 @@ fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
 }
 
 /// Chat completions with `usage` (total `x-test-tokens`, default 50), as JSON or SSE; for SSE
-/// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones.
+/// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones; a JSON
+/// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole.
 async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
     seen.hits.fetch_add(1, Ordering::SeqCst);
     let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -88,12 +89,28 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
     let total = header_u64(&headers, "x-test-tokens", 50);
     let usage = json!({"prompt_tokens": total / 2, "completion_tokens": total - total / 2, "total_tokens": total});
     if req["stream"] != json!(true) {
-        return axum::Json(json!({
+        let completion = json!({
             "id": "x", "object": "chat.completion", "model": "fake",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
             "usage": usage,
-        }))
-        .into_response();
+        });
+        let end = Duration::from_millis(header_u64(&headers, "x-test-end-delay-ms", 0));
+        if end.is_zero() {
+            return axum::Json(completion).into_response();
+        }
+        let parts = [
+            (Duration::ZERO, completion.to_string()),
+            (end, String::new()),
+        ];
+        let stream = futures_util::stream::unfold(parts.into_iter(), |mut it| async move {
+            let (wait, part) = it.next()?;
+            tokio::time::sleep(wait).await;
+            Some((Ok::<_, Infallible>(Bytes::from(part)), it))
+        });
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from_stream(stream))
+            .unwrap();
     }
     let include_usage = req["stream_options"]["include_usage"] == json!(true);
     let delay = Duration::from_millis(header_u64(&headers, "x-test-last-delay-ms", 0));
