@@ -10,7 +10,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
-use axum::http::{HeaderValue, Method, StatusCode};
+use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::{ChainDecision, Error as StoreError};
 use hyper::body::Incoming;
@@ -318,7 +318,17 @@ async fn proxy(state: AppState, req: Request) -> Response {
     let method = parts.method.clone();
     let uri = parts.uri.clone();
     let upstream_req = Request::from_parts(parts, body);
-    let resp = match state.upstream().send(upstream_req).await {
+    let gone = CallerGone {
+        key: &key.id,
+        method: &method,
+        uri: &uri,
+        start,
+        decision: decision_name,
+        armed: true,
+    };
+    let sent = state.upstream().send(upstream_req).await;
+    gone.disarm();
+    let resp = match sent {
         Ok(r) => r,
         Err(err) => {
             tracing::info!(
@@ -380,6 +390,41 @@ async fn proxy(state: AppState, req: Request) -> Response {
     };
     let body = MeteredBody::new(body, meter, state.store().clone(), chain, log);
     Response::from_parts(head, Body::new(body))
+}
+
+/// Logs the request line of a caller that went away while its request waited for the upstream
+/// (hyper then drops the handler): status 499, nginx's "client closed request". The request was
+/// admitted and charged; no response (and no token usage) follows.
+struct CallerGone<'a> {
+    key: &'a str,
+    method: &'a Method,
+    uri: &'a Uri,
+    start: Instant,
+    decision: &'static str,
+    armed: bool,
+}
+
+impl CallerGone<'_> {
+    /// The upstream answered (or failed) with the caller still there: no line from here.
+    fn disarm(mut self) {
+        self.armed = false;
+    }
+}
+
+impl Drop for CallerGone<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            tracing::info!(
+                key = %self.key,
+                method = %self.method,
+                path = self.uri.path(),
+                status = 499u16,
+                latency_ms = latency_ms(self.start),
+                decision = self.decision,
+                "request"
+            );
+        }
+    }
 }
 
 /// The 429 for a refused request, with the refusing limit's headers.

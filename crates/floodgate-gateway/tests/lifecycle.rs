@@ -311,3 +311,56 @@ async fn a_redis_outage_is_not_logged_once_per_metered_response() {
         "not once per response: {err}"
     );
 }
+
+#[cfg(unix)]
+#[tokio::test]
+async fn a_caller_that_leaves_before_the_upstream_answers_is_logged() {
+    // An upstream that accepts and never answers.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = silent.local_addr().unwrap();
+    let port = free_port();
+    let mut gw = Binary::start(
+        "gone",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[upstream]\nbase_url = \"http://{upstream}\"\ntimeout_sec = 60\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = {{ requests = 5 }}\n"
+        ),
+        true,
+    );
+    let addr = format!("127.0.0.1:{port}");
+    gw.listening(&addr).await;
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut conn,
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let accepted = Instant::now() + Duration::from_secs(10);
+    let _held = loop {
+        match silent.accept() {
+            Ok((held, _)) => break held,
+            Err(_) if Instant::now() < accepted => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the request never reached the upstream: {e}"),
+        }
+    };
+    // The caller hangs up while its request waits for the upstream.
+    drop(conn);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    gw.sigterm();
+    let status = gw.exited(Duration::from_secs(10)).await;
+    assert!(status.expect("the gateway did not exit").success());
+    let err = gw.stderr();
+    let line = err
+        .lines()
+        .find(|l| l.contains(" request ") || l.ends_with("request"))
+        .unwrap_or_else(|| panic!("no request line: {err}"));
+    assert!(
+        line.contains("status=499")
+            && line.contains("key=k")
+            && line.contains("decision=\"admitted\""),
+        "{line}"
+    );
+}
