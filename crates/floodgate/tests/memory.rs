@@ -254,3 +254,28 @@ fn a_decision_happens_when_awaited_not_when_asked_for() {
     assert!(store.is_empty(), "futures dropped unpolled changed nothing");
     assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
 }
+
+#[test]
+fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock);
+    let live = limit(ScopeKind::Key, "live", Charge::Admission, 5);
+    assert!(
+        store
+            .admit_sync(std::slice::from_ref(&live), 1, None)
+            .admitted
+    );
+    // Enough new keys, a day ahead, for every shard to pass its sweep threshold (1 024 entries;
+    // the store has up to 8 shards per CPU, in a power of two, at most 1 024).
+    let cores = thread::available_parallelism().map_or(4, |n| n.get());
+    let shards = (cores * 8).next_power_of_two().clamp(8, 1024);
+    let later = at(86_400_000);
+    for i in 0..shards * 2048 {
+        let l = limit(ScopeKind::Key, &format!("later-{i}"), Charge::Admission, 5);
+        store.admit_sync(std::slice::from_ref(&l), 1, Some(later));
+    }
+    // Now, the live key still holds its request: 4 of 5 left.
+    let d = store.admit_sync(std::slice::from_ref(&live), 1, None);
+    assert!(d.admitted);
+    assert_eq!(d.snapshots[0].cur, 1, "the first request was kept");
+}

@@ -128,14 +128,14 @@ impl Shard {
         key: &str,
         state: WindowState,
         expires: Timestamp,
-        now: Timestamp,
+        sweep_at: Timestamp,
     ) {
         if let Some(slot) = self.windows.find_mut(hash, |s| &*s.key == key) {
             slot.state = state;
             slot.expires = expires;
             return;
         }
-        self.grow(now);
+        self.grow(sweep_at);
         let slot = WindowSlot {
             key: key.into(),
             state,
@@ -145,7 +145,8 @@ impl Shard {
             .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
     }
 
-    /// Sweeps before an insert once the shard has doubled since its last sweep.
+    /// Sweeps before an insert once the shard has doubled since its last sweep, of the state
+    /// expired at `now` ([`MemoryStore::sweep_time`]).
     fn grow(&mut self, now: Timestamp) {
         if self.len() >= self.sweep_at_len {
             self.sweep(now);
@@ -196,6 +197,14 @@ impl MemoryStore {
     /// The store's clock reading.
     pub fn now(&self) -> Timestamp {
         self.inner.clock.now()
+    }
+
+    /// The instant an operation at `now` (`pinned`: the caller's time) may sweep expired state
+    /// at: never past the store's own clock, so that a call pinned in the future (a test, a
+    /// replay) cannot drop state that is live for every other caller, as Redis, whose expiry
+    /// runs on its own clock, would not.
+    fn sweep_time(&self, now: Timestamp, pinned: bool) -> Timestamp {
+        if pinned { now.min(self.now()) } else { now }
     }
 
     /// How many entries the store holds, expired ones not yet swept included.
@@ -273,7 +282,9 @@ impl MemoryStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> Observation {
+        let pinned = now.is_some();
         let now = now.unwrap_or_else(|| self.now());
+        let sweep_at = self.sweep_time(now, pinned);
         let located: Vec<(u64, usize)> = limits.iter().map(|l| self.locate(l.key())).collect();
         let mut order: Vec<usize> = located.iter().map(|&(_, shard)| shard).collect();
         order.sort_unstable();
@@ -302,7 +313,7 @@ impl MemoryStore {
                         l.key(),
                         s.charged(cost),
                         expires,
-                        now,
+                        sweep_at,
                     );
                 }
             }
@@ -317,7 +328,9 @@ impl MemoryStore {
 
     /// [`Store::record`], without the future.
     pub fn record_sync(&self, limits: &[ChainLimit], units: u64, now: Option<Timestamp>) {
+        let pinned = now.is_some();
         let now = now.unwrap_or_else(|| self.now());
+        let sweep_at = self.sweep_time(now, pinned);
         // Each limit's write is atomic on its own; recording has no decision to keep whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
             let (hash, shard) = self.locate(l.key());
@@ -325,7 +338,7 @@ impl MemoryStore {
             let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
             let expires = now.saturating_add(l.limit().ttl());
             let state = snapshot.charged(units);
-            shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, now);
+            shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
         }
     }
 
@@ -337,7 +350,9 @@ impl MemoryStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> BucketObservation {
+        let pinned = now.is_some();
         let now = now.unwrap_or_else(|| self.now());
+        let sweep_at = self.sweep_time(now, pinned);
         let (hash, shard) = self.locate_bucket(key);
         let mut shard = self.lock(shard);
         let shard = &mut *shard;
@@ -360,7 +375,7 @@ impl MemoryStore {
             }
             None if ttl == 0 => {}
             None => {
-                shard.grow(now);
+                shard.grow(sweep_at);
                 let name = match key.name {
                     NameRef::Text(t) => StoredName::Text(t.into()),
                     NameRef::Unsigned(n) => StoredName::Unsigned(n),
