@@ -171,9 +171,9 @@ pub struct LimitStatus {
     pub limit: WindowLimit,
     /// Whole units left after this request's charge (0 on the refusing limit).
     pub remaining: u64,
-    /// For the refusing limit ([`ChainDecision::refused_by`]), the exact wait until the request
-    /// would pass (the chain's `retry_after`); for another limit that refused, its own wait;
-    /// otherwise the time until the limit is whole again with no other traffic.
+    /// For a limit that refused, the exact wait until the request would pass (the chain's
+    /// `retry_after`, which a later limit may decide); otherwise the time until the limit is
+    /// whole again with no other traffic.
     pub reset: Duration,
 }
 
@@ -182,14 +182,18 @@ pub struct LimitStatus {
 pub struct ChainDecision {
     /// Whether the request was admitted (and charged).
     pub admitted: bool,
-    /// Whether a store decided. `false` when the store was unreachable and failed open: the
-    /// request was admitted unchecked and `statuses` is empty.
+    /// Whether the limits were checked. `false` when the store was unreachable and failed open:
+    /// the request was admitted unchecked and `statuses` is empty. (A chain without limits is
+    /// enforced, trivially, without asking the store.)
     pub enforced: bool,
-    /// The instant the decision was taken at (the store's clock).
+    /// The instant the decision was taken at: the store's clock, or the caller's pinned time; the
+    /// wall clock for a decision taken without the store (no limits, or a request that can never
+    /// pass).
     pub now: Timestamp,
-    /// Index into the chain of the first limit that refused, in chain order (DESIGN §2). Its
-    /// status's `reset` is the chain's [`retry_after`](Self::retry_after): the wait until this
-    /// request would pass, which a later limit of the chain may decide.
+    /// Index into the chain of the first limit that refused, in chain order (DESIGN §2); for a
+    /// request that can never pass, the first limit it can never fit. The `reset` of every
+    /// refusing limit's status is the chain's [`retry_after`](Self::retry_after): the wait until
+    /// this request would pass, which a later limit of the chain may decide.
     pub refused_by: Option<usize>,
     /// For a refusal, the exact wait until every limit would admit the same request with no
     /// other traffic (the largest wait among refusing limits); `None` if admitted, or if the
@@ -211,7 +215,9 @@ impl ChainDecision {
         let refused_by = if admitted {
             None
         } else {
-            first_refusal(limits, snapshots, cost)
+            // As `Chain::admit_at` decides it, which never asks the store then.
+            let never = limits.iter().position(|l| !l.fits(cost));
+            never.or_else(|| first_refusal(limits, snapshots, cost))
         };
         let mut retry_after = None;
         let mut statuses = Vec::with_capacity(limits.len());
@@ -242,11 +248,15 @@ impl ChainDecision {
             // A refusal that no wait can cure (cost > max somewhere) has no retry time.
             retry_after = None;
         }
-        // The reported limit's reset is when the request would pass: with a key that frees in
-        // 15 s under an org that frees in 60 s, the key is named (the first refusal) with 60 s,
-        // as `Retry-After` says, so that a client pacing on either header is not refused again.
-        if let (Some(i), Some(wait)) = (refused_by, retry_after) {
-            statuses[i].reset = wait;
+        // A refusing limit's reset is when the request would pass: with a key that frees in 15 s
+        // under an org that frees in 60 s, the key is named (the first refusal) with 60 s, as
+        // `Retry-After` says, so that a client pacing on any header is not refused again.
+        if let Some(wait) = retry_after {
+            for ((st, l), s) in statuses.iter_mut().zip(limits).zip(snapshots) {
+                if !s.admits(l.limit, l.charge, cost) {
+                    st.reset = wait;
+                }
+            }
         }
         ChainDecision {
             admitted,
@@ -255,6 +265,19 @@ impl ChainDecision {
             refused_by,
             retry_after,
             statuses,
+        }
+    }
+
+    /// An admission decided without the store: nothing to check (`enforced`), or nothing
+    /// checked (the store failed open).
+    fn admitted_without_store(now: Timestamp, enforced: bool) -> ChainDecision {
+        ChainDecision {
+            admitted: true,
+            enforced,
+            now,
+            refused_by: None,
+            retry_after: None,
+            statuses: Vec::new(),
         }
     }
 
@@ -283,26 +306,12 @@ impl ChainDecision {
 
     /// The admission of a chain without limits: nothing to check, nothing charged.
     pub fn unlimited(now: Timestamp) -> ChainDecision {
-        ChainDecision {
-            admitted: true,
-            enforced: true,
-            now,
-            refused_by: None,
-            retry_after: None,
-            statuses: Vec::new(),
-        }
+        Self::admitted_without_store(now, true)
     }
 
     /// An admission the store could not check and let through (fail open).
     pub fn unenforced(now: Timestamp) -> ChainDecision {
-        ChainDecision {
-            admitted: true,
-            enforced: false,
-            now,
-            refused_by: None,
-            retry_after: None,
-            statuses: Vec::new(),
-        }
+        Self::admitted_without_store(now, false)
     }
 
     /// The status of the limit that refused, if any.
@@ -406,15 +415,32 @@ mod tests {
             "with the wait until the request passes, which the org decides"
         );
         assert_eq!(d.statuses[1].reset, Duration::from_secs(90));
-        // A limit the request can never pass, after one that refuses for a while: the first is
-        // still named, and nothing announces a retry.
+        // Every refusing limit announces that wait, not its own: a team between them that would
+        // free in 45 s says 90 s too, as its family's OpenAI reset header may show it.
+        let limits = [
+            limit(ScopeKind::Key, "k", Charge::Admission, 1),
+            limit(ScopeKind::Team, "t", Charge::Admission, 1),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 1),
+        ];
+        let team = Snapshot {
+            elapsed: 15_000_000,
+            ..key
+        };
+        let d =
+            ChainDecision::from_snapshots(&limits, &[key, team, org], Timestamp::ZERO, 1, false);
+        assert_eq!(d.refused_by, Some(0));
+        let resets: Vec<u64> = d.statuses.iter().map(|s| s.reset.as_secs()).collect();
+        assert_eq!(resets, [90, 90, 90]);
+        // A limit the request can never pass, after one that refuses for a while: the one it
+        // can never fit is named, as `Chain::admit_at` (which then never asks the store) names
+        // it, and nothing announces a retry.
         let limits = [
             limit(ScopeKind::Key, "k", Charge::Admission, 5),
             limit(ScopeKind::Org, "acme", Charge::Admission, 1),
         ];
         let full = Snapshot { cur: 5, ..org };
         let d = ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2, false);
-        assert_eq!((d.refused_by, d.retry_after), (Some(0), None));
+        assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
     }
 
     #[test]
