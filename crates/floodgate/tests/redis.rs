@@ -681,6 +681,31 @@ async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_finds_redis_gone_opens_the_breaker() {
+    let test = "a_record_that_finds_redis_gone_opens_the_breaker";
+    let Some(_) = redis_url(test) else { return };
+    let Some(mut server) = Server::start(test) else {
+        return;
+    };
+    let store = store(&server.url()).await;
+    let tokens = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "gone",
+        Charge::Reactive,
+        WindowLimit::per_minute(100),
+    );
+    let chain = Chain::new(vec![tokens]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+    server.stop();
+    // Not an admission: a record alone finds the outage (its connection dropped, and nothing
+    // answers on a new one), so the calls after it answer at once instead of each waiting.
+    assert!(chain.record(&store, 10).await.is_err());
+    let stats = store.stats();
+    assert_eq!((stats.outages, stats.breaker_open), (1, true));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_abandoned_while_queued_is_never_charged() {
     let test = "an_admission_abandoned_while_queued_is_never_charged";
     // A server of its own: the busy script below stalls every client of the server.

@@ -583,6 +583,13 @@ impl Inner {
         tokio::spawn(probe(Arc::downgrade(self)));
     }
 
+    /// Closes the breaker after a probe: calls go to Redis again; the first that succeeds logs
+    /// the end of the outage, and a failure before that continues it (see `trip`).
+    fn reopen(&self) {
+        self.unconfirmed.store(true, Ordering::Release);
+        self.open.store(false, Ordering::Release);
+    }
+
     /// A call succeeded: the first after a probe ends the outage.
     fn confirm(&self) {
         if self.unconfirmed.load(Ordering::Relaxed)
@@ -639,16 +646,21 @@ impl Inner {
                     bump(&self.counters.replays);
                 }
                 Class::Dropped if op.replay == Replay::Never => {
-                    // A call that may not run twice fails, but a dropped connection is not an
-                    // outage: the manager is reconnecting, and the next call that may replay
-                    // (an admission) finds out whether Redis answers. Opening the breaker here
-                    // would let admissions through unchecked while Redis is fine.
-                    tracing::warn!(
-                        op = op.name,
-                        error = %err,
-                        "floodgate: connection dropped under a call that is never replayed; its units are lost"
-                    );
-                    return Err(Failure::Unavailable(format!("{}: {err}", op.name)));
+                    // A call that may not run twice fails. Whether Redis is gone or only the
+                    // connection was cut (a CLIENT KILL, an idle timeout), a PING on the
+                    // reconnected connection says, within the same deadline: only an outage
+                    // opens the breaker, which would let admissions through unchecked.
+                    let why = format!("{}: {err}", op.name);
+                    let answers = tokio::time::timeout_at(deadline, self.ping()).await;
+                    if matches!(answers, Ok(Ok(()))) {
+                        tracing::debug!(
+                            error = why,
+                            "floodgate: a call that is never replayed was lost with its connection"
+                        );
+                    } else {
+                        self.trip(&why);
+                    }
+                    return Err(Failure::Unavailable(why));
                 }
                 Class::Dropped | Class::Unavailable => {
                     let why = format!("{}: {err}", op.name);
@@ -698,7 +710,7 @@ async fn probe(inner: Weak<Inner>) {
     impl Drop for Unprobed {
         fn drop(&mut self) {
             if let Some(inner) = self.0.upgrade() {
-                inner.open.store(false, Ordering::Release);
+                inner.reopen();
             }
         }
     }
@@ -713,10 +725,7 @@ async fn probe(inner: Weak<Inner>) {
         };
         let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
         if let Ok(Ok(())) = answered {
-            // Calls go to Redis again; the first that succeeds logs the end of the outage, and
-            // a failure before that continues it (see `trip`).
-            inner.unconfirmed.store(true, Ordering::Release);
-            inner.open.store(false, Ordering::Release);
+            inner.reopen();
             tracing::debug!("floodgate: Redis answers PING; trying calls again");
             return;
         }
@@ -859,22 +868,21 @@ impl RedisStore {
         loop {
             let batch: Vec<PendingAdmit> = {
                 let mut q = self.queue();
-                // An admission whose caller gave up while it waited (a client that
-                // disconnected) goes nowhere: nothing is charged for a request never served.
-                q.pending.retain(|p| !p.reply.is_closed());
-                let Some(time) = q.pending.first().map(|p| p.time) else {
-                    q.sending = false;
-                    unmark.done = true;
-                    return;
-                };
                 let mut batch = Vec::new();
                 let mut rest = Vec::new();
                 let mut limits = 0;
+                // The batch's time: its first admission's.
+                let mut time = None;
                 // Once one does not fit, none after it goes either: a smaller one after it must
                 // not be decided before it.
                 let mut full = false;
                 for p in q.pending.drain(..) {
-                    if p.time == time && !full {
+                    if p.reply.is_closed() {
+                        // Its caller gave up while it waited (a client that disconnected): it
+                        // goes nowhere, so nothing is charged for a request never served.
+                        continue;
+                    }
+                    if *time.get_or_insert(p.time) == p.time && !full {
                         let fits = batch.is_empty()
                             || (batch.len() < MAX_BATCH
                                 && limits + p.limits.len() <= MAX_BATCH_LIMITS);
@@ -888,6 +896,13 @@ impl RedisStore {
                     rest.push(p);
                 }
                 q.pending = rest;
+                if batch.is_empty() {
+                    // Nothing open was queued (the first open admission always fits), so
+                    // nothing is left either.
+                    q.sending = false;
+                    unmark.done = true;
+                    return;
+                }
                 batch
             };
             self.send_batch(batch).await;
