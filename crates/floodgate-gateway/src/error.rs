@@ -130,8 +130,10 @@ impl AppError {
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         match &self {
+            // The store logs the outage once; the request line (status 503, decision
+            // `store_error`) says the rest, so this is no warning per request.
             AppError::StoreUnavailable(cause) => {
-                tracing::warn!(%cause, "rate-limit store unavailable: failing closed")
+                tracing::debug!(%cause, "rate-limit store unavailable: failing closed")
             }
             AppError::UpstreamUnavailable(cause) => tracing::warn!(%cause, "upstream unavailable"),
             AppError::UpstreamTimeout => tracing::warn!("upstream timed out"),

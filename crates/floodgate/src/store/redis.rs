@@ -1355,6 +1355,15 @@ mod tests {
     }
 
     #[test]
+    fn the_bucket_script_caps_the_time_to_full_as_bucket_rs_does() {
+        let source = script_source("acquire").unwrap();
+        let cap = crate::bucket::MAX_TTL_MICROS.to_string();
+        assert!(source.contains(&format!(
+            "math.min(math.ceil(missing * period / rate), {cap})"
+        )));
+    }
+
+    #[test]
     fn every_operation_has_a_script_and_only_record_never_replays() {
         for (op, name) in [
             (&ADMIT, "admit"),
