@@ -131,6 +131,33 @@ impl Drop for Binary {
     }
 }
 
+/// Sends `GET /v1/models` for key `sk-k` to the gateway at `addr` and waits until its upstream,
+/// `silent` (a listener that never answers), has accepted the proxied request (accept polled,
+/// so a mistake fails instead of hanging). Returns the caller's connection and the upstream's.
+async fn held_by_upstream(
+    addr: &str,
+    silent: &std::net::TcpListener,
+) -> (tokio::net::TcpStream, std::net::TcpStream) {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(
+        &mut conn,
+        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    silent.set_nonblocking(true).unwrap();
+    let accepted = Instant::now() + Duration::from_secs(10);
+    loop {
+        match silent.accept() {
+            Ok((held, _)) => return (conn, held),
+            Err(_) if Instant::now() < accepted => {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            Err(e) => panic!("the request never reached the upstream: {e}"),
+        }
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -188,25 +215,7 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
     );
     let addr = format!("127.0.0.1:{port}");
     gw.listening(&addr).await;
-    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    tokio::io::AsyncWriteExt::write_all(
-        &mut conn,
-        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n",
-    )
-    .await
-    .unwrap();
-    // The request reached the upstream (accept polled, so a mistake fails instead of hanging).
-    silent.set_nonblocking(true).unwrap();
-    let accepted = Instant::now() + Duration::from_secs(10);
-    let _held = loop {
-        match silent.accept() {
-            Ok((held, _)) => break held,
-            Err(_) if Instant::now() < accepted => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("the request never reached the upstream: {e}"),
-        }
-    };
+    let (_conn, _held) = held_by_upstream(&addr, &silent).await;
     gw.sigterm();
     assert!(
         gw.exited(Duration::from_millis(500)).await.is_none(),
@@ -331,24 +340,7 @@ async fn a_caller_that_leaves_before_the_upstream_answers_is_logged() {
     );
     let addr = format!("127.0.0.1:{port}");
     gw.listening(&addr).await;
-    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    tokio::io::AsyncWriteExt::write_all(
-        &mut conn,
-        b"GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n",
-    )
-    .await
-    .unwrap();
-    silent.set_nonblocking(true).unwrap();
-    let accepted = Instant::now() + Duration::from_secs(10);
-    let _held = loop {
-        match silent.accept() {
-            Ok((held, _)) => break held,
-            Err(_) if Instant::now() < accepted => {
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            Err(e) => panic!("the request never reached the upstream: {e}"),
-        }
-    };
+    let (conn, _held) = held_by_upstream(&addr, &silent).await;
     // The caller hangs up while its request waits for the upstream.
     drop(conn);
     tokio::time::sleep(Duration::from_millis(300)).await;

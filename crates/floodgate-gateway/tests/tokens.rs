@@ -21,6 +21,21 @@ id = "acme"
 tpm = 100
 "#;
 
+/// `CONFIG` with a request limit on the key too: what a refused body would have taken shows.
+const LIMITED: &str = r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 100
+"#;
+
 #[tokio::test]
 async fn tokens_from_json_bodies_fill_the_window() {
     let up = fake_upstream().await;
@@ -129,23 +144,7 @@ rate_limit = { requests = 10 }
 #[tokio::test]
 async fn a_body_naming_stream_twice_is_refused_and_charges_nothing() {
     let up = fake_upstream().await;
-    let gw = gateway(
-        r#"
-[upstream]
-base_url = "{upstream}"
-[[keys]]
-id = "k"
-secret = "sk-k"
-org = "acme"
-rate_limit = { requests = 5 }
-[[rate_limits]]
-scope = "org"
-id = "acme"
-tpm = 100
-"#,
-        &up.url(),
-    )
-    .await;
+    let gw = gateway(LIMITED, &up.url()).await;
     // Python and most parsers take the last `stream`, serde the first or neither: the gateway
     // cannot know whether the upstream will stream, so it does not guess.
     let r = gw
@@ -193,23 +192,7 @@ async fn metered_requests_ask_the_upstream_for_an_uncompressed_answer() {
 #[tokio::test]
 async fn a_stream_flag_an_upstream_might_read_either_way_is_refused_and_charges_nothing() {
     let up = fake_upstream().await;
-    let gw = gateway(
-        r#"
-[upstream]
-base_url = "{upstream}"
-[[keys]]
-id = "k"
-secret = "sk-k"
-org = "acme"
-rate_limit = { requests = 5 }
-[[rate_limits]]
-scope = "org"
-id = "acme"
-tpm = 100
-"#,
-        &up.url(),
-    )
-    .await;
+    let gw = gateway(LIMITED, &up.url()).await;
     // Lenient servers stream for `"stream": 1` or `"true"`, and read a body with a NaN in it;
     // without the usage the gateway asks for, such a stream would never be charged.
     for body in [

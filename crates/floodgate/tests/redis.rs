@@ -69,6 +69,18 @@ async fn store(url: &str) -> RedisStore {
     RedisStore::connect(config(url)).await.unwrap()
 }
 
+/// Cuts every normal client's connection to `server` (the store's among them), as a
+/// `CLIENT KILL` by an operator or a proxy's idle timeout would, and lets the store see it.
+async fn kill_clients(server: &Server) {
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal"])
+        .query_async(&mut raw(&server.url()).await)
+        .await
+        .unwrap();
+    assert!(killed >= 1);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
 /// A separate plain connection, to read and disturb what the store wrote.
 async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
     redis::Client::open(url)
@@ -622,13 +634,7 @@ async fn first_check_after_client_kill_is_enforced_through_the_replay() {
     let store = store(&server.url()).await;
     let chain = Chain::new(vec![req("kill", ScopeKind::Key, 2)]);
     assert!(chain.admit(&store, 1).await.unwrap().enforced);
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg(&["KILL", "TYPE", "normal"])
-        .query_async(&mut raw(&server.url()).await)
-        .await
-        .unwrap();
-    assert!(killed >= 1);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    kill_clients(&server).await;
     let d = chain.admit(&store, 1).await.unwrap();
     assert!(d.enforced, "the first check after the drop is enforced");
     assert!(d.admitted);
@@ -656,13 +662,7 @@ async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
     );
     let chain = Chain::new(vec![req("cut", ScopeKind::Key, 2), tokens]);
     assert!(chain.admit(&store, 1).await.unwrap().enforced);
-    let killed: i64 = redis::cmd("CLIENT")
-        .arg(&["KILL", "TYPE", "normal"])
-        .query_async(&mut raw(&server.url()).await)
-        .await
-        .unwrap();
-    assert!(killed >= 1);
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    kill_clients(&server).await;
     // Recording never replays, so the units are lost with the connection; Redis itself is fine.
     assert!(chain.record(&store, 10).await.is_err());
     assert_eq!(
