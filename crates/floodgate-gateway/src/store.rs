@@ -56,11 +56,11 @@ pub async fn open(config: &StoreConfig) -> Result<(GatewayStore, StoreGuard), Er
     }
 }
 
-/// Whether the store answers now (always, in memory).
+/// Whether the store can decide now (always, in memory): for `/readyz`.
 pub async fn ping(store: &GatewayStore) -> Result<(), Error> {
     match store {
         AnyStore::Memory(_) => Ok(()),
-        AnyStore::Redis(r) => r.ping().await,
+        AnyStore::Redis(r) => r.ready().await,
     }
 }
 

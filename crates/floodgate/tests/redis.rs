@@ -945,6 +945,9 @@ async fn a_server_that_answers_ping_but_not_scripts_is_one_outage() {
             !chain.admit(&store, 1).await.unwrap().enforced,
             "fails open"
         );
+        // Readiness follows the calls, not PING, whatever the breaker's phase.
+        assert!(store.ping().await.is_ok());
+        assert!(store.ready().await.is_err(), "not ready while scripts fail");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(store.stats().outages, 1, "probes answered, calls did not");
@@ -962,6 +965,7 @@ async fn a_server_that_answers_ping_but_not_scripts_is_one_outage() {
     }
     assert_eq!(store.stats().outages, 1);
     assert_eq!((logs.warns(), logs.infos()), (1, 1), "and its end once");
+    assert!(store.ready().await.is_ok());
 }
 
 #[tokio::test]

@@ -441,7 +441,29 @@ impl RedisStore {
         Ok(store)
     }
 
-    /// Readiness: whether Redis answers `PING` within the timeout now.
+    /// Readiness: whether the store can decide now. One admission, on a limit of its own that
+    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`), goes the way every
+    /// decision goes: while the breaker is open it fails at once, and a Redis that answers
+    /// `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no scripting)
+    /// is not ready. A success after an outage ends it (see the breaker).
+    pub async fn ready(&self) -> Result<(), Error> {
+        static PROBE: LazyLock<[ChainLimit; 1]> = LazyLock::new(|| {
+            [ChainLimit::new(
+                "floodgate",
+                crate::chain::ScopeKind::Gateway,
+                "readiness",
+                Charge::Admission,
+                crate::window::WindowLimit::per_second(crate::window::MAX_COUNT),
+            )]
+        });
+        self.admit_inner(&*PROBE, 1, None)
+            .await
+            .map(|_| ())
+            .map_err(Error::from)
+    }
+
+    /// Whether Redis answers `PING` within the timeout now (it may still fail every script: see
+    /// [`ready`](Self::ready)).
     pub async fn ping(&self) -> Result<(), Error> {
         match tokio::time::timeout(self.inner.config.timeout, self.inner.ping()).await {
             Ok(Ok(())) => Ok(()),
