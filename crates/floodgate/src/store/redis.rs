@@ -445,7 +445,8 @@ impl RedisStore {
     /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`), goes the way every
     /// decision goes: while the breaker is open it fails at once, and a Redis that answers
     /// `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no scripting)
-    /// is not ready. A success after an outage ends it (see the breaker).
+    /// is not ready. A success after an outage ends it (see the breaker). It counts in
+    /// [`RedisStats`] as an admission.
     pub async fn ready(&self) -> Result<(), Error> {
         static PROBE: LazyLock<[ChainLimit; 1]> = LazyLock::new(|| {
             [ChainLimit::new(
