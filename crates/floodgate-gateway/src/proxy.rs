@@ -39,6 +39,10 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// upstream closes just as it is reused fails the request it carried with 502, unless that
 /// request may safely be sent again (see `Pool::send`).
 const POOL_IDLE_TIMEOUT: Duration = Duration::from_secs(4);
+/// How long a request waits for a pooled connection that is not ready yet (its driver has not
+/// run since its last response) before taking another: a connection still sending an earlier
+/// request's body is not kept waited on.
+const REUSE_READY_WAIT: Duration = Duration::from_millis(50);
 
 /// Headers that describe one connection, not the message: never forwarded. (A `static`: a
 /// `const` array would be built anew at each use.)
@@ -295,7 +299,18 @@ impl Pool {
                 Some(c) => (c, true),
                 None => (self.connect().await?, false),
             };
-            if conn.ready().await.is_err() {
+            if reused && !conn.is_ready() {
+                // A connection goes back into the pool when its response ends, which can be
+                // before its request body has all gone out (an upstream that answers a large
+                // upload at once, say a 401, and reads no more). It is ready as soon as its
+                // driver has run, unless it is still sending that body, for as long as its
+                // caller trickles it: then it is left to finish (and close), and this request
+                // takes another connection.
+                match tokio::time::timeout(REUSE_READY_WAIT, conn.ready()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(_)) | Err(_) => continue,
+                }
+            } else if conn.ready().await.is_err() {
                 if reused {
                     continue;
                 }

@@ -1,5 +1,6 @@
 //! Client connections: a caller that trickles its request head, or keeps a connection idle, is
-//! cut off after `[server] header_timeout_sec`; a prompt caller is served.
+//! cut off after `[server] header_timeout_sec`; a prompt caller is served; a caller trickling an
+//! upload holds up no other caller's request.
 
 mod common;
 
@@ -108,4 +109,91 @@ tpm = 1000
     assert_eq!(up.seen.hits(), 0);
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}
+
+/// An upstream that answers its first connection's first request with a 401 as soon as the head
+/// is in, and then reads nothing more from it (as a server refusing a large upload may); on
+/// every later connection it answers each request head with a 200.
+async fn early_answering_upstream() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let mut first = true;
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let refuse = std::mem::replace(&mut first, false);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    let n = conn.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    while let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                        got.drain(..end + 4);
+                        if refuse {
+                            let _ = conn
+                                .write_all(
+                                    b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n",
+                                )
+                                .await;
+                            // Hold the connection, reading nothing more.
+                            tokio::time::sleep(Duration::from_secs(30)).await;
+                            return;
+                        }
+                        let _ = conn
+                            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                            .await;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+#[tokio::test]
+async fn an_upload_still_in_flight_does_not_hold_up_the_next_request() {
+    let up = early_answering_upstream().await;
+    let gw = gateway(
+        "[server]\nworkers = 1\n[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n",
+        &format!("http://{up}"),
+    )
+    .await;
+    // A: a large upload, trickled; the upstream refuses it at once.
+    let mut a = TcpStream::connect(gw.addr).await.unwrap();
+    a.write_all(
+        b"POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\ncontent-length: 50000000\r\n\r\nfirst bytes",
+    )
+    .await
+    .unwrap();
+    let mut answer = [0u8; 64];
+    let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut answer))
+        .await
+        .expect("A was answered")
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 401"),
+        "{}",
+        String::from_utf8_lossy(&answer[..n])
+    );
+    // B, on the same worker, while A's body is still being sent upstream.
+    let started = Instant::now();
+    let b = tokio::time::timeout(Duration::from_secs(5), async {
+        let r = gw
+            .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+            .await;
+        r.status
+    })
+    .await
+    .expect("B waited for A's upload");
+    assert_eq!(b, 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(a);
 }
