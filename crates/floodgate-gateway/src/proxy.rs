@@ -517,6 +517,12 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
+    // A message framed by `Transfer-Encoding` (hyper decoded it so) that also names a
+    // `Content-Length`: the length is not the body's and must not frame the next hop's message
+    // (RFC 9112, 6.3: a proxy removes it; a sign of request smuggling, too).
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
     while let Some(name) = headers.keys().find(|n| HOP_BY_HOP.contains(n)).cloned() {
         headers.remove(name);
     }
@@ -560,6 +566,17 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h);
         assert_eq!(names(&h), ["content-type", "x-kept"]);
+    }
+
+    #[test]
+    fn a_length_beside_a_transfer_encoding_goes_with_it() {
+        let mut h = headers(&[
+            ("transfer-encoding", "chunked"),
+            ("content-length", "5"),
+            ("x-kept", "1"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["x-kept"]);
     }
 
     #[test]

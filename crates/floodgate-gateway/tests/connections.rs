@@ -197,3 +197,33 @@ async fn an_upload_still_in_flight_does_not_hold_up_the_next_request() {
     );
     drop(a);
 }
+
+#[tokio::test]
+async fn an_upstream_length_beside_chunked_framing_does_not_cut_the_answer() {
+    // Both framings at once: hyper reads the chunked body (18 bytes); a forwarded
+    // `Content-Length: 5` would cut it to 5.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).await;
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\
+              content-length: 5\r\n\r\n12\r\n{\"object\":\"list\"} \r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        tokio::time::sleep(Duration::from_secs(5)).await;
+    });
+    let gw = gateway(
+        "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n",
+        &format!("http://{up}"),
+    )
+    .await;
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.text(), "{\"object\":\"list\"} ", "the whole body");
+}
