@@ -208,6 +208,17 @@ fn not_found() -> Response {
     AppError::NotFound.into_response()
 }
 
+/// Whether `path` has a `.` or `..` segment, percent-encoded or not (`/v1/%2e%2e/admin`).
+fn has_dot_segment(path: &str) -> bool {
+    if !path.contains('.') && !path.contains('%') {
+        return false;
+    }
+    path.split('/').any(|segment| {
+        let dots = segment.replace("%2e", ".").replace("%2E", ".");
+        dots == "." || dots == ".."
+    })
+}
+
 /// Logs a request answered by the gateway itself.
 fn log_local(key: Option<&str>, req: &Request, start: Instant, status: StatusCode, decision: &str) {
     tracing::info!(
@@ -233,6 +244,13 @@ async fn proxy(state: AppState, req: Request) -> Response {
         );
         return AppError::Unauthorized.into_response();
     };
+    if has_dot_segment(req.uri().path()) {
+        // `/v1/../admin` leaves `/v1/` at an upstream (or a proxy before it) that resolves dot
+        // segments, and `/v1/chat/completions/.` is a completion path that metering would miss.
+        let err = AppError::BadRequest("The request path has a `.` or `..` segment.".into());
+        log_local(Some(&key.id), &req, start, err.status(), "bad_request");
+        return err.into_response();
+    }
     let customer = req
         .headers()
         .get(CUSTOMER_HEADER)
@@ -468,6 +486,30 @@ pub(crate) fn latency_ms(start: Instant) -> f64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dot_segments_are_found_encoded_or_not() {
+        for path in [
+            "/v1/../metrics",
+            "/v1/./models",
+            "/v1/chat/completions/.",
+            "/v1/chat/completions/..",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E./admin",
+            "/v1/chat/completions/%2e",
+        ] {
+            assert!(has_dot_segment(path), "{path}");
+        }
+        for path in [
+            "/v1/models",
+            "/v1/models/gpt-4.1",
+            "/v1/files/a..b",
+            "/v1/x/.well-known",
+            "/v1/%2e%2e%2e",
+        ] {
+            assert!(!has_dot_segment(path), "{path}");
+        }
+    }
 
     #[test]
     fn latency_is_logged_in_whole_microseconds() {

@@ -61,3 +61,31 @@ async fn probes_and_unknown_paths() {
     assert_eq!(r.status, 404);
     assert_eq!(r.json()["error"]["code"], "not_found");
 }
+
+#[tokio::test]
+async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n",
+        &up.url(),
+    )
+    .await;
+    // An upstream that resolves dot segments would serve `/metrics` outside `/v1/`.
+    for path in [
+        "/v1/../metrics",
+        "/v1/%2e%2e/metrics",
+        "/v1/chat/completions/.",
+    ] {
+        let r = gw.send(gw.request("GET", path, Some("sk-k"), "")).await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+    }
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("4"),
+        "the refused paths took nothing"
+    );
+}
