@@ -456,6 +456,12 @@ impl Validator<'_> {
             .or_else(|| quoted_after(&message, "unknown field "))
             .or_else(|| self.key_at(span.clone()))
             .unwrap_or_else(|| "-".into());
+        // "invalid type: integer `8675309`, expected a string": never echo a secret's value.
+        if (field == "secret" || field == "secret_sha256") && message.contains('`') {
+            let expected = message.rsplit_once(", ").map_or("", |(_, e)| e);
+            let message = format!("invalid value (not shown: it may be a secret); {expected}");
+            return self.error(span, field, message);
+        }
         self.error(span, field, message)
     }
 
@@ -691,6 +697,7 @@ impl Validator<'_> {
                     ),
                 )
             })?;
+            let id_span = r.id.as_ref().map_or(span.clone(), |id| id.span());
             let id = match (kind, r.id) {
                 (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
                 (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
@@ -712,6 +719,17 @@ impl Validator<'_> {
                     ));
                 }
             };
+            // The header that names a customer carries visible ASCII (and spaces) only: a limit
+            // on any other id could never apply.
+            if kind == ScopeKind::Customer && !id.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+                return Err(self.error(
+                    id_span,
+                    field("id"),
+                    format!(
+                        "a customer id is visible ASCII (the X-Floodgate-Customer header carries no other): no request could name `{id}`"
+                    ),
+                ));
+            }
             if kind == ScopeKind::Key && !ids.contains_key(&id) {
                 return Err(self.error(
                     span,
@@ -901,8 +919,26 @@ impl Validator<'_> {
                          with `api_key_env`",
                     ));
                 }
+                if rest.contains(['?', '#']) {
+                    // Not echoed: a query may carry a key (`?key=...`).
+                    return Err(self.error(
+                        b.span(),
+                        "upstream.base_url",
+                        "a query or fragment is not allowed (the request's own path and query are appended to the base URL); the URL is not shown: it may carry a key",
+                    ));
+                }
+                // `http::Uri` takes any port, and an unreadable one becomes the scheme's default
+                // at connect time: `:90000` or `:abc` would reach port 80 or 443.
+                let port = match authority.strip_prefix('[') {
+                    Some(v6) => v6
+                        .split_once(']')
+                        .and_then(|(_, after)| after.strip_prefix(':')),
+                    None => authority.rsplit_once(':').map(|(_, p)| p),
+                };
+                let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok_and(|n| n > 0));
                 let valid = !authority.is_empty()
-                    && !rest.contains(['?', '#', ' '])
+                    && port_ok
+                    && !rest.contains(' ')
                     && url.parse::<axum::http::Uri>().is_ok();
                 if !valid {
                     return Err(self.error(

@@ -82,10 +82,13 @@ fn check_config(file: &PathBuf) -> ExitCode {
         } => {
             let key = match api_key_env {
                 None => "no API key".to_owned(),
-                Some(var) if std::env::var_os(var).is_some() => {
-                    format!("API key from ${var} (set)")
-                }
-                Some(var) => format!("API key from ${var} (NOT SET: serve will refuse to start)"),
+                Some(var) => match std::env::var_os(var) {
+                    Some(v) if !v.to_string_lossy().trim().is_empty() => {
+                        format!("API key from ${var} (set)")
+                    }
+                    Some(_) => format!("API key from ${var} (EMPTY: serve will refuse to start)"),
+                    None => format!("API key from ${var} (NOT SET: serve will refuse to start)"),
+                },
             };
             println!(
                 "upstream: {base_url} ({key}, timeout {}s)",

@@ -111,6 +111,14 @@ impl Upstream {
                                 "upstream.api_key_env: the environment variable {var} is not set"
                             )
                         })?;
+                        // Set but empty (or blank): every request would go out with
+                        // `Authorization: Bearer ` and be charged for the upstream's 401.
+                        let key = key.trim();
+                        if key.is_empty() {
+                            return Err(format!(
+                                "upstream.api_key_env: the environment variable {var} is empty"
+                            ));
+                        }
                         let mut v = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
                             format!("upstream.api_key_env: {var} holds characters not allowed in a header")
                         })?;

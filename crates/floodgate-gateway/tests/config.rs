@@ -20,6 +20,11 @@ const CASES: &[(&str, usize, &str)] = &[
     ("duplicate-rate-limit.toml", 10, "rate_limits[1].scope"),
     ("ftp-upstream.toml", 2, "upstream.base_url"),
     ("credentials-in-upstream-url.toml", 3, "upstream.base_url"),
+    ("upstream-bad-port.toml", 2, "upstream.base_url"),
+    ("upstream-port-not-a-number.toml", 2, "upstream.base_url"),
+    ("upstream-url-with-query.toml", 2, "upstream.base_url"),
+    ("secret-not-a-string.toml", 6, "secret"),
+    ("customer-id-not-ascii.toml", 6, "rate_limits[0].id"),
     ("redis-url-bad-port.toml", 3, "store.url"),
     ("redis-url-with-memory.toml", 2, "store.url"),
     ("missing-upstream.toml", 1, "upstream"),
@@ -81,6 +86,16 @@ fn errors_never_echo_what_may_be_a_secret() {
         .to_string();
     assert!(!err.contains("sk-1"), "{err}");
     assert!(err.contains("also keys[0]"), "{err}");
+    for (file, secret) in [
+        ("secret-not-a-string.toml", "8675309"),
+        ("upstream-url-with-query.toml", "sk-live-123"),
+    ] {
+        let path = fixtures().join(file);
+        let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
+            .unwrap_err()
+            .to_string();
+        assert!(!err.contains(secret), "{file}: {err}");
+    }
 }
 
 #[test]
@@ -282,4 +297,57 @@ fn a_limit_on_a_team_no_key_belongs_to_is_warned_about() {
         "{typo}"
     );
     assert!(!fine.contains("warning"), "{fine}");
+}
+
+#[test]
+fn an_upstream_key_variable_that_is_set_but_empty_stops_serve() {
+    let path =
+        std::env::temp_dir().join(format!("floodgate-empty-key-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[server]\nlisten = \"127.0.0.1:0\"\n[upstream]\nbase_url = \"http://127.0.0.1:9\"\napi_key_env = \"FLOODGATE_TEST_EMPTY_KEY\"\n",
+    )
+    .unwrap();
+    let check = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(&path)
+        .env("FLOODGATE_TEST_EMPTY_KEY", " ")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        stdout.contains("$FLOODGATE_TEST_EMPTY_KEY (EMPTY"),
+        "{stdout}"
+    );
+    let mut serve = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env("FLOODGATE_TEST_EMPTY_KEY", " ")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // A gateway that started anyway would serve until killed.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let status = loop {
+        if let Some(status) = serve.try_wait().unwrap() {
+            break Some(status);
+        }
+        if std::time::Instant::now() > deadline {
+            serve.kill().unwrap();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    std::fs::remove_file(&path).unwrap();
+    let mut stderr = String::new();
+    std::io::Read::read_to_string(&mut serve.stderr.take().unwrap(), &mut stderr).unwrap();
+    assert!(
+        status.is_some_and(|s| !s.success()),
+        "serve started: {stderr}"
+    );
+    assert!(
+        stderr.contains("the environment variable FLOODGATE_TEST_EMPTY_KEY is empty"),
+        "{stderr}"
+    );
 }
