@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
-use axum::http::header::{ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::http::header::{
+    ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, UPGRADE,
+};
 use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::{ChainDecision, Error as StoreError};
@@ -244,6 +246,19 @@ async fn proxy(state: AppState, req: Request) -> Response {
         );
         return AppError::Unauthorized.into_response();
     };
+    if req.headers().contains_key(UPGRADE) {
+        // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
+        // can only fail, and be charged for it: refused plainly instead, uncharged.
+        let err = AppError::UpgradeUnsupported;
+        log_local(
+            Some(&key.id),
+            &req,
+            start,
+            err.status(),
+            "upgrade_unsupported",
+        );
+        return err.into_response();
+    }
     if has_dot_segment(req.uri().path()) {
         // `/v1/../admin` leaves `/v1/` at an upstream (or a proxy before it) that resolves dot
         // segments, and `/v1/chat/completions/.` is a completion path that metering would miss.

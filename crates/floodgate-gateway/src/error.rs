@@ -32,6 +32,9 @@ pub enum AppError {
     /// A request body the gateway reads before admission did not arrive within
     /// `[server] header_timeout_sec` (408; nothing charged).
     BodyTimeout,
+    /// A protocol upgrade (a WebSocket, as the Realtime API opens), which the gateway does not
+    /// proxy (501; nothing charged).
+    UpgradeUnsupported,
     /// No such route (404).
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
@@ -52,6 +55,7 @@ impl AppError {
             AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             AppError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
@@ -97,6 +101,12 @@ impl AppError {
                 "The request body did not arrive in time.".into(),
                 "invalid_request_error",
                 "request_timeout",
+            ),
+            AppError::UpgradeUnsupported => (
+                "This gateway does not proxy protocol upgrades (WebSocket, the Realtime API) yet."
+                    .into(),
+                "invalid_request_error",
+                "upgrade_not_supported",
             ),
             AppError::NotFound => (
                 "Unknown path: the gateway serves /v1/..., /healthz and /readyz.".into(),

@@ -89,3 +89,33 @@ async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
         "the refused paths took nothing"
     );
 }
+
+#[tokio::test]
+async fn a_websocket_upgrade_is_refused_plainly_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n",
+        &up.url(),
+    )
+    .await;
+    let mut req = gw.request("GET", "/v1/realtime?model=gpt-realtime", Some("sk-k"), "");
+    let h = req.headers_mut();
+    h.insert("connection", "Upgrade".parse().unwrap());
+    h.insert("upgrade", "websocket".parse().unwrap());
+    h.insert("sec-websocket-version", "13".parse().unwrap());
+    h.insert(
+        "sec-websocket-key",
+        "dGhlIHNhbXBsZSBub25jZQ==".parse().unwrap(),
+    );
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 501, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "upgrade_not_supported");
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("4"),
+        "the upgrade took nothing"
+    );
+}
