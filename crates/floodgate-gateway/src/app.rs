@@ -200,7 +200,7 @@ async fn readyz(state: &AppState) -> Response {
     match crate::store::ping(state.store()).await {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
         Err(e) => {
-            tracing::warn!(error = %e, "not ready: the store does not answer");
+            tracing::warn!(error = %e, "not ready: the store cannot decide");
             (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n").into_response()
         }
     }
@@ -212,13 +212,32 @@ fn not_found() -> Response {
 
 /// Whether `path` has a `.` or `..` segment, percent-encoded or not (`/v1/%2e%2e/admin`).
 fn has_dot_segment(path: &str) -> bool {
-    if !path.contains('.') && !path.contains('%') {
+    let raw = path.as_bytes();
+    if !raw.contains(&b'.') && !raw.contains(&b'%') {
         return false;
     }
-    path.split('/').any(|segment| {
-        let dots = segment.replace("%2e", ".").replace("%2E", ".");
-        dots == "." || dots == ".."
+    // Decoded twice (`%252e`), split on either slash (`..%2f`, `..\`), each segment cut at a
+    // path parameter (`..;/`): the ways servers and proxies in front of them have resolved
+    // dot segments that a plain check would not see.
+    let once = metering::percent_decoded(raw);
+    let twice = metering::percent_decoded(&once);
+    twice.split(|&b| b == b'/' || b == b'\\').any(|segment| {
+        let segment = segment.split(|&b| b == b';').next().unwrap_or_default();
+        segment == b"." || segment == b".."
     })
+}
+
+/// Whether `req` asks to switch to a protocol the gateway does not proxy: a WebSocket (the
+/// Realtime API). Other `Upgrade` offers (`h2c`) are optional for a server to take (RFC 9110,
+/// 7.8): the header is dropped as hop-by-hop and the request served over HTTP/1.1.
+fn asks_for_websocket(req: &Request) -> bool {
+    let lists = |name, token: &str| {
+        req.headers().get_all(name).iter().any(|v| {
+            v.to_str()
+                .is_ok_and(|v| v.split(',').any(|t| t.trim().eq_ignore_ascii_case(token)))
+        })
+    };
+    lists(UPGRADE, "websocket") && lists(axum::http::header::CONNECTION, "upgrade")
 }
 
 /// Logs a request answered by the gateway itself.
@@ -246,7 +265,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
         );
         return AppError::Unauthorized.into_response();
     };
-    if req.headers().contains_key(UPGRADE) {
+    if req.headers().contains_key(UPGRADE) && asks_for_websocket(&req) {
         // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
         // can only fail, and be charged for it: refused plainly instead, uncharged.
         let err = AppError::UpgradeUnsupported;
@@ -512,6 +531,10 @@ mod tests {
             "/v1/%2e%2e/admin",
             "/v1/%2E./admin",
             "/v1/chat/completions/%2e",
+            "/v1/..;/admin",
+            "/v1/..%2fadmin",
+            "/v1/..\\admin",
+            "/v1/%252e%252e/admin",
         ] {
             assert!(has_dot_segment(path), "{path}");
         }

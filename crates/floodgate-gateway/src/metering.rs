@@ -198,9 +198,14 @@ pub fn is_completion_path(path: &str) -> bool {
         let path = &path[..end];
         path.len() >= END.len() && path[path.len() - END.len()..].eq_ignore_ascii_case(END)
     }
-    let raw = path.as_bytes();
+    ends_with_completions(&percent_decoded(path.as_bytes()))
+}
+
+/// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
+/// borrowed when it has none.
+pub(crate) fn percent_decoded(raw: &[u8]) -> std::borrow::Cow<'_, [u8]> {
     if !raw.contains(&b'%') {
-        return ends_with_completions(raw);
+        return std::borrow::Cow::Borrowed(raw);
     }
     let mut decoded = Vec::with_capacity(raw.len());
     let mut i = 0;
@@ -221,7 +226,7 @@ pub fn is_completion_path(path: &str) -> bool {
             }
         }
     }
-    ends_with_completions(&decoded)
+    std::borrow::Cow::Owned(decoded)
 }
 
 /// How a response body is metered.

@@ -110,12 +110,25 @@ async fn a_websocket_upgrade_is_refused_plainly_and_charges_nothing() {
     let r = gw.send(req).await;
     assert_eq!(r.status, 501, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "upgrade_not_supported");
+    // An h2c offer (Java's HttpClient and `curl --http2` send one on http:// URLs) is optional
+    // to take: served over HTTP/1.1, and charged as any request.
+    let mut req = gw.request("GET", "/v1/models", Some("sk-k"), "");
+    let h = req.headers_mut();
+    h.insert("connection", "Upgrade, HTTP2-Settings".parse().unwrap());
+    h.insert("upgrade", "h2c".parse().unwrap());
+    h.insert(
+        "http2-settings",
+        "AAMAAABkAARAAAAAAAIAAAAA".parse().unwrap(),
+    );
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
     let r = gw
         .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
         .await;
     assert_eq!(
         r.header("x-ratelimit-remaining-requests"),
-        Some("4"),
-        "the upgrade took nothing"
+        Some("3"),
+        "the WebSocket upgrade took nothing"
     );
 }

@@ -946,11 +946,19 @@ async fn a_server_that_answers_ping_but_not_scripts_is_one_outage() {
             "fails open"
         );
         // Readiness follows the calls, not PING, whatever the breaker's phase.
-        assert!(store.ping().await.is_ok());
         assert!(store.ready().await.is_err(), "not ready while scripts fail");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(store.stats().outages, 1, "probes answered, calls did not");
+    let mut answered = false;
+    for _ in 0..20 {
+        // (PING's own 200 ms timeout may lapse once on a loaded machine.)
+        answered = store.ping().await.is_ok();
+        if answered {
+            break;
+        }
+    }
+    assert!(answered, "PING answers while the scripts fail");
     assert_eq!((logs.warns(), logs.infos()), (1, 0), "logged once");
     let _: () = redis::cmd("REPLICAOF")
         .arg("NO")

@@ -442,7 +442,7 @@ impl RedisStore {
     }
 
     /// Readiness: whether the store can decide now. One admission, on a limit of its own that
-    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`), goes the way every
+    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`, after the prefix), goes the way every
     /// decision goes: while the breaker is open it fails at once, and a Redis that answers
     /// `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no scripting)
     /// is not ready. A success after an outage ends it (see the breaker). It counts in
