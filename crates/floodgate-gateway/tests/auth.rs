@@ -62,14 +62,13 @@ async fn probes_and_unknown_paths() {
     assert_eq!(r.json()["error"]["code"], "not_found");
 }
 
+/// One key, 5 requests a minute: what a refused request would have taken shows.
+const FIVE_A_MINUTE: &str = "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n";
+
 #[tokio::test]
 async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
     let up = fake_upstream().await;
-    let gw = gateway(
-        "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n",
-        &up.url(),
-    )
-    .await;
+    let gw = gateway(FIVE_A_MINUTE, &up.url()).await;
     // An upstream that resolves dot segments would serve `/metrics` outside `/v1/`.
     for path in [
         "/v1/../metrics",
@@ -93,11 +92,7 @@ async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
 #[tokio::test]
 async fn a_websocket_upgrade_is_refused_plainly_and_charges_nothing() {
     let up = fake_upstream().await;
-    let gw = gateway(
-        "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n",
-        &up.url(),
-    )
-    .await;
+    let gw = gateway(FIVE_A_MINUTE, &up.url()).await;
     let mut req = gw.request("GET", "/v1/realtime?model=gpt-realtime", Some("sk-k"), "");
     let h = req.headers_mut();
     h.insert("connection", "Upgrade".parse().unwrap());
