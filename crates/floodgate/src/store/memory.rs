@@ -146,7 +146,7 @@ impl Shard {
     }
 
     /// Sweeps before an insert once the shard has doubled since its last sweep, of the state
-    /// expired at `now` ([`MemoryStore::sweep_time`]).
+    /// expired at `now` ([`MemoryStore::times`]).
     fn grow(&mut self, now: Timestamp) {
         if self.len() >= self.sweep_at_len {
             self.sweep(now);
@@ -199,12 +199,18 @@ impl MemoryStore {
         self.inner.clock.now()
     }
 
-    /// The instant an operation at `now` (`pinned`: the caller's time) may sweep expired state
-    /// at: never past the store's own clock, so that a call pinned in the future (a test, a
-    /// replay) cannot drop state that is live for every other caller, as Redis, whose expiry
+    /// An operation's instant (`pinned`, or the clock's) and the instant it may sweep expired
+    /// state at: never past the store's own clock, so that a call pinned in the future (a test,
+    /// a replay) cannot drop state that is live for every other caller, as Redis, whose expiry
     /// runs on its own clock, would not.
-    fn sweep_time(&self, now: Timestamp, pinned: bool) -> Timestamp {
-        if pinned { now.min(self.now()) } else { now }
+    fn times(&self, pinned: Option<Timestamp>) -> (Timestamp, Timestamp) {
+        match pinned {
+            Some(t) => (t, t.min(self.now())),
+            None => {
+                let now = self.now();
+                (now, now)
+            }
+        }
     }
 
     /// How many entries the store holds, expired ones not yet swept included.
@@ -282,9 +288,7 @@ impl MemoryStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> Observation {
-        let pinned = now.is_some();
-        let now = now.unwrap_or_else(|| self.now());
-        let sweep_at = self.sweep_time(now, pinned);
+        let (now, sweep_at) = self.times(now);
         let located: Vec<(u64, usize)> = limits.iter().map(|l| self.locate(l.key())).collect();
         let mut order: Vec<usize> = located.iter().map(|&(_, shard)| shard).collect();
         order.sort_unstable();
@@ -328,9 +332,7 @@ impl MemoryStore {
 
     /// [`Store::record`], without the future.
     pub fn record_sync(&self, limits: &[ChainLimit], units: u64, now: Option<Timestamp>) {
-        let pinned = now.is_some();
-        let now = now.unwrap_or_else(|| self.now());
-        let sweep_at = self.sweep_time(now, pinned);
+        let (now, sweep_at) = self.times(now);
         // Each limit's write is atomic on its own; recording has no decision to keep whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
             let (hash, shard) = self.locate(l.key());
@@ -350,9 +352,7 @@ impl MemoryStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> BucketObservation {
-        let pinned = now.is_some();
-        let now = now.unwrap_or_else(|| self.now());
-        let sweep_at = self.sweep_time(now, pinned);
+        let (now, sweep_at) = self.times(now);
         let (hash, shard) = self.locate_bucket(key);
         let mut shard = self.lock(shard);
         let shard = &mut *shard;

@@ -52,9 +52,9 @@ use ::redis::{
 use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
-use crate::chain::ChainLimit;
+use crate::chain::{ChainLimit, ScopeKind};
 use crate::clock::Timestamp;
-use crate::window::{Charge, Snapshot};
+use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
 
 /// What a decision does when Redis cannot be reached.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -442,19 +442,19 @@ impl RedisStore {
     }
 
     /// Readiness: whether the store can decide now. One admission, on a limit of its own that
-    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`, after the prefix), goes the way every
-    /// decision goes: while the breaker is open it fails at once, and a Redis that answers
-    /// `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no scripting)
-    /// is not ready. A success after an outage ends it (see the breaker). It counts in
-    /// [`RedisStats`] as an admission.
+    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`, after the prefix), goes the
+    /// way every decision goes: while the breaker is open it fails at once, and a Redis that
+    /// answers `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no
+    /// scripting) is not ready. A success after an outage ends it (see the breaker). It counts
+    /// in [`RedisStats`] as an admission.
     pub async fn ready(&self) -> Result<(), Error> {
         static PROBE: LazyLock<[ChainLimit; 1]> = LazyLock::new(|| {
             [ChainLimit::new(
                 "floodgate",
-                crate::chain::ScopeKind::Gateway,
+                ScopeKind::Gateway,
                 "readiness",
                 Charge::Admission,
-                crate::window::WindowLimit::per_second(crate::window::MAX_COUNT),
+                WindowLimit::per_second(MAX_COUNT),
             )]
         });
         self.admit_inner(&*PROBE, 1, None)
