@@ -10,7 +10,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::header::{
-    ACCEPT_ENCODING, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, UPGRADE,
+    ACCEPT_ENCODING, AUTHORIZATION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, UPGRADE,
 };
 use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -20,15 +20,17 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
+use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 
-use crate::auth::{CUSTOMER_HEADER, Keys, ResolvedChain};
+use crate::auth::{CUSTOMER_HEADER, KeyEntry, Keys, ResolvedChain};
 use crate::config::Config;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metering::{self, Meter, MeteredBody, RequestLog};
 use crate::proxy::Upstream;
 use crate::store::GatewayStore;
+use crate::tally::{Counters, Subject, Tally};
 
 /// Largest completion request body read to inspect it (`stream`); larger ones are refused
 /// with 400 before anything is charged.
@@ -46,17 +48,36 @@ struct Inner {
     store: GatewayStore,
     upstream: Upstream,
     header_timeout: Duration,
+    /// The process's refusal tally (for `/alerts`) and this state's own counters in it.
+    tally: Arc<Tally>,
+    refusals: Arc<Counters>,
+    /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
+    alerts_secret: Option<[u8; 32]>,
 }
 
 impl AppState {
-    /// State for `config` on `store`. Fails if the upstream's API key is missing.
+    /// State for `config` on `store`, with a refusal tally of its own kept in memory. Fails if
+    /// the upstream's API key is missing.
     pub fn new(config: &Config, store: GatewayStore) -> Result<AppState, String> {
+        AppState::with_tally(config, store, &Arc::new(Tally::in_memory(config)))
+    }
+
+    /// State for `config` on `store` that counts its refusals in `tally` (one state per worker,
+    /// one tally per process). Fails if the upstream's API key is missing.
+    pub fn with_tally(
+        config: &Config,
+        store: GatewayStore,
+        tally: &Arc<Tally>,
+    ) -> Result<AppState, String> {
         Ok(AppState {
             inner: Arc::new(Inner {
                 keys: Keys::from_config(config),
                 store,
                 upstream: Upstream::from_config(&config.upstream)?,
                 header_timeout: config.header_timeout,
+                refusals: tally.worker(),
+                tally: Arc::clone(tally),
+                alerts_secret: config.alerts.secret_sha256,
             }),
         })
     }
@@ -83,8 +104,8 @@ impl AppState {
 }
 
 /// The gateway's routes as an axum [`Router`], for embedding the gateway in an axum application:
-/// `/v1/*` is proxied under the rate limits, `/healthz` and `/readyz` answer probes, everything
-/// else is 404. [`run`] serves the same routes ([`route`]) without the router.
+/// `/v1/*` is proxied under the rate limits, `/healthz` and `/readyz` answer probes, `/alerts`
+/// shows the refusal tally (with an `[alerts]` secret), everything else is 404. [`run`] serves the same routes ([`route`]) without the router.
 pub fn app(state: AppState) -> Router {
     Router::new()
         .fallback(|State(state): State<AppState>, req: Request| route(state, req))
@@ -101,9 +122,10 @@ pub async fn route(state: AppState, req: Request) -> Response {
         Some(rest) if !rest.is_empty() => return proxy(state, req).await,
         _ => {}
     }
-    let probe = match path {
-        "/healthz" => Probe::Health,
-        "/readyz" => Probe::Ready,
+    let local = match path {
+        "/healthz" => Local::Health,
+        "/readyz" => Local::Ready,
+        "/alerts" if state.inner.alerts_secret.is_some() => Local::Alerts,
         _ => return not_found(),
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -113,15 +135,18 @@ pub async fn route(state: AppState, req: Request) -> Response {
         )
             .into_response();
     }
-    match probe {
-        Probe::Health => healthz(),
-        Probe::Ready => readyz(&state).await,
+    match local {
+        Local::Health => healthz(),
+        Local::Ready => readyz(&state).await,
+        Local::Alerts => alerts(&state, &req),
     }
 }
 
-enum Probe {
+/// The routes the gateway answers itself.
+enum Local {
     Health,
     Ready,
+    Alerts,
 }
 
 /// Serves [`route`] on `listener` over HTTP/1.1 until `shutdown` completes, then stops accepting
@@ -204,6 +229,21 @@ async fn readyz(state: &AppState) -> Response {
             (StatusCode::SERVICE_UNAVAILABLE, "store unavailable\n").into_response()
         }
     }
+}
+
+/// `GET /alerts`: the refusal tally as `rate_limit` alerts, for the bearer of `[alerts] secret`.
+fn alerts(state: &AppState, req: &Request) -> Response {
+    let presented = req
+        .headers()
+        .get(AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map(|(_, token)| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
+    if presented.is_none() || presented != state.inner.alerts_secret {
+        return AppError::Unauthorized.into_response();
+    }
+    axum::Json(serde_json::json!({ "alerts": state.inner.tally.alerts() })).into_response()
 }
 
 fn not_found() -> Response {
@@ -354,7 +394,8 @@ async fn proxy(state: AppState, req: Request) -> Response {
     };
     if !decision.admitted {
         return refuse(
-            &key.id,
+            &state,
+            &key,
             Request::from_parts(parts, Body::empty()),
             start,
             &decision,
@@ -479,9 +520,11 @@ impl Drop for CallerGone<'_> {
     }
 }
 
-/// The 429 for a refused request, with the refusing limit's headers.
+/// The 429 for a refused request, with the refusing limit's headers; counted in the refusal
+/// tally, against the gateway if its own limit refused, else against the key.
 fn refuse(
-    key: &str,
+    state: &AppState,
+    key: &KeyEntry,
     req: Request,
     start: Instant,
     decision: &ChainDecision,
@@ -505,7 +548,12 @@ fn refuse(
         floodgate::ScopeKind::Customer => "refused:customer",
         floodgate::ScopeKind::Gateway => "refused:gateway",
     });
-    log_local(Some(key), &req, start, err.status(), name);
+    let subject = match decision.refusing() {
+        Some(r) if r.scope == floodgate::ScopeKind::Gateway => Subject::Gateway,
+        _ => Subject::Key(key.index),
+    };
+    state.inner.refusals.refused(subject);
+    log_local(Some(&key.id), &req, start, err.status(), name);
     let mut resp = err.into_response();
     headers::apply(resp.headers_mut(), decision, fixed);
     resp

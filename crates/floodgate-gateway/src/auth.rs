@@ -23,6 +23,8 @@ pub const CUSTOMER_HEADER: &str = "x-floodgate-customer";
 pub struct KeyEntry {
     /// The key's public id (for logs; never the secret).
     pub id: Arc<str>,
+    /// Its position in the config's `[[keys]]` (its slot in the refusal tally).
+    pub index: usize,
     /// The key's limits without customer and gateway: key, project, team, business unit, org.
     own: Vec<ChainLimit>,
     /// The full chain for requests that name no customer (own limits, then the gateway's).
@@ -89,7 +91,8 @@ impl Keys {
         let by_hash = config
             .keys
             .iter()
-            .map(|k| {
+            .enumerate()
+            .map(|(index, k)| {
                 let tenant = k.tenant();
                 let own: Vec<ChainLimit> = k
                     .scopes()
@@ -99,6 +102,7 @@ impl Keys {
                 let chain = Chain::new(own.iter().chain(&gateway).cloned().collect());
                 let entry = KeyEntry {
                     id: Arc::from(k.id.as_str()),
+                    index,
                     own,
                     chain: ResolvedChain::new(chain),
                 };

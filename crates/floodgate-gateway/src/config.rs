@@ -104,6 +104,7 @@ struct RawConfig {
     keys: Vec<Spanned<RawKey>>,
     #[serde(default)]
     rate_limits: Vec<Spanned<RawRateLimit>>,
+    alerts: Option<RawAlerts>,
 }
 
 #[derive(Deserialize)]
@@ -115,6 +116,19 @@ struct RawServer {
     listen: Option<Spanned<String>>,
     workers: Option<Spanned<usize>>,
     header_timeout_sec: Option<Spanned<u64>>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an [alerts] table (path, flush_sec, retention_days, secret or secret_sha256)"
+)]
+struct RawAlerts {
+    path: Option<Spanned<String>>,
+    flush_sec: Option<Spanned<u64>>,
+    retention_days: Option<Spanned<u32>>,
+    secret: Option<Spanned<String>>,
+    secret_sha256: Option<Spanned<String>>,
 }
 
 #[derive(Deserialize)]
@@ -211,6 +225,8 @@ pub struct Config {
     /// Limits per scope, from both config shapes, merged: `(scope, id) -> limits`. The gateway
     /// scope's id is `gateway`.
     pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
+    /// The refusal tally and `/alerts`.
+    pub alerts: AlertsConfig,
 }
 
 impl Config {
@@ -230,6 +246,30 @@ impl Config {
                 format!("no key belongs to {kind} `{id}`: its limits apply to nobody")
             })
             .collect()
+    }
+}
+
+/// `[alerts]`, resolved.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AlertsConfig {
+    /// Where the aggregate is kept (`None`: in memory only, lost on restart).
+    pub path: Option<PathBuf>,
+    /// How often the counters are flushed into the aggregate.
+    pub flush_every: Duration,
+    /// How many local days the aggregate keeps (today included).
+    pub retention_days: u32,
+    /// The SHA-256 of the bearer secret `GET /alerts` asks for (`None`: no `/alerts`).
+    pub secret_sha256: Option<[u8; 32]>,
+}
+
+impl Default for AlertsConfig {
+    fn default() -> AlertsConfig {
+        AlertsConfig {
+            path: None,
+            flush_every: Duration::from_secs(60),
+            retention_days: 90,
+            secret_sha256: None,
+        }
     }
 }
 
@@ -577,48 +617,15 @@ impl Validator<'_> {
                     format!("duplicate key id `{id}` (also keys[{first}])"),
                 ));
             }
-            let secret_sha256 = match (&k.secret, &k.secret_sha256) {
-                (Some(s), None) => {
-                    if s.get_ref().is_empty() {
-                        return Err(self.error(
-                            s.span(),
-                            field("secret"),
-                            "a secret must not be empty",
-                        ));
-                    }
-                    // A bearer token is visible ASCII, and the gateway trims the one it reads:
-                    // any other secret could never authenticate.
-                    if !s.get_ref().bytes().all(|b| b.is_ascii_graphic()) {
-                        return Err(self.error(
-                            s.span(),
-                            field("secret"),
-                            "a secret holds visible ASCII only (no spaces, no other characters): no bearer token could match this one",
-                        ));
-                    }
-                    Sha256::digest(s.get_ref().as_bytes()).into()
-                }
-                (None, Some(h)) => parse_sha256(h.get_ref()).ok_or_else(|| {
+            let secret_sha256 = self
+                .secret(k.secret.as_ref(), k.secret_sha256.as_ref(), &field(""))?
+                .ok_or_else(|| {
                     self.error(
-                        h.span(),
-                        field("secret_sha256"),
-                        "expected 64 hex digits (the SHA-256 of the secret)",
-                    )
-                })?,
-                (Some(s), Some(_)) => {
-                    return Err(self.error(
-                        s.span(),
-                        field("secret"),
-                        "set either `secret` or `secret_sha256`, not both",
-                    ));
-                }
-                (None, None) => {
-                    return Err(self.error(
-                        span,
+                        span.clone(),
                         field("secret"),
                         "a key needs `secret` or `secret_sha256`",
-                    ));
-                }
-            };
+                    )
+                })?;
             if let Some(first) = hashes.insert(secret_sha256, i) {
                 let (at, name) = match (&k.secret, &k.secret_sha256) {
                     (Some(s), _) => (s.span(), "secret"),
@@ -681,6 +688,8 @@ impl Validator<'_> {
                 business_unit,
             });
         }
+
+        let alerts = self.alerts(raw.alerts, &hashes)?;
 
         let mut seen: HashMap<(ScopeKind, String), usize> = HashMap::new();
         for (i, r) in raw.rate_limits.into_iter().enumerate() {
@@ -778,7 +787,127 @@ impl Validator<'_> {
             upstream,
             keys,
             limits,
+            alerts,
         })
+    }
+
+    /// `[alerts]`: where the refusal tally is kept, how often it is flushed, and the secret
+    /// `GET /alerts` asks for (which no key may share: a key's holder must not read the alerts).
+    fn alerts(
+        &self,
+        raw: Option<RawAlerts>,
+        key_hashes: &HashMap<[u8; 32], usize>,
+    ) -> Result<AlertsConfig, ConfigError> {
+        let mut alerts = AlertsConfig::default();
+        let Some(raw) = raw else {
+            return Ok(alerts);
+        };
+        if let Some(p) = raw.path {
+            if p.get_ref().trim().is_empty() {
+                return Err(self.error(p.span(), "alerts.path", "must not be empty"));
+            }
+            // Relative to the config file, as `upstream.ca_file` is.
+            let path = match self.file.parent() {
+                Some(dir) => dir.join(p.get_ref()),
+                None => PathBuf::from(p.get_ref()),
+            };
+            let dir = match path.parent() {
+                Some(d) if d.as_os_str().is_empty() => Path::new("."),
+                Some(d) => d,
+                None => Path::new("."),
+            };
+            if !dir.is_dir() {
+                return Err(self.error(
+                    p.span(),
+                    "alerts.path",
+                    format!("the directory {} does not exist", dir.display()),
+                ));
+            }
+            if path.is_dir() {
+                return Err(self.error(
+                    p.span(),
+                    "alerts.path",
+                    format!("{} is a directory; name a file", path.display()),
+                ));
+            }
+            alerts.path = Some(path);
+        }
+        if let Some(f) = raw.flush_sec {
+            if !(1..=3600).contains(f.get_ref()) {
+                return Err(self.error(f.span(), "alerts.flush_sec", "must be between 1 and 3600"));
+            }
+            alerts.flush_every = Duration::from_secs(*f.get_ref());
+        }
+        if let Some(r) = raw.retention_days {
+            if !(1..=3660).contains(r.get_ref()) {
+                return Err(self.error(
+                    r.span(),
+                    "alerts.retention_days",
+                    "must be between 1 and 3660",
+                ));
+            }
+            alerts.retention_days = *r.get_ref();
+        }
+        alerts.secret_sha256 =
+            self.secret(raw.secret.as_ref(), raw.secret_sha256.as_ref(), "alerts.")?;
+        if let Some(i) = alerts.secret_sha256.and_then(|h| key_hashes.get(&h)) {
+            let (span, name) = match (&raw.secret, &raw.secret_sha256) {
+                (Some(s), _) => (s.span(), "alerts.secret"),
+                (None, Some(h)) => (h.span(), "alerts.secret_sha256"),
+                (None, None) => (0..0, "alerts.secret"),
+            };
+            return Err(self.error(
+                span,
+                name,
+                format!("keys[{i}] has the same secret: give the alerts one of their own"),
+            ));
+        }
+        Ok(alerts)
+    }
+
+    /// The SHA-256 of a bearer secret given as `secret` or as `secret_sha256` (`None`: neither);
+    /// `prefix` is the fields' path (`keys[0].`).
+    fn secret(
+        &self,
+        secret: Option<&Spanned<String>>,
+        secret_sha256: Option<&Spanned<String>>,
+        prefix: &str,
+    ) -> Result<Option<[u8; 32]>, ConfigError> {
+        let field = |f: &str| format!("{prefix}{f}");
+        match (secret, secret_sha256) {
+            (Some(s), None) => {
+                if s.get_ref().is_empty() {
+                    return Err(self.error(
+                        s.span(),
+                        field("secret"),
+                        "a secret must not be empty",
+                    ));
+                }
+                // A bearer token is visible ASCII, and the gateway trims the one it reads: any
+                // other secret could never authenticate.
+                if !s.get_ref().bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(self.error(
+                        s.span(),
+                        field("secret"),
+                        "a secret holds visible ASCII only (no spaces, no other characters): no bearer token could match this one",
+                    ));
+                }
+                Ok(Some(Sha256::digest(s.get_ref().as_bytes()).into()))
+            }
+            (None, Some(h)) => parse_sha256(h.get_ref()).map(Some).ok_or_else(|| {
+                self.error(
+                    h.span(),
+                    field("secret_sha256"),
+                    "expected 64 hex digits (the SHA-256 of the secret)",
+                )
+            }),
+            (Some(s), Some(_)) => Err(self.error(
+                s.span(),
+                field("secret"),
+                "set either `secret` or `secret_sha256`, not both",
+            )),
+            (None, None) => Ok(None),
+        }
     }
 
     fn store(

@@ -38,6 +38,7 @@ pub mod metering;
 pub mod proxy;
 pub mod server;
 pub mod store;
+pub mod tally;
 mod tls;
 
 pub use app::{AppState, app, run};

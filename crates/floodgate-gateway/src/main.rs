@@ -149,6 +149,21 @@ fn check_config(file: &PathBuf) -> ExitCode {
             }
         }
     }
+    let alerts = &config.alerts;
+    let kept = match &alerts.path {
+        Some(p) => format!("kept in {}", p.display()),
+        None => "in memory only (no path)".to_owned(),
+    };
+    let route = if alerts.secret_sha256.is_some() {
+        "GET /alerts with its secret"
+    } else {
+        "no /alerts (no secret)"
+    };
+    println!(
+        "refusal tally: {kept}, flushed every {}s, {} days kept, {route}",
+        alerts.flush_every.as_secs(),
+        alerts.retention_days
+    );
     for warning in config.unused_limit_warnings() {
         println!("warning: {warning}");
     }

@@ -10,6 +10,7 @@
 //! throughput with two workers, 50-85% (erratic) with one work-stealing runtime.
 
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Duration;
 
@@ -19,6 +20,7 @@ use tokio::sync::{mpsc as tmpsc, watch};
 use crate::app::{AppState, run};
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
 use crate::store::{self, GatewayStore};
+use crate::tally::Tally;
 
 /// How long a graceful shutdown waits for requests in flight before exiting anyway.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,6 +37,8 @@ pub fn serve(config: &Config) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    // Read before anything listens: a tally file that cannot be read stops the start.
+    let tally = Arc::new(Tally::open(config)?);
     // SIGTERM and Ctrl-C are taken over before anything starts: workers start one at a time
     // (each opening its store: up to the Redis store's 1 s connect timeout with Redis slow to
     // answer), and a signal in that window must stop the start and drain what has started, not
@@ -45,6 +49,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
     };
     background.spawn({
         let stop_tx = stop_tx.clone();
+        let tally = Arc::clone(&tally);
         async move {
             signals.recv().await;
             tracing::info!("shutting down: draining requests in flight");
@@ -52,6 +57,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             // A second signal during the drain: the operator wants out now.
             signals.recv().await;
             tracing::warn!("second signal: exiting without waiting for the drain");
+            tally.flush();
             std::process::exit(1);
         }
     });
@@ -63,6 +69,12 @@ pub fn serve(config: &Config) -> Result<(), String> {
     {
         tracing::warn!("{warning}");
     }
+    background.spawn(Arc::clone(&tally).flush_until({
+        let mut stopping = stop_rx.clone();
+        async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        }
+    }));
     // The memory store is one state that every worker shares. A Redis store is opened by each
     // worker on its own event loop instead (see `Worker::run`): its connection's driver task
     // then runs on the thread of the requests that use it.
@@ -103,6 +115,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             reuse_port: workers > 1,
             config: config.clone(),
             store: shared.clone(),
+            tally: Arc::clone(&tally),
             stop: stop_rx.clone(),
             ready: ready_tx.clone(),
             done: done_tx.clone(),
@@ -157,7 +170,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
         );
     }
 
-    background.block_on(async move {
+    let result = background.block_on(async move {
         let mut stopping = stop_rx.clone();
         let deadline = async move {
             let _ = stopping.wait_for(|s| *s).await;
@@ -183,14 +196,17 @@ pub fn serve(config: &Config) -> Result<(), String> {
                 }
             }
         }
-        match start_failure.or(failure) {
-            Some(e) => Err(e),
-            None => {
-                tracing::info!("stopped");
-                Ok(())
-            }
+        start_failure.or(failure)
+    });
+    // Every worker has drained (or the drain timed out): what they counted goes in the tally.
+    tally.flush();
+    match result {
+        Some(e) => Err(e),
+        None => {
+            tracing::info!("stopped");
+            Ok(())
         }
-    })
+    }
 }
 
 struct Worker {
@@ -199,6 +215,8 @@ struct Worker {
     config: Config,
     /// The shared store; `None`: the worker opens its own (Redis).
     store: Option<GatewayStore>,
+    /// The process's refusal tally; the worker counts into counters of its own.
+    tally: Arc<Tally>,
     stop: watch::Receiver<bool>,
     ready: mpsc::Sender<Result<SocketAddr, String>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
@@ -221,6 +239,7 @@ impl Worker {
             reuse_port,
             config,
             store,
+            tally,
             mut stop,
             ready,
             done,
@@ -250,7 +269,7 @@ impl Worker {
             };
             // Each worker has its own upstream client (and connection pool): no cross-thread
             // hand-offs on the hot path.
-            let state = match AppState::new(&config, store) {
+            let state = match AppState::with_tally(&config, store, &tally) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = ready.send(Err(e));

@@ -359,3 +359,77 @@ async fn a_caller_that_leaves_before_the_upstream_answers_is_logged() {
         "{line}"
     );
 }
+
+/// `POST /v1/chat/completions` with `Bearer sk-k`, or `GET /alerts` with `Bearer sk-admin`, to
+/// the binary at `addr`: the status and body.
+async fn call(addr: &str, alerts: bool) -> (u16, serde_json::Value) {
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<axum::body::Body>();
+    let req = if alerts {
+        axum::http::Request::get(format!("http://{addr}/alerts"))
+            .header("authorization", "Bearer sk-admin")
+            .body(axum::body::Body::empty())
+    } else {
+        axum::http::Request::post(format!("http://{addr}/v1/chat/completions"))
+            .header("authorization", "Bearer sk-k")
+            .body(axum::body::Body::from(CHAT))
+    };
+    let resp = client.request(req.unwrap()).await.unwrap();
+    let status = resp.status().as_u16();
+    let body = http_body_util::BodyExt::collect(resp.into_body())
+        .await
+        .unwrap()
+        .to_bytes();
+    (status, serde_json::from_slice(&body).unwrap())
+}
+
+#[cfg(unix)]
+#[tokio::test]
+async fn the_refusal_tally_is_written_at_shutdown_and_read_back_at_start() {
+    let dir = std::env::temp_dir().join(format!("floodgate-tally-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let tally = dir.join("tally.json");
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    // No timed flush within the test: only the one at shutdown writes the file.
+    let config = format!(
+        "[server]\nlisten = \"{addr}\"\n[upstream]\ndemo = true\n[alerts]\npath = \"{}\"\nflush_sec = 3600\nsecret = \"sk-admin\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = {{ requests = 1, window_sec = 60 }}\n",
+        tally.display()
+    );
+    let today = chrono::Local::now().date_naive().to_string();
+
+    let mut first = Binary::start("tally-1", &config, false);
+    first.listening(&addr).await;
+    let statuses = [
+        call(&addr, false).await.0,
+        call(&addr, false).await.0,
+        call(&addr, false).await.0,
+    ];
+    assert_eq!(statuses, [200, 429, 429]);
+    assert!(!tally.exists(), "written before the flush");
+    first.sigterm();
+    let status = first
+        .exited(Duration::from_secs(10))
+        .await
+        .expect("no exit");
+    assert!(status.success(), "{status:?}");
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tally).unwrap()).unwrap();
+    assert_eq!(written["days"][&today]["key:k"], 2, "{written}");
+
+    // A new process (and a new memory store): its refusal adds to the two read back.
+    let mut second = Binary::start("tally-2", &config, false);
+    second.listening(&addr).await;
+    assert_eq!(call(&addr, false).await.0, 200);
+    assert_eq!(call(&addr, false).await.0, 429);
+    let (status, alerts) = call(&addr, true).await;
+    assert_eq!(status, 200);
+    assert_eq!(alerts["alerts"][0]["count"], 3, "{alerts}");
+    assert_eq!(alerts["alerts"][0]["key"], "k", "{alerts}");
+    second.sigterm();
+    assert!(second.exited(Duration::from_secs(10)).await.is_some());
+    let written: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&tally).unwrap()).unwrap();
+    assert_eq!(written["days"][&today]["key:k"], 3, "{written}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -1,0 +1,459 @@
+//! The refusal tally (DESIGN.md section 6): how many requests the gateway refused with 429, per
+//! local calendar day and per throttled subject (the gateway, or the caller's key), shown as
+//! `rate_limit` alerts.
+//!
+//! - Every 429 the gateway answers bumps a counter of the worker that answered it: one relaxed
+//!   atomic add on that worker's own slots, no lock and no allocation on the hot path.
+//! - One flusher, on a timer (`[alerts] flush_sec`, default 60 s) and once more after the workers
+//!   have drained at shutdown, moves the counters into the aggregate, under the local day of the
+//!   flush (it also flushes just before each local midnight, so a day's refusals stay on that
+//!   day). With `[alerts] path` the aggregate is written to that JSON file (a new file, renamed
+//!   over the old one) and read back at start: a restart loses nothing that was flushed, and a
+//!   graceful stop loses nothing at all.
+//! - `GET /alerts` (only with an `[alerts]` secret) answers the aggregate plus what is counted
+//!   but not yet flushed, newest day first.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use chrono::{Local, NaiveDate, Timelike};
+use serde::{Deserialize, Serialize};
+
+use crate::config::Config;
+
+/// The subject of the gateway scope in the aggregate.
+const GATEWAY_SUBJECT: &str = "gateway";
+
+/// The version of the tally file's format.
+const FILE_VERSION: u32 = 1;
+
+/// Who a refusal throttled: the whole gateway (its own limit refused), or one caller's key (any
+/// other scope of its chain refused).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Subject {
+    /// The gateway scope refused.
+    Gateway,
+    /// A scope of this key's chain refused: the key's index in the config's `[[keys]]`.
+    Key(usize),
+}
+
+/// One worker's refusal counters, one slot per subject: the gateway, then each key in config
+/// order.
+#[derive(Debug)]
+pub struct Counters {
+    slots: Box<[AtomicU64]>,
+}
+
+impl Counters {
+    fn new(subjects: usize) -> Counters {
+        Counters {
+            slots: (0..subjects).map(|_| AtomicU64::new(0)).collect(),
+        }
+    }
+
+    /// Counts one refusal of `subject`.
+    pub fn refused(&self, subject: Subject) {
+        let slot = match subject {
+            Subject::Gateway => 0,
+            Subject::Key(i) => i + 1,
+        };
+        if let Some(s) = self.slots.get(slot) {
+            s.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Day (`YYYY-MM-DD`) -> subject (`gateway`, `key:<id>`) -> refusals.
+type Days = BTreeMap<String, BTreeMap<String, u64>>;
+
+/// The flushed counts, and whether the file lags them (a write failed).
+#[derive(Debug)]
+struct Aggregate {
+    days: Days,
+    unsaved: bool,
+}
+
+/// The tally file.
+#[derive(Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct TallyFile {
+    version: u32,
+    days: Days,
+}
+
+/// One `rate_limit` alert: a subject's refusals on one local day.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct Alert {
+    /// Always `rate_limit`.
+    #[serde(rename = "type")]
+    pub kind: &'static str,
+    /// The local calendar day, `YYYY-MM-DD`.
+    pub day: String,
+    /// `gateway` or `key`.
+    pub subject: &'static str,
+    /// The key's id (for a key subject).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// Requests refused with 429 that day.
+    pub count: u64,
+    /// The alert as a sentence.
+    pub message: String,
+}
+
+/// The process's refusal tally: every worker's counters and the persisted aggregate.
+#[derive(Debug)]
+pub struct Tally {
+    /// Subject names by slot: `gateway`, then `key:<id>` per key.
+    subjects: Box<[String]>,
+    workers: Mutex<Vec<Arc<Counters>>>,
+    aggregate: Mutex<Aggregate>,
+    path: Option<PathBuf>,
+    flush_every: Duration,
+    retention_days: u32,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every change under these locks leaves them whole.
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Tally {
+    /// The tally for `config`'s keys, with the aggregate read back from `[alerts] path` if that
+    /// file exists. A file that cannot be read or is not a tally is an error that names it: the
+    /// gateway does not start rather than overwrite it.
+    pub fn open(config: &Config) -> Result<Tally, String> {
+        let days = match &config.alerts.path {
+            Some(path) => read_file(path)?,
+            None => Days::new(),
+        };
+        Ok(Tally::with_days(config, config.alerts.path.clone(), days))
+    }
+
+    /// A tally in memory only, for `config`'s keys.
+    pub fn in_memory(config: &Config) -> Tally {
+        Tally::with_days(config, None, Days::new())
+    }
+
+    fn with_days(config: &Config, path: Option<PathBuf>, days: Days) -> Tally {
+        Tally {
+            subjects: std::iter::once(GATEWAY_SUBJECT.to_owned())
+                .chain(config.keys.iter().map(|k| format!("key:{}", k.id)))
+                .collect(),
+            workers: Mutex::new(Vec::new()),
+            aggregate: Mutex::new(Aggregate {
+                days,
+                unsaved: false,
+            }),
+            path,
+            flush_every: config.alerts.flush_every,
+            retention_days: config.alerts.retention_days,
+        }
+    }
+
+    /// New counters for one worker, flushed with the others from now on.
+    pub fn worker(&self) -> Arc<Counters> {
+        let counters = Arc::new(Counters::new(self.subjects.len()));
+        lock(&self.workers).push(Arc::clone(&counters));
+        counters
+    }
+
+    /// Moves every worker's counts into the aggregate under today's local date, drops days past
+    /// the retention, and writes the file. A failed write is logged and retried at the next
+    /// flush: the counts stay in the aggregate.
+    pub fn flush(&self) {
+        self.flush_on(today());
+    }
+
+    fn flush_on(&self, day: NaiveDate) {
+        let mut aggregate = lock(&self.aggregate);
+        let Aggregate { days, unsaved } = &mut *aggregate;
+        let mut added = 0;
+        for w in lock(&self.workers).iter() {
+            for (slot, counter) in w.slots.iter().enumerate() {
+                let n = counter.swap(0, Ordering::Relaxed);
+                if n > 0 {
+                    added += n;
+                    let count = days
+                        .entry(day.to_string())
+                        .or_default()
+                        .entry(self.subjects[slot].clone())
+                        .or_default();
+                    *count = count.saturating_add(n);
+                }
+            }
+        }
+        let oldest = day
+            .checked_sub_days(chrono::Days::new(u64::from(self.retention_days) - 1))
+            .unwrap_or(NaiveDate::MIN)
+            .to_string();
+        let before = days.len();
+        days.retain(|d, _| *d >= oldest);
+        *unsaved |= added > 0 || days.len() != before;
+        if let Some(path) = self.path.as_ref().filter(|_| *unsaved) {
+            match write_file(path, days) {
+                Ok(()) => *unsaved = false,
+                Err(e) => tracing::error!(
+                    path = %path.display(),
+                    error = %e,
+                    "cannot write the refusal tally; retrying at the next flush"
+                ),
+            }
+        }
+    }
+
+    /// Flushes every `[alerts] flush_sec`, and just before each local midnight, until `stop`
+    /// resolves; the final flush is the caller's, after the workers have drained.
+    pub async fn flush_until(self: Arc<Self>, stop: impl std::future::Future<Output = ()>) {
+        let mut stop = std::pin::pin!(stop);
+        loop {
+            let wait = self.flush_every.min(until_day_ends(Local::now().time()));
+            tokio::select! {
+                () = tokio::time::sleep(wait) => {}
+                () = &mut stop => return,
+            }
+            // The day the flush's counts belong to: a flush just before midnight is today's.
+            let day = today();
+            let tally = Arc::clone(&self);
+            // File writes off the event loop.
+            let _ = tokio::task::spawn_blocking(move || tally.flush_on(day)).await;
+        }
+    }
+
+    /// The alerts: one per day and subject with refusals, the counts not yet flushed added to
+    /// today's, newest day first, then most refusals first.
+    pub fn alerts(&self) -> Vec<Alert> {
+        let mut days = lock(&self.aggregate).days.clone();
+        let today = today().to_string();
+        for w in lock(&self.workers).iter() {
+            for (slot, counter) in w.slots.iter().enumerate() {
+                let n = counter.load(Ordering::Relaxed);
+                if n > 0 {
+                    let count = days
+                        .entry(today.clone())
+                        .or_default()
+                        .entry(self.subjects[slot].clone())
+                        .or_default();
+                    *count = count.saturating_add(n);
+                }
+            }
+        }
+        let mut alerts: Vec<Alert> = days
+            .into_iter()
+            .flat_map(|(day, subjects)| {
+                subjects
+                    .into_iter()
+                    .filter(|(_, count)| *count > 0)
+                    .map(move |(subject, count)| alert(&day, &subject, count))
+            })
+            .collect();
+        alerts.sort_by(|a, b| b.day.cmp(&a.day).then(b.count.cmp(&a.count)));
+        alerts
+    }
+}
+
+fn alert(day: &str, subject: &str, count: u64) -> Alert {
+    let requests = if count == 1 { "request" } else { "requests" };
+    match subject.strip_prefix("key:") {
+        Some(id) => Alert {
+            kind: "rate_limit",
+            day: day.to_owned(),
+            subject: "key",
+            key: Some(id.to_owned()),
+            count,
+            message: format!("key `{id}` was refused {count} {requests} (429) on {day}"),
+        },
+        None => Alert {
+            kind: "rate_limit",
+            day: day.to_owned(),
+            subject: "gateway",
+            key: None,
+            count,
+            message: format!("the gateway's own limit refused {count} {requests} (429) on {day}"),
+        },
+    }
+}
+
+fn today() -> NaiveDate {
+    Local::now().date_naive()
+}
+
+/// How long until just before the local day that `now` is in ends (a second before midnight,
+/// at least a second from now).
+fn until_day_ends(now: chrono::NaiveTime) -> Duration {
+    let left = 86_400u64.saturating_sub(u64::from(now.num_seconds_from_midnight()));
+    Duration::from_secs(left.saturating_sub(1).max(1))
+}
+
+fn read_file(path: &Path) -> Result<Days, String> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Days::new()),
+        Err(e) => {
+            return Err(format!(
+                "cannot read the refusal tally {}: {e}",
+                path.display()
+            ));
+        }
+    };
+    let file: TallyFile = serde_json::from_str(&text).map_err(|e| {
+        format!(
+            "the refusal tally {} is not a floodgate tally ({e}): fix or remove it",
+            path.display()
+        )
+    })?;
+    if file.version != FILE_VERSION {
+        return Err(format!(
+            "the refusal tally {} has version {}; this gateway reads version {FILE_VERSION}",
+            path.display(),
+            file.version
+        ));
+    }
+    if let Some(day) = file.days.keys().find(|d| d.parse::<NaiveDate>().is_err()) {
+        return Err(format!(
+            "the refusal tally {} has `{day}`, which is not a date (YYYY-MM-DD): fix or remove it",
+            path.display()
+        ));
+    }
+    Ok(file.days)
+}
+
+/// Writes `days` to a new file beside `path` and renames it over `path`: a crash mid-write
+/// leaves the old tally whole.
+fn write_file(path: &Path, days: &Days) -> std::io::Result<()> {
+    let file = TallyFile {
+        version: FILE_VERSION,
+        days: days.clone(),
+    };
+    let text = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(path: Option<PathBuf>, retention_days: u32) -> Config {
+        let mut c = Config::parse(
+            "test.toml",
+            r#"
+            [upstream]
+            demo = true
+            [[keys]]
+            id = "alice"
+            secret = "sk-a"
+            [[keys]]
+            id = "bob"
+            secret = "sk-b"
+            "#,
+        )
+        .unwrap();
+        c.alerts.path = path;
+        c.alerts.retention_days = retention_days;
+        c
+    }
+
+    fn day(s: &str) -> NaiveDate {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn counts_from_every_worker_land_on_the_flush_day() {
+        let tally = Tally::in_memory(&config(None, 90));
+        let (a, b) = (tally.worker(), tally.worker());
+        a.refused(Subject::Key(1));
+        b.refused(Subject::Key(1));
+        b.refused(Subject::Gateway);
+        tally.flush_on(day("2026-12-01"));
+        a.refused(Subject::Key(0));
+        tally.flush_on(day("2026-12-02"));
+        let days = lock(&tally.aggregate).days.clone();
+        assert_eq!(
+            days["2026-12-01"],
+            BTreeMap::from([("gateway".into(), 1), ("key:bob".into(), 2)])
+        );
+        assert_eq!(
+            days["2026-12-02"],
+            BTreeMap::from([("key:alice".into(), 1)])
+        );
+    }
+
+    #[test]
+    fn old_days_are_dropped_past_the_retention() {
+        let tally = Tally::in_memory(&config(None, 2));
+        let w = tally.worker();
+        for d in ["2026-11-29", "2026-11-30", "2026-12-01"] {
+            w.refused(Subject::Gateway);
+            tally.flush_on(day(d));
+        }
+        let days: Vec<String> = lock(&tally.aggregate).days.keys().cloned().collect();
+        assert_eq!(days, ["2026-11-30", "2026-12-01"]);
+    }
+
+    #[test]
+    fn the_file_survives_a_restart_and_a_bad_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("floodgate-tally-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tally.json");
+        let _ = std::fs::remove_file(&path);
+        let c = config(Some(path.clone()), 90);
+        let first = Tally::open(&c).unwrap();
+        first.worker().refused(Subject::Key(0));
+        first.flush_on(day("2026-12-01"));
+        let second = Tally::open(&c).unwrap();
+        second.worker().refused(Subject::Key(0));
+        second.flush_on(day("2026-12-01"));
+        assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 2);
+
+        std::fs::write(&path, "{\"version\": 1, \"days\": {\"yesterday\": {}}}").unwrap();
+        let e = Tally::open(&c).unwrap_err();
+        assert!(e.contains("tally.json") && e.contains("`yesterday`"), "{e}");
+        std::fs::write(&path, "not json").unwrap();
+        let e = Tally::open(&c).unwrap_err();
+        assert!(e.contains("not a floodgate tally"), "{e}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "not json");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn alerts_add_what_is_not_flushed_yet() {
+        let tally = Tally::in_memory(&config(None, 90));
+        let w = tally.worker();
+        w.refused(Subject::Key(0));
+        w.refused(Subject::Key(0));
+        tally.flush_on(day("2020-01-01"));
+        w.refused(Subject::Gateway);
+        let alerts = tally.alerts();
+        assert_eq!(alerts.len(), 2, "{alerts:?}");
+        assert_eq!(alerts[0].day, today().to_string());
+        assert_eq!(
+            (alerts[0].subject, alerts[0].count, alerts[0].key.as_deref()),
+            ("gateway", 1, None)
+        );
+        assert_eq!(
+            (
+                alerts[1].day.as_str(),
+                alerts[1].key.as_deref(),
+                alerts[1].count
+            ),
+            ("2020-01-01", Some("alice"), 2)
+        );
+        assert_eq!(
+            alerts[1].message,
+            "key `alice` was refused 2 requests (429) on 2020-01-01"
+        );
+    }
+
+    #[test]
+    fn the_flusher_wakes_before_midnight() {
+        let t = |h, m, s| chrono::NaiveTime::from_hms_opt(h, m, s).unwrap();
+        assert_eq!(until_day_ends(t(0, 0, 0)), Duration::from_secs(86_399));
+        assert_eq!(until_day_ends(t(23, 59, 0)), Duration::from_secs(59));
+        assert_eq!(until_day_ends(t(23, 59, 59)), Duration::from_secs(1));
+    }
+}
