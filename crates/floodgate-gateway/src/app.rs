@@ -138,7 +138,8 @@ pub async fn route(state: AppState, req: Request) -> Response {
     match local {
         Local::Health => healthz(),
         Local::Ready => readyz(&state).await,
-        Local::Alerts => alerts(&state, &req),
+        Local::Alerts if alerts_authorized(&state, &req) => alerts(&state).await,
+        Local::Alerts => AppError::Unauthorized.into_response(),
     }
 }
 
@@ -231,8 +232,8 @@ async fn readyz(state: &AppState) -> Response {
     }
 }
 
-/// `GET /alerts`: the refusal tally as `rate_limit` alerts, for the bearer of `[alerts] secret`.
-fn alerts(state: &AppState, req: &Request) -> Response {
+/// Whether `req` carries the `[alerts] secret` as its bearer token.
+fn alerts_authorized(state: &AppState, req: &Request) -> bool {
     let presented = req
         .headers()
         .get(AUTHORIZATION)
@@ -240,10 +241,18 @@ fn alerts(state: &AppState, req: &Request) -> Response {
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
-    if presented.is_none() || presented != state.inner.alerts_secret {
-        return AppError::Unauthorized.into_response();
+    presented.is_some() && presented == state.inner.alerts_secret
+}
+
+/// `GET /alerts`: the refusal tally as `rate_limit` alerts.
+async fn alerts(state: &AppState) -> Response {
+    match state.inner.tally.alerts().await {
+        Ok(alerts) => axum::Json(serde_json::json!({ "alerts": alerts })).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "GET /alerts: the tally cannot be read");
+            AppError::TallyUnavailable.into_response()
+        }
     }
-    axum::Json(serde_json::json!({ "alerts": state.inner.tally.alerts() })).into_response()
 }
 
 fn not_found() -> Response {

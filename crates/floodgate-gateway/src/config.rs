@@ -689,7 +689,7 @@ impl Validator<'_> {
             });
         }
 
-        let alerts = self.alerts(raw.alerts, &hashes)?;
+        let alerts = self.alerts(raw.alerts, &hashes, store.backend)?;
 
         let mut seen: HashMap<(ScopeKind, String), usize> = HashMap::new();
         for (i, r) in raw.rate_limits.into_iter().enumerate() {
@@ -797,12 +797,20 @@ impl Validator<'_> {
         &self,
         raw: Option<RawAlerts>,
         key_hashes: &HashMap<[u8; 32], usize>,
+        backend: Backend,
     ) -> Result<AlertsConfig, ConfigError> {
         let mut alerts = AlertsConfig::default();
         let Some(raw) = raw else {
             return Ok(alerts);
         };
         if let Some(p) = raw.path {
+            if backend == Backend::Redis {
+                return Err(self.error(
+                    p.span(),
+                    "alerts.path",
+                    "on the redis store the tally is kept in Redis, one for every replica: remove `path`",
+                ));
+            }
             if p.get_ref().trim().is_empty() {
                 return Err(self.error(p.span(), "alerts.path", "must not be empty"));
             }

@@ -39,6 +39,8 @@ pub enum AppError {
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
     StoreUnavailable(String),
+    /// `GET /alerts` could not read the refusal tally from Redis (503).
+    TallyUnavailable,
     /// The upstream could not be reached or broke the connection (502).
     UpstreamUnavailable(String),
     /// The upstream did not answer in time (504).
@@ -57,7 +59,9 @@ impl AppError {
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
             AppError::NotFound => StatusCode::NOT_FOUND,
-            AppError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            AppError::StoreUnavailable(_) | AppError::TallyUnavailable => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             AppError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             AppError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
@@ -117,6 +121,12 @@ impl AppError {
                 "The rate limiter is unavailable. Please retry shortly.".into(),
                 "api_error",
                 "rate_limiter_unavailable",
+            ),
+            AppError::TallyUnavailable => (
+                "The refusal tally cannot be read now (its Redis does not answer). Please retry shortly."
+                    .into(),
+                "api_error",
+                "tally_unavailable",
             ),
             AppError::UpstreamUnavailable(_) => (
                 "The upstream API could not be reached.".into(),

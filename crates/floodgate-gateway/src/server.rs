@@ -57,7 +57,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             // A second signal during the drain: the operator wants out now.
             signals.recv().await;
             tracing::warn!("second signal: exiting without waiting for the drain");
-            tally.flush();
+            tally.flush().await;
             std::process::exit(1);
         }
     });
@@ -199,7 +199,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
         start_failure.or(failure)
     });
     // Every worker has drained (or the drain timed out): what they counted goes in the tally.
-    tally.flush();
+    background.block_on(tally.flush());
     match result {
         Some(e) => Err(e),
         None => {

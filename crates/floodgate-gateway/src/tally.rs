@@ -7,9 +7,10 @@
 //! - One flusher, on a timer (`[alerts] flush_sec`, default 60 s) and once more after the workers
 //!   have drained at shutdown, moves the counters into the aggregate, under the local day of the
 //!   flush (it also flushes just before each local midnight, so a day's refusals stay on that
-//!   day). With `[alerts] path` the aggregate is written to that JSON file (a new file, renamed
-//!   over the old one) and read back at start: a restart loses nothing that was flushed, and a
-//!   graceful stop loses nothing at all.
+//!   day). On the Redis store the aggregate is one hash per day in Redis, added to by every
+//!   replica; on the memory store with `[alerts] path` it is that JSON file (a new file renamed
+//!   over the old one), read back at start: a restart loses nothing that was flushed, and a
+//!   graceful stop loses nothing at all. Counts a flush could not save stay for the next one.
 //! - `GET /alerts` (only with an `[alerts]` secret) answers the aggregate plus what is counted
 //!   but not yet flushed, newest day first.
 
@@ -22,7 +23,7 @@ use std::time::Duration;
 use chrono::{Local, NaiveDate, Timelike};
 use serde::{Deserialize, Serialize};
 
-use crate::config::Config;
+use crate::config::{Backend, Config};
 
 /// The subject of the gateway scope in the aggregate.
 const GATEWAY_SUBJECT: &str = "gateway";
@@ -109,10 +110,65 @@ pub struct Tally {
     /// Subject names by slot: `gateway`, then `key:<id>` per key.
     subjects: Box<[String]>,
     workers: Mutex<Vec<Arc<Counters>>>,
+    /// In memory or a file: the whole aggregate. In Redis: the counts not written there yet.
     aggregate: Mutex<Aggregate>,
-    path: Option<PathBuf>,
+    keep: Keep,
+    /// One flush at a time (the timer's and the shutdown's may meet): a Redis write in flight
+    /// must not be written twice.
+    flushing: tokio::sync::Mutex<()>,
     flush_every: Duration,
     retention_days: u32,
+}
+
+/// Where the aggregate is kept.
+#[derive(Debug)]
+enum Keep {
+    /// In memory only: a restart loses it.
+    Memory,
+    /// In a JSON file, read back at start.
+    File(PathBuf),
+    /// In Redis, one hash per day shared by every replica on that Redis.
+    Redis(Box<RedisTally>),
+}
+
+/// The tally's own Redis connection (not the store's: its admission batches stay as they are).
+#[derive(Debug)]
+struct RedisTally {
+    client: redis::Client,
+    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
+    /// The key of a day's hash, without the day: `{prefix}{floodgate}:tally:`.
+    key: String,
+}
+
+/// How long a tally call to Redis may take, connecting included.
+const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl RedisTally {
+    async fn call<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> Result<T, String> {
+        let mut conn = self.conn.lock().await;
+        let attempt = async {
+            if conn.is_none() {
+                *conn = Some(
+                    self.client
+                        .get_multiplexed_async_connection()
+                        .await
+                        .map_err(|e| e.to_string())?,
+                );
+            }
+            match conn.as_mut() {
+                Some(c) => pipe.query_async(c).await.map_err(|e| e.to_string()),
+                None => Err("not connected".to_owned()),
+            }
+        };
+        let result = tokio::time::timeout(REDIS_TIMEOUT, attempt)
+            .await
+            .unwrap_or_else(|_| Err(format!("timed out after {REDIS_TIMEOUT:?}")));
+        if result.is_err() {
+            // A new connection next time.
+            *conn = None;
+        }
+        result
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -121,23 +177,39 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Tally {
-    /// The tally for `config`'s keys, with the aggregate read back from `[alerts] path` if that
-    /// file exists. A file that cannot be read or is not a tally is an error that names it: the
+    /// The tally for `config`'s keys, kept where the config says: in Redis on the Redis store
+    /// (one aggregate for every replica), else in `[alerts] path` if set (read back now), else
+    /// in memory. A file that cannot be read or is not a tally is an error that names it: the
     /// gateway does not start rather than overwrite it.
     pub fn open(config: &Config) -> Result<Tally, String> {
-        let days = match &config.alerts.path {
-            Some(path) => read_file(path)?,
-            None => Days::new(),
+        let (keep, days) = match (
+            &config.store.backend,
+            &config.store.url,
+            &config.alerts.path,
+        ) {
+            (Backend::Redis, Some(url), _) => {
+                let client = redis::Client::open(url.as_str())
+                    .map_err(|e| format!("the refusal tally's Redis client: {e}"))?;
+                let prefix = config.store.prefix.as_deref().unwrap_or("fg:");
+                let keep = Keep::Redis(Box::new(RedisTally {
+                    client,
+                    conn: tokio::sync::Mutex::new(None),
+                    key: format!("{prefix}{{floodgate}}:tally:"),
+                }));
+                (keep, Days::new())
+            }
+            (_, _, Some(path)) => (Keep::File(path.clone()), read_file(path)?),
+            _ => (Keep::Memory, Days::new()),
         };
-        Ok(Tally::with_days(config, config.alerts.path.clone(), days))
+        Ok(Tally::with(config, keep, days))
     }
 
     /// A tally in memory only, for `config`'s keys.
     pub fn in_memory(config: &Config) -> Tally {
-        Tally::with_days(config, None, Days::new())
+        Tally::with(config, Keep::Memory, Days::new())
     }
 
-    fn with_days(config: &Config, path: Option<PathBuf>, days: Days) -> Tally {
+    fn with(config: &Config, keep: Keep, days: Days) -> Tally {
         Tally {
             subjects: std::iter::once(GATEWAY_SUBJECT.to_owned())
                 .chain(config.keys.iter().map(|k| format!("key:{}", k.id)))
@@ -147,7 +219,8 @@ impl Tally {
                 days,
                 unsaved: false,
             }),
-            path,
+            keep,
+            flushing: tokio::sync::Mutex::new(()),
             flush_every: config.alerts.flush_every,
             retention_days: config.alerts.retention_days,
         }
@@ -160,14 +233,18 @@ impl Tally {
         counters
     }
 
-    /// Moves every worker's counts into the aggregate under today's local date, drops days past
-    /// the retention, and writes the file. A failed write is logged and retried at the next
-    /// flush: the counts stay in the aggregate.
-    pub fn flush(&self) {
-        self.flush_on(today());
+    /// Moves every worker's counts into the aggregate under today's local date and saves it
+    /// (file or Redis). A failed save is logged and retried at the next flush: the counts stay
+    /// in memory until then.
+    pub async fn flush(&self) {
+        let _one = self.flushing.lock().await;
+        self.collect(today());
+        self.save().await;
     }
 
-    fn flush_on(&self, day: NaiveDate) {
+    /// Moves every worker's counts into the aggregate under `day`; in memory or a file, drops
+    /// the days past the retention (Redis expires them itself).
+    fn collect(&self, day: NaiveDate) {
         let mut aggregate = lock(&self.aggregate);
         let Aggregate { days, unsaved } = &mut *aggregate;
         let mut added = 0;
@@ -185,21 +262,59 @@ impl Tally {
                 }
             }
         }
-        let oldest = day
-            .checked_sub_days(chrono::Days::new(u64::from(self.retention_days) - 1))
-            .unwrap_or(NaiveDate::MIN)
-            .to_string();
         let before = days.len();
-        days.retain(|d, _| *d >= oldest);
+        if !matches!(self.keep, Keep::Redis(_)) {
+            let oldest = oldest_kept(day, self.retention_days);
+            days.retain(|d, _| *d >= oldest);
+        }
         *unsaved |= added > 0 || days.len() != before;
-        if let Some(path) = self.path.as_ref().filter(|_| *unsaved) {
-            match write_file(path, days) {
-                Ok(()) => *unsaved = false,
-                Err(e) => tracing::error!(
-                    path = %path.display(),
-                    error = %e,
-                    "cannot write the refusal tally; retrying at the next flush"
-                ),
+    }
+
+    async fn save(&self) {
+        match &self.keep {
+            Keep::Memory => {}
+            Keep::File(path) => {
+                let mut aggregate = lock(&self.aggregate);
+                if aggregate.unsaved {
+                    match write_file(path, &aggregate.days) {
+                        Ok(()) => aggregate.unsaved = false,
+                        Err(e) => tracing::error!(
+                            path = %path.display(),
+                            error = %e,
+                            "cannot write the refusal tally; retrying at the next flush"
+                        ),
+                    }
+                }
+            }
+            Keep::Redis(r) => {
+                let pending = lock(&self.aggregate).days.clone();
+                if pending.is_empty() {
+                    return;
+                }
+                let ttl = (u64::from(self.retention_days) + 1) * 86_400;
+                let mut pipe = redis::pipe();
+                pipe.atomic();
+                for (day, subjects) in &pending {
+                    let key = format!("{}{day}", r.key);
+                    for (subject, n) in subjects {
+                        pipe.hincr(&key, subject, *n).ignore();
+                    }
+                    pipe.expire(&key, ttl as i64).ignore();
+                }
+                let written = r.call::<()>(&pipe).await;
+                match written {
+                    // Only a flush adds to `pending`, and flushes take turns: all of it is
+                    // written now.
+                    Ok(()) => {
+                        let mut aggregate = lock(&self.aggregate);
+                        aggregate.days.clear();
+                    }
+                    Err(e) => tracing::warn!(
+                        error = %e,
+                        refusals = pending.values().flat_map(BTreeMap::values).sum::<u64>(),
+                        "cannot add to the refusal tally in Redis; retrying at the next flush"
+                    ),
+                }
             }
         }
     }
@@ -214,19 +329,41 @@ impl Tally {
                 () = tokio::time::sleep(wait) => {}
                 () = &mut stop => return,
             }
-            // The day the flush's counts belong to: a flush just before midnight is today's.
-            let day = today();
-            let tally = Arc::clone(&self);
-            // File writes off the event loop.
-            let _ = tokio::task::spawn_blocking(move || tally.flush_on(day)).await;
+            self.flush().await;
         }
     }
 
     /// The alerts: one per day and subject with refusals, the counts not yet flushed added to
-    /// today's, newest day first, then most refusals first.
-    pub fn alerts(&self) -> Vec<Alert> {
-        let mut days = lock(&self.aggregate).days.clone();
-        let today = today().to_string();
+    /// today's, newest day first, then most refusals first. On Redis, every replica's; an
+    /// error if Redis cannot be read.
+    pub async fn alerts(&self) -> Result<Vec<Alert>, String> {
+        let now = today();
+        let mut days = match &self.keep {
+            Keep::Redis(r) => {
+                let listed: Vec<String> = (0..self.retention_days)
+                    .filter_map(|back| now.checked_sub_days(chrono::Days::new(back.into())))
+                    .map(|d| d.to_string())
+                    .collect();
+                let mut pipe = redis::pipe();
+                for day in &listed {
+                    pipe.hgetall(format!("{}{day}", r.key));
+                }
+                let stored: Vec<BTreeMap<String, u64>> = r
+                    .call(&pipe)
+                    .await
+                    .map_err(|e| format!("cannot read the refusal tally from Redis: {e}"))?;
+                let mut days: Days = listed.into_iter().zip(stored).collect();
+                let pending = lock(&self.aggregate);
+                add(&mut days, &pending.days);
+                drop(pending);
+                days
+            }
+            _ => {
+                let aggregate = lock(&self.aggregate);
+                aggregate.days.clone()
+            }
+        };
+        let today = now.to_string();
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
                 let n = counter.load(Ordering::Relaxed);
@@ -250,8 +387,26 @@ impl Tally {
             })
             .collect();
         alerts.sort_by(|a, b| b.day.cmp(&a.day).then(b.count.cmp(&a.count)));
-        alerts
+        Ok(alerts)
     }
+}
+
+/// Adds `more` into `days`.
+fn add(days: &mut Days, more: &Days) {
+    for (day, subjects) in more {
+        let into = days.entry(day.clone()).or_default();
+        for (subject, n) in subjects {
+            let count = into.entry(subject.clone()).or_default();
+            *count = count.saturating_add(*n);
+        }
+    }
+}
+
+/// The oldest day a retention of `retention_days` keeps on `day`, as `YYYY-MM-DD`.
+fn oldest_kept(day: NaiveDate, retention_days: u32) -> String {
+    day.checked_sub_days(chrono::Days::new(u64::from(retention_days.max(1)) - 1))
+        .unwrap_or(NaiveDate::MIN)
+        .to_string()
 }
 
 fn alert(day: &str, subject: &str, count: u64) -> Alert {
@@ -362,16 +517,21 @@ mod tests {
         s.parse().unwrap()
     }
 
-    #[test]
-    fn counts_from_every_worker_land_on_the_flush_day() {
+    async fn flush_on(tally: &Tally, day: NaiveDate) {
+        tally.collect(day);
+        tally.save().await;
+    }
+
+    #[tokio::test]
+    async fn counts_from_every_worker_land_on_the_flush_day() {
         let tally = Tally::in_memory(&config(None, 90));
         let (a, b) = (tally.worker(), tally.worker());
         a.refused(Subject::Key(1));
         b.refused(Subject::Key(1));
         b.refused(Subject::Gateway);
-        tally.flush_on(day("2026-12-01"));
+        flush_on(&tally, day("2026-12-01")).await;
         a.refused(Subject::Key(0));
-        tally.flush_on(day("2026-12-02"));
+        flush_on(&tally, day("2026-12-02")).await;
         let days = lock(&tally.aggregate).days.clone();
         assert_eq!(
             days["2026-12-01"],
@@ -383,20 +543,20 @@ mod tests {
         );
     }
 
-    #[test]
-    fn old_days_are_dropped_past_the_retention() {
+    #[tokio::test]
+    async fn old_days_are_dropped_past_the_retention() {
         let tally = Tally::in_memory(&config(None, 2));
         let w = tally.worker();
         for d in ["2026-11-29", "2026-11-30", "2026-12-01"] {
             w.refused(Subject::Gateway);
-            tally.flush_on(day(d));
+            flush_on(&tally, day(d)).await;
         }
         let days: Vec<String> = lock(&tally.aggregate).days.keys().cloned().collect();
         assert_eq!(days, ["2026-11-30", "2026-12-01"]);
     }
 
-    #[test]
-    fn the_file_survives_a_restart_and_a_bad_one_is_refused() {
+    #[tokio::test]
+    async fn the_file_survives_a_restart_and_a_bad_one_is_refused() {
         let dir = std::env::temp_dir().join(format!("floodgate-tally-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tally.json");
@@ -404,10 +564,10 @@ mod tests {
         let c = config(Some(path.clone()), 90);
         let first = Tally::open(&c).unwrap();
         first.worker().refused(Subject::Key(0));
-        first.flush_on(day("2026-12-01"));
+        flush_on(&first, day("2026-12-01")).await;
         let second = Tally::open(&c).unwrap();
         second.worker().refused(Subject::Key(0));
-        second.flush_on(day("2026-12-01"));
+        flush_on(&second, day("2026-12-01")).await;
         assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 2);
 
         std::fs::write(&path, "{\"version\": 1, \"days\": {\"yesterday\": {}}}").unwrap();
@@ -420,15 +580,15 @@ mod tests {
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
-    #[test]
-    fn alerts_add_what_is_not_flushed_yet() {
+    #[tokio::test]
+    async fn alerts_add_what_is_not_flushed_yet() {
         let tally = Tally::in_memory(&config(None, 90));
         let w = tally.worker();
         w.refused(Subject::Key(0));
         w.refused(Subject::Key(0));
-        tally.flush_on(day("2020-01-01"));
+        flush_on(&tally, day("2020-01-01")).await;
         w.refused(Subject::Gateway);
-        let alerts = tally.alerts();
+        let alerts = tally.alerts().await.unwrap();
         assert_eq!(alerts.len(), 2, "{alerts:?}");
         assert_eq!(alerts[0].day, today().to_string());
         assert_eq!(
@@ -447,6 +607,26 @@ mod tests {
             alerts[1].message,
             "key `alice` was refused 2 requests (429) on 2020-01-01"
         );
+    }
+
+    #[tokio::test]
+    async fn counts_that_redis_did_not_take_are_kept_for_the_next_flush() {
+        let mut c = config(None, 90);
+        c.store.backend = Backend::Redis;
+        // Nothing listens on port 1.
+        c.store.url = Some("redis://127.0.0.1:1/0".into());
+        let tally = Tally::open(&c).unwrap();
+        let w = tally.worker();
+        w.refused(Subject::Key(1));
+        tally.flush().await;
+        w.refused(Subject::Key(1));
+        tally.flush().await;
+        assert_eq!(
+            lock(&tally.aggregate).days[&today().to_string()]["key:bob"],
+            2
+        );
+        let e = tally.alerts().await.unwrap_err();
+        assert!(e.contains("Redis"), "{e}");
     }
 
     #[test]

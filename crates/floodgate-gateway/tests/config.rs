@@ -9,6 +9,7 @@ use floodgate_gateway::Config;
 /// `(fixture, line, field)`.
 const CASES: &[(&str, usize, &str)] = &[
     ("alerts-path-in-missing-directory.toml", 5, "alerts.path"),
+    ("alerts-path-on-redis.toml", 9, "alerts.path"),
     ("alerts-secret-of-a-key.toml", 9, "alerts.secret"),
     ("alerts-zero-flush.toml", 5, "alerts.flush_sec"),
     ("api-key-env-not-a-name.toml", 3, "upstream.api_key_env"),

@@ -336,3 +336,60 @@ async fn the_gateway_keeps_its_limits_on_redis_over_tls() {
         "decided by Redis (rate-limit headers on every answer), not failed open"
     );
 }
+
+/// Two replicas on one Redis keep one refusal tally: each flushes its own counts into the day's
+/// hash, and either one's `/alerts` shows the sum.
+#[tokio::test]
+async fn replicas_on_one_redis_share_one_refusal_tally() {
+    let Some(url) = redis_url() else { return };
+    let up = fake_upstream().await;
+    let text = format!(
+        r#"
+[store]
+backend = "redis"
+url = "{url}"
+prefix = "fg-tally-{}:"
+[upstream]
+base_url = "{{upstream}}"
+[alerts]
+secret = "sk-admin"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = {{ requests = 1, window_sec = 60 }}
+"#,
+        unique()
+    );
+    let c = config(&text, &up.url());
+    let mut replicas = Vec::new();
+    for _ in 0..2 {
+        let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+        let tally = std::sync::Arc::new(floodgate_gateway::tally::Tally::open(&c).unwrap());
+        let state = floodgate_gateway::AppState::with_tally(&c, store, &tally).unwrap();
+        replicas.push((gateway_with(state).await, tally));
+    }
+    let (a, b) = (&replicas[0], &replicas[1]);
+    let statuses = [
+        a.0.chat("sk-k", CHAT).await.status.as_u16(),
+        a.0.chat("sk-k", CHAT).await.status.as_u16(),
+        b.0.chat("sk-k", CHAT).await.status.as_u16(),
+        b.0.chat("sk-k", CHAT).await.status.as_u16(),
+    ];
+    assert_eq!(statuses, [200, 429, 429, 429]);
+    async fn count(gw: &Gateway) -> serde_json::Value {
+        let reply = gw
+            .send(gw.request("GET", "/alerts", Some("sk-admin"), ""))
+            .await;
+        assert_eq!(reply.status, 200, "{}", reply.text());
+        reply.json()["alerts"][0]["count"].clone()
+    }
+    // Before any flush each replica sees its own counts only.
+    assert_eq!(count(&a.0).await, 1);
+    a.1.flush().await;
+    b.1.flush().await;
+    assert_eq!(count(&a.0).await, 3);
+    assert_eq!(count(&b.0).await, 3);
+    // A flush with nothing new adds nothing.
+    a.1.flush().await;
+    assert_eq!(count(&b.0).await, 3);
+}

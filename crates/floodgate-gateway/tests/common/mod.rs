@@ -261,7 +261,10 @@ pub async fn gateway(text: &str, upstream: &str) -> Gateway {
 }
 
 pub async fn gateway_on(c: &Config, store: GatewayStore) -> Gateway {
-    let state = AppState::new(c, store).unwrap();
+    gateway_with(AppState::new(c, store).unwrap()).await
+}
+
+pub async fn gateway_with(state: AppState) -> Gateway {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = oneshot::channel::<()>();
