@@ -339,7 +339,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
                 return AppError::BodyTimeout.into_response();
             }
         };
-        let prepared = match metering::prepare_request(bytes) {
+        let prepared = match metering::prepare_request(bytes, budgets.is_some()) {
             Ok(prepared) => prepared,
             Err(why) => return AppError::BadRequest(why).into_response(),
         };

@@ -178,7 +178,7 @@ pub struct Prepared {
 
 /// Prepares a metered completion request body: a streaming request (`"stream": true`) is
 /// rewritten to ask the upstream for usage. Returns the body to forward, what a streaming
-/// request's caller asked for, and the model named.
+/// request's caller asked for, and (with `want_model`: for a chain with budgets) the model named.
 ///
 /// Refused (the caller gets 400, nothing is charged) where the gateway cannot tell for sure
 /// whether the upstream will stream, since a stream it did not ask usage for would go
@@ -186,7 +186,7 @@ pub struct Prepared {
 /// with a byte-order mark or a `NaN` in it), a `stream` that is not `true`, `false` or `null`
 /// (some servers take `1` or `"true"` for true), and a body that names `stream` or
 /// `stream_options` twice (servers differ on which one counts).
-pub fn prepare_request(body: Bytes) -> Result<Prepared, String> {
+pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
         return Err("The request body is not a JSON object.".into());
     };
@@ -204,10 +204,14 @@ pub fn prepare_request(body: Bytes) -> Result<Prepared, String> {
     let options = field("stream_options")?;
     // Read only to price a response that names no model: a duplicate or a non-string is no
     // model rather than an error.
-    let model = field("model")
-        .ok()
-        .flatten()
-        .and_then(|m| serde_json::from_str::<String>(m.get()).ok());
+    let model = if want_model {
+        field("model")
+            .ok()
+            .flatten()
+            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+    } else {
+        None
+    };
     match stream.map(RawValue::get) {
         Some("true") => {}
         None | Some("false" | "null") => {
@@ -971,10 +975,15 @@ mod tests {
             })
         );
         assert_eq!(model, None);
-        let p =
-            prepare_request(Bytes::from_static(br#"{"model":"gpt-4o","stream":true}"#)).unwrap();
+        let body = Bytes::from_static(br#"{"model":"gpt-4o","stream":true}"#);
+        let p = prepare_request(body.clone(), true).unwrap();
         assert_eq!(p.model.as_deref(), Some("gpt-4o"));
-        let p = prepare_request(Bytes::from_static(br#"{"model":7}"#)).unwrap();
+        assert_eq!(
+            prepare_request(body, false).unwrap().model,
+            None,
+            "not asked for"
+        );
+        let p = prepare_request(Bytes::from_static(br#"{"model":7}"#), true).unwrap();
         assert_eq!(p.model, None);
         // A model in a stream: any chunk's, with any spacing; not one inside a string.
         assert_eq!(
@@ -991,7 +1000,7 @@ mod tests {
     #[test]
     fn stream_requests_ask_for_usage() {
         let ask = |body: &'static [u8]| {
-            prepare_request(Bytes::from_static(body)).map(|p| (p.body, p.stream))
+            prepare_request(Bytes::from_static(body), false).map(|p| (p.body, p.stream))
         };
         let (b, s) = ask(br#"{"stream":true,"model":"m"}"#).unwrap();
         assert_eq!(
@@ -1032,7 +1041,7 @@ mod tests {
             b"{\"stream\":false}",
             b"{\"stream\" : null}",
         ] {
-            let p = prepare_request(Bytes::copy_from_slice(body)).unwrap();
+            let p = prepare_request(Bytes::copy_from_slice(body), false).unwrap();
             let (b, s) = (p.body, p.stream);
             assert_eq!((&b[..], s), (body, None));
         }
@@ -1046,7 +1055,7 @@ mod tests {
             b"{\"stream\":1}",
             b"{\"stream\":\"true\"}",
         ] {
-            assert!(prepare_request(Bytes::copy_from_slice(body)).is_err());
+            assert!(prepare_request(Bytes::copy_from_slice(body), false).is_err());
         }
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
