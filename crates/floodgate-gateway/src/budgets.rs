@@ -47,9 +47,16 @@ impl Price {
 #[derive(Debug, Default)]
 pub struct Prices {
     by_model: HashMap<String, Price>,
+    /// The length of the longest priced name: no longer prefix of a model can match.
+    longest: usize,
     fallback: Option<Price>,
     warned: Mutex<HashSet<String>>,
 }
+
+/// How many unpriced models are warned about, each once; past that, one last warning says so.
+/// A request names its own model (used when the response names none), so a caller could
+/// otherwise grow the set, and the log, without bound.
+const MAX_WARNED: usize = 256;
 
 impl Prices {
     /// The table of `[[prices]]`.
@@ -68,6 +75,7 @@ impl Prices {
             }
         }
         Prices {
+            longest: by_model.keys().map(String::len).max().unwrap_or(0),
             by_model,
             fallback,
             warned: Mutex::new(HashSet::new()),
@@ -80,9 +88,13 @@ impl Prices {
         if let Some(p) = self.by_model.get(model) {
             return Some(*p);
         }
-        // Longest first: cut at the last `-`, then the one before, ...
-        let mut end = model.len();
-        while let Some(dash) = model[..end].rfind('-') {
+        // Longest first: cut at the last `-` that could end a priced name, then the one before,
+        // ... Only dashes within the longest priced name's length can (the model is the
+        // caller's text when the response names none: a long one must not cost a lookup per
+        // dash). A `-` is one byte, so a cut there is always a char boundary.
+        let bytes = model.as_bytes();
+        let mut end = bytes.len().min(self.longest + 1);
+        while let Some(dash) = bytes[..end].iter().rposition(|&b| b == b'-') {
             if let Some(p) = self.by_model.get(&model[..dash]) {
                 return Some(*p);
             }
@@ -102,16 +114,18 @@ impl Prices {
             Some(p) => p.cost(usage),
             None => {
                 let name = model.unwrap_or("(no model named)");
-                let first = self
-                    .warned
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .insert(name.to_owned());
-                if first {
+                let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
+                if warned.len() < MAX_WARNED && !warned.contains(name) {
+                    warned.insert(name.to_owned());
                     tracing::warn!(
                         model = name,
                         "no [[prices]] entry prices this model (and no `*`): its responses spend nothing against budgets"
                     );
+                    if warned.len() == MAX_WARNED {
+                        tracing::warn!(
+                            "{MAX_WARNED} unpriced models warned about: no more such warnings"
+                        );
+                    }
                 }
                 0
             }
@@ -192,10 +206,19 @@ mod tests {
         // Not at a `-` boundary: `gpt-4omni` is not a `gpt-4o`.
         assert_eq!(p.lookup("gpt-4omni").unwrap().input_pico, 1);
         assert_eq!(p.lookup("claude").unwrap().input_pico, 1);
+        // A model far longer than any priced name, all dashes: no lookup per dash.
+        let long = "gpt-4o-mini-".repeat(100_000);
+        assert_eq!(p.lookup(&long).unwrap().input_pico, 150_000);
+        assert_eq!(p.lookup(&"-".repeat(1_000_000)).unwrap().input_pico, 1);
+        assert_eq!(p.lookup("é-gpt-4o").unwrap().input_pico, 1);
         let no_star = Prices::new(&[price("gpt-4o", 1, 1)]);
         assert_eq!(no_star.lookup("o1"), None);
         assert_eq!(no_star.spend(Some("o1"), &usage(Some(5), Some(5), 10)), 0);
         assert_eq!(no_star.spend(None, &usage(Some(5), Some(5), 10)), 0);
+        for i in 0..1_000 {
+            no_star.spend(Some(&format!("m{i}")), &usage(None, None, 1));
+        }
+        assert_eq!(no_star.warned.lock().unwrap().len(), MAX_WARNED);
     }
 
     #[test]

@@ -1311,6 +1311,10 @@ impl Store for RedisStore {
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            // Nothing to read (and MGET takes at least one key).
+            return Ok(no_periods(now));
+        }
         let cmd = self.periods_cmd(&PERIODS_READ, counters, None, now);
         let seen = self
             .inner
@@ -1337,6 +1341,9 @@ impl Store for RedisStore {
         amount: u64,
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            return Ok(no_periods(now));
+        }
         let cmd = self.periods_cmd(&PERIODS_ADD, counters, Some(amount), now);
         self.inner
             .run::<Vec<::redis::Value>>(&PERIODS_ADD, &cmd)
@@ -1375,6 +1382,15 @@ impl RedisStore {
             });
         }
         cmd
+    }
+}
+
+/// The observation of an operation on no counters, which needs no call.
+fn no_periods(now: Option<Timestamp>) -> PeriodObservation {
+    PeriodObservation {
+        now: now.unwrap_or_else(Timestamp::now),
+        enforced: true,
+        totals: Vec::new(),
     }
 }
 
