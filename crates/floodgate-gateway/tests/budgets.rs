@@ -1,7 +1,8 @@
 //! Budgets: spend priced per model from JSON and SSE usage fills a daily cap, then requests are
 //! refused with 429 `insufficient_quota` until the UTC day ends, charging no rate limit; an org's
 //! budget refuses every key of the org; prices match exactly, by `-` prefix, or by `*`; an
-//! unpriced model spends nothing; the store failing open or closed.
+//! unpriced model spends nothing; the store failing open or closed; a stream in flight is never
+//! cut off by a budget spent meanwhile.
 //!
 //! The gateway runs on a memory store with a fake clock pinned 100 s before a UTC midnight.
 
@@ -340,4 +341,33 @@ usd = 1
     assert_eq!(r.status, 503);
     assert_eq!(r.json()["error"]["code"], "rate_limiter_unavailable");
     assert_eq!(up.seen.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_budget_spent_while_a_stream_is_in_flight_does_not_cut_it() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let gw = std::sync::Arc::new(pinned_gateway(&tiny_budget(), &up.url(), &clock).await);
+    // A stream whose last chunk comes 500 ms after the first.
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    req.headers_mut()
+        .insert("x-test-last-delay-ms", "500".parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-model", "gpt-4o".parse().unwrap());
+    let streaming = tokio::spawn({
+        let gw = gw.clone();
+        async move { gw.send(req).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Meanwhile another answer spends the whole budget (625 µUSD of gpt-4o > 100).
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 200);
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 429);
+    let r = streaming.await.unwrap();
+    assert_eq!(r.status, 200);
+    let events = events(&r.body);
+    assert_eq!(events.len(), 4, "the stream ran to its end: {events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    settle().await;
+    // And its own spend (25 + 25 tokens of gpt-4o: 312.5, so 313) was still recorded.
+    assert_eq!(spent(&gw, "sk-k", None).await, [625 + 313]);
 }
