@@ -14,7 +14,7 @@ use axum::http::header::{
 };
 use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use floodgate::{ChainDecision, Error as StoreError};
+use floodgate::{BudgetDecision, Budgets, ChainDecision, Error as StoreError};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -24,10 +24,11 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 
 use crate::auth::{CUSTOMER_HEADER, KeyEntry, Keys, ResolvedChain};
+use crate::budgets::Prices;
 use crate::config::Config;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
-use crate::metering::{self, Meter, MeteredBody, RequestLog};
+use crate::metering::{self, Meter, MeteredBody, RequestLog, Spend};
 use crate::proxy::Upstream;
 use crate::store::GatewayStore;
 use crate::tally::{Counters, Subject, Tally};
@@ -45,6 +46,7 @@ pub struct AppState {
 #[derive(Debug)]
 struct Inner {
     keys: Keys,
+    prices: Arc<Prices>,
     store: GatewayStore,
     upstream: Upstream,
     header_timeout: Duration,
@@ -72,6 +74,7 @@ impl AppState {
         Ok(AppState {
             inner: Arc::new(Inner {
                 keys: Keys::from_config(config),
+                prices: Arc::new(Prices::new(&config.prices)),
                 store,
                 upstream: Upstream::from_config(&config.upstream)?,
                 header_timeout: config.header_timeout,
@@ -90,6 +93,11 @@ impl AppState {
     /// The keys and their chains.
     pub fn keys(&self) -> &Keys {
         &self.inner.keys
+    }
+
+    /// The price table budgets are charged from.
+    pub fn prices(&self) -> &Arc<Prices> {
+        &self.inner.prices
     }
 
     /// The upstream.
@@ -343,8 +351,11 @@ async fn proxy(state: AppState, req: Request) -> Response {
     let ResolvedChain {
         chain,
         headers: fixed,
+        budgets,
     } = state.keys().chain_for(&key, customer);
-    let metered = chain.has_reactive();
+    // Budgets are charged from usage too: a chain with budgets is metered like one with a
+    // token limit.
+    let metered = budgets.is_some() || chain.has_reactive();
 
     // A streaming completion is rewritten to ask the upstream for usage; the body is read
     // before admission so that a body that cannot be read costs nothing.
@@ -354,6 +365,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
         parts.headers.remove(ACCEPT_ENCODING);
     }
     let mut stream_req = None;
+    let mut request_model = None;
     let body = if metered
         && parts.method == Method::POST
         && metering::is_completion_path(parts.uri.path())
@@ -376,11 +388,13 @@ async fn proxy(state: AppState, req: Request) -> Response {
                 return AppError::BodyTimeout.into_response();
             }
         };
-        let (bytes, s) = match metering::prepare_request(bytes) {
+        let prepared = match metering::prepare_request(bytes, budgets.is_some()) {
             Ok(prepared) => prepared,
             Err(why) => return AppError::BadRequest(why).into_response(),
         };
-        stream_req = s;
+        let bytes = prepared.body;
+        stream_req = prepared.stream;
+        request_model = prepared.model;
         parts
             .headers
             .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
@@ -389,17 +403,23 @@ async fn proxy(state: AppState, req: Request) -> Response {
         body
     };
 
+    // Budgets first, read without charging anything: a spent budget refuses before any rate
+    // limit is charged. The read is not part of the admission's atomic step because a budget
+    // is reactive (a response's spend is known only after it), so an atomic check would be no
+    // more exact; concurrent requests can overrun a budget by what they spend in flight.
+    if let Some(budgets) = &budgets {
+        match budgets.check(state.store()).await {
+            Ok(d) if d.allowed() => {}
+            Ok(d) => {
+                let req = Request::from_parts(parts, Body::empty());
+                return refuse_budget(&state, &key, &req, start, budgets, &d);
+            }
+            Err(e) => return store_error(&key.id, parts, start, e),
+        }
+    }
     let decision = match chain.admit(state.store(), 1).await {
         Ok(d) => d,
-        Err(e) => {
-            let req = Request::from_parts(parts, Body::empty());
-            let err = match e {
-                StoreError::Unavailable(why) => AppError::StoreUnavailable(why),
-                other => AppError::Internal(other.to_string()),
-            };
-            log_local(Some(&key.id), &req, start, err.status(), "store_error");
-            return err.into_response();
-        }
+        Err(e) => return store_error(&key.id, parts, start, e),
     };
     if !decision.admitted {
         return refuse(
@@ -490,8 +510,67 @@ async fn proxy(state: AppState, req: Request) -> Response {
         start,
         decision: decision_name,
     };
-    let body = MeteredBody::new(body, meter, state.store().clone(), chain, log);
+    let spend = budgets.map(|budgets| Spend {
+        budgets,
+        prices: Arc::clone(state.prices()),
+        request_model,
+    });
+    let body = MeteredBody::new(body, meter, state.store().clone(), chain, spend, log);
     Response::from_parts(head, Body::new(body))
+}
+
+/// The answer when the store could not decide: 503 when it fails closed, else 500.
+fn store_error(
+    key: &str,
+    parts: axum::http::request::Parts,
+    start: Instant,
+    e: StoreError,
+) -> Response {
+    let req = Request::from_parts(parts, Body::empty());
+    let err = match e {
+        StoreError::Unavailable(why) => AppError::StoreUnavailable(why),
+        other => AppError::Internal(other.to_string()),
+    };
+    log_local(Some(key), &req, start, err.status(), "store_error");
+    err.into_response()
+}
+
+/// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
+/// until the budget's period ends. No rate limit was consulted, so no rate-limit state headers.
+/// Counted in the refusal tally like a rate-limit refusal.
+fn refuse_budget(
+    state: &AppState,
+    key: &KeyEntry,
+    req: &Request,
+    start: Instant,
+    budgets: &Budgets,
+    decision: &BudgetDecision,
+) -> Response {
+    let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
+    let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
+        let err = AppError::Internal("refused without an exceeded budget".into());
+        log_local(Some(&key.id), req, start, err.status(), "refused");
+        return err.into_response();
+    };
+    let name = match b.scope() {
+        floodgate::ScopeKind::Key => "budget:key",
+        floodgate::ScopeKind::Project => "budget:project",
+        floodgate::ScopeKind::Team => "budget:team",
+        floodgate::ScopeKind::BusinessUnit => "budget:business_unit",
+        floodgate::ScopeKind::Org => "budget:org",
+        floodgate::ScopeKind::Customer => "budget:customer",
+        floodgate::ScopeKind::Gateway => "budget:gateway",
+    };
+    let err = AppError::BudgetExceeded {
+        scope: b.scope(),
+        period: b.period(),
+        retry_after: wait,
+    };
+    count_refusal(state, key, b.scope());
+    log_local(Some(&key.id), req, start, err.status(), name);
+    let mut resp = err.into_response();
+    headers::apply_retry_after(resp.headers_mut(), wait);
+    resp
 }
 
 /// Logs the request line of a caller that went away while its request waited for the upstream
@@ -529,8 +608,18 @@ impl Drop for CallerGone<'_> {
     }
 }
 
+/// Counts a 429 in the refusal tally: against the gateway if its own scope refused, else against
+/// the key.
+fn count_refusal(state: &AppState, key: &KeyEntry, refused_by: floodgate::ScopeKind) {
+    let subject = match refused_by {
+        floodgate::ScopeKind::Gateway => Subject::Gateway,
+        _ => Subject::Key(key.index),
+    };
+    state.inner.refusals.refused(subject);
+}
+
 /// The 429 for a refused request, with the refusing limit's headers; counted in the refusal
-/// tally, against the gateway if its own limit refused, else against the key.
+/// tally.
 fn refuse(
     state: &AppState,
     key: &KeyEntry,
@@ -557,11 +646,9 @@ fn refuse(
         floodgate::ScopeKind::Customer => "refused:customer",
         floodgate::ScopeKind::Gateway => "refused:gateway",
     });
-    let subject = match decision.refusing() {
-        Some(r) if r.scope == floodgate::ScopeKind::Gateway => Subject::Gateway,
-        _ => Subject::Key(key.index),
-    };
-    state.inner.refusals.refused(subject);
+    if let Some(r) = decision.refusing() {
+        count_refusal(state, key, r.scope);
+    }
     log_local(Some(&key.id), &req, start, err.status(), name);
     let mut resp = err.into_response();
     headers::apply(resp.headers_mut(), decision, fixed);

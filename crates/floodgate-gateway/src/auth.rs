@@ -9,10 +9,10 @@ use std::sync::Arc;
 
 use axum::http::HeaderMap;
 use axum::http::header::AUTHORIZATION;
-use floodgate::{Chain, ChainLimit, ScopeKind};
+use floodgate::{Budget, Budgets, Chain, ChainLimit, ScopeKind};
 use sha2::{Digest, Sha256};
 
-use crate::config::{Config, GATEWAY_ID, ScopeLimit};
+use crate::config::{BudgetConfig, Config, GATEWAY_ID, ScopeLimit};
 use crate::headers::ChainHeaders;
 
 /// The header naming the end customer of a request, which adds the `customer` scope.
@@ -27,6 +27,8 @@ pub struct KeyEntry {
     pub index: usize,
     /// The key's limits without customer and gateway: key, project, team, business unit, org.
     own: Vec<ChainLimit>,
+    /// The key's budgets without customer and gateway, in the same order.
+    own_budgets: Vec<Budget>,
     /// The full chain for requests that name no customer (own limits, then the gateway's).
     chain: ResolvedChain,
 }
@@ -38,13 +40,17 @@ pub struct ResolvedChain {
     pub chain: Arc<Chain>,
     /// Their fixed header values.
     pub headers: Arc<ChainHeaders>,
+    /// The budgets that apply, narrowest first; `None` when there are none, so that a chain
+    /// without budgets costs nothing more per request.
+    pub budgets: Option<Arc<Budgets>>,
 }
 
 impl ResolvedChain {
-    fn new(chain: Chain) -> ResolvedChain {
+    fn new(chain: Chain, budgets: Vec<Budget>) -> ResolvedChain {
         ResolvedChain {
             headers: Arc::new(ChainHeaders::new(&chain)),
             chain: Arc::new(chain),
+            budgets: (!budgets.is_empty()).then(|| Arc::new(Budgets::new(budgets))),
         }
     }
 }
@@ -56,12 +62,20 @@ impl KeyEntry {
     }
 }
 
-/// Every key, by the SHA-256 of its secret, plus the customer and gateway limits.
+/// Every key, by the SHA-256 of its secret, plus the customer and gateway limits and budgets.
 #[derive(Debug, Default)]
 pub struct Keys {
     by_hash: HashMap<[u8; 32], Arc<KeyEntry>>,
-    customers: HashMap<Box<str>, Vec<ChainLimit>>,
+    customers: HashMap<Box<str>, Customer>,
     gateway: Vec<ChainLimit>,
+    gateway_budgets: Vec<Budget>,
+}
+
+/// A customer's limits and budgets, added to a chain by the customer header.
+#[derive(Debug, Default)]
+struct Customer {
+    limits: Vec<ChainLimit>,
+    budgets: Vec<Budget>,
 }
 
 fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
@@ -72,20 +86,31 @@ fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<Ch
         .collect()
 }
 
+fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<Budget> {
+    config
+        .scope_budgets(kind, id)
+        .iter()
+        .map(|b: &BudgetConfig| Budget::new(tenant, kind, id, b.period, b.micro_usd))
+        .collect()
+}
+
 impl Keys {
     /// Builds every key's chain from `config`.
     pub fn from_config(config: &Config) -> Keys {
         let gateway = limits_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
+        let gateway_budgets = budgets_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
         let customers = config
             .limits
             .keys()
+            .chain(config.budgets.keys())
             .filter(|(kind, _)| *kind == ScopeKind::Customer)
             .map(|(_, id)| {
                 let tenant = format!("customer:{id}");
-                (
-                    Box::from(id.as_str()),
-                    limits_of(config, &tenant, ScopeKind::Customer, id),
-                )
+                let customer = Customer {
+                    limits: limits_of(config, &tenant, ScopeKind::Customer, id),
+                    budgets: budgets_of(config, &tenant, ScopeKind::Customer, id),
+                };
+                (Box::from(id.as_str()), customer)
             })
             .collect();
         let by_hash = config
@@ -99,12 +124,23 @@ impl Keys {
                     .into_iter()
                     .flat_map(|(kind, id)| limits_of(config, &tenant, kind, id))
                     .collect();
+                let own_budgets: Vec<Budget> = k
+                    .scopes()
+                    .into_iter()
+                    .flat_map(|(kind, id)| budgets_of(config, &tenant, kind, id))
+                    .collect();
                 let chain = Chain::new(own.iter().chain(&gateway).cloned().collect());
+                let budgets = own_budgets
+                    .iter()
+                    .chain(&gateway_budgets)
+                    .cloned()
+                    .collect();
                 let entry = KeyEntry {
                     id: Arc::from(k.id.as_str()),
                     index,
                     own,
-                    chain: ResolvedChain::new(chain),
+                    own_budgets,
+                    chain: ResolvedChain::new(chain, budgets),
                 };
                 (k.secret_sha256, Arc::new(entry))
             })
@@ -113,6 +149,7 @@ impl Keys {
             by_hash,
             customers,
             gateway,
+            gateway_budgets,
         }
     }
 
@@ -143,7 +180,8 @@ impl Keys {
     }
 
     /// The chain of a request by `key` for end customer `customer`: the key's chain, with the
-    /// customer's limits (if the config has any for it) between the org and the gateway.
+    /// customer's limits and budgets (if the config has any for it) between the org's and the
+    /// gateway's.
     pub fn chain_for(&self, key: &KeyEntry, customer: Option<&str>) -> ResolvedChain {
         let Some(extra) = customer.and_then(|c| self.customers.get(c)) else {
             return key.chain.clone();
@@ -151,16 +189,25 @@ impl Keys {
         let limits = key
             .own
             .iter()
-            .chain(extra)
+            .chain(&extra.limits)
             .chain(&self.gateway)
             .cloned()
             .collect();
-        ResolvedChain::new(Chain::new(limits))
+        let budgets = key
+            .own_budgets
+            .iter()
+            .chain(&extra.budgets)
+            .chain(&self.gateway_budgets)
+            .cloned()
+            .collect();
+        ResolvedChain::new(Chain::new(limits), budgets)
     }
 
-    /// The customers that have limits, with them (for `check-config`).
+    /// The customers that have limits or budgets, with their limits (for `check-config`).
     pub fn customers(&self) -> impl Iterator<Item = (&str, &[ChainLimit])> {
-        self.customers.iter().map(|(c, l)| (&**c, l.as_slice()))
+        self.customers
+            .iter()
+            .map(|(c, l)| (&**c, l.limits.as_slice()))
     }
 }
 

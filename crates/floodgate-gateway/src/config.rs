@@ -8,6 +8,10 @@
 //! - `[[rate_limits]]` entries with `scope`, `id`, `rpm` and/or `tpm` (60 s windows; tokens are
 //!   charged after the response).
 //!
+//! Spend is capped by `[[budgets]]` entries (`scope`, `id`, `period` = `day` or `month`, `usd`),
+//! priced from a `[[prices]]` table (`model`, `input_per_million`, `output_per_million` in USD
+//! per million tokens; `model = "*"` prices every model the table does not name).
+//!
 //! When one scope gets two request limits with the same window (one from each shape), the
 //! stricter one is kept: a chain's limits need distinct storage keys, and the stricter limit is
 //! the one that would refuse first anyway.
@@ -19,7 +23,7 @@ use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use floodgate::{Charge, ScopeKind, WindowLimit};
+use floodgate::{Charge, Period, ScopeKind, WindowLimit};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use toml::Spanned;
@@ -105,6 +109,33 @@ struct RawConfig {
     #[serde(default)]
     rate_limits: Vec<Spanned<RawRateLimit>>,
     alerts: Option<RawAlerts>,
+    #[serde(default)]
+    prices: Vec<Spanned<RawPrice>>,
+    #[serde(default)]
+    budgets: Vec<Spanned<RawBudget>>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [[prices]] entry (model, input_per_million, output_per_million)"
+)]
+struct RawPrice {
+    model: Spanned<String>,
+    input_per_million: Spanned<f64>,
+    output_per_million: Spanned<f64>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [[budgets]] entry (scope, id, period, usd)"
+)]
+struct RawBudget {
+    scope: Spanned<String>,
+    id: Option<Spanned<String>>,
+    period: Spanned<String>,
+    usd: Spanned<f64>,
 }
 
 #[derive(Deserialize)]
@@ -227,7 +258,68 @@ pub struct Config {
     pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
     /// The refusal tally and `/alerts`.
     pub alerts: AlertsConfig,
+    /// `[[prices]]`, in the order written.
+    pub prices: Vec<PriceConfig>,
+    /// `[[budgets]]` per scope: `(scope, id) -> budgets` (at most one per period). The gateway
+    /// scope's id is `gateway`.
+    pub budgets: BTreeMap<(ScopeKind, String), Vec<BudgetConfig>>,
 }
+
+/// One `[[prices]]` entry: what a model's tokens cost.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PriceConfig {
+    /// The model name, or `*` for every model the table does not price.
+    pub model: String,
+    /// Pico-USD per input token (= USD per million tokens × 10^6, rounded).
+    pub input_pico: u64,
+    /// Pico-USD per output token.
+    pub output_pico: u64,
+}
+
+/// The wildcard model of `[[prices]]`: the price of every model the table does not name.
+pub const ANY_MODEL: &str = "*";
+
+/// One `[[budgets]]` entry of a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BudgetConfig {
+    /// The calendar period (UTC).
+    pub period: Period,
+    /// The cap, in micro-USD.
+    pub micro_usd: u64,
+}
+
+impl fmt::Display for BudgetConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} per {}", usd(self.micro_usd), self.period)
+    }
+}
+
+/// `micros` micro-USD as dollars: `$25.00`, `$0.000150`.
+pub fn usd(micros: u64) -> String {
+    let (whole, frac) = (micros / 1_000_000, micros % 1_000_000);
+    if frac % 10_000 == 0 {
+        format!("${whole}.{:02}", frac / 10_000)
+    } else {
+        format!("${whole}.{frac:06}")
+    }
+}
+
+/// A price per token in pico-USD as USD per million tokens: `0.15`, `2.5`.
+pub fn per_million(pico: u64) -> String {
+    let (whole, frac) = (pico / 1_000_000, pico % 1_000_000);
+    let frac = format!("{frac:06}");
+    let frac = frac.trim_end_matches('0');
+    if frac.is_empty() {
+        format!("{whole}")
+    } else {
+        format!("{whole}.{frac}")
+    }
+}
+
+/// The largest `usd` a budget takes: about 2^53 micro-USD is the most a period counter holds.
+pub const MAX_BUDGET_USD: f64 = 1e9;
+/// The largest price per million tokens taken.
+pub const MAX_PRICE_PER_MILLION: f64 = 1e6;
 
 impl Config {
     /// A warning for each limit on a team, project, business unit or org that no key belongs
@@ -245,7 +337,39 @@ impl Config {
             .map(|(kind, id)| {
                 format!("no key belongs to {kind} `{id}`: its limits apply to nobody")
             })
+            .chain(
+                self.budgets
+                    .keys()
+                    .filter(|(kind, id)| match kind {
+                        ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => false,
+                        _ => !self
+                            .keys
+                            .iter()
+                            .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
+                    })
+                    .map(|(kind, id)| {
+                        format!("no key belongs to {kind} `{id}`: its budgets apply to nobody")
+                    }),
+            )
+            .chain(self.budget_price_warning())
             .collect()
+    }
+
+    /// A warning when budgets exist but no `*` price does: responses of models the table does
+    /// not price spend nothing against them.
+    pub fn budget_price_warning(&self) -> Option<String> {
+        (!self.budgets.is_empty() && !self.prices.iter().any(|p| p.model == ANY_MODEL)).then(|| {
+            "budgets are set but no `[[prices]]` entry has model = \"*\": responses of models \
+             the table does not price spend nothing against them"
+                .to_owned()
+        })
+    }
+
+    /// The budgets of scope `(kind, id)`, if any.
+    pub fn scope_budgets(&self, kind: ScopeKind, id: &str) -> &[BudgetConfig] {
+        self.budgets
+            .get(&(kind, id.to_owned()))
+            .map_or(&[], Vec::as_slice)
     }
 }
 
@@ -778,6 +902,9 @@ impl Validator<'_> {
             }
         }
 
+        let prices = self.prices(raw.prices)?;
+        let budgets = self.budgets(raw.budgets, &ids)?;
+
         Ok(Config {
             path: self.file.to_path_buf(),
             listen,
@@ -788,6 +915,8 @@ impl Validator<'_> {
             keys,
             limits,
             alerts,
+            prices,
+            budgets,
         })
     }
 
@@ -916,6 +1045,139 @@ impl Validator<'_> {
             )),
             (None, None) => Ok(None),
         }
+    }
+
+    /// A non-negative, finite amount of dollars at most `max`.
+    fn dollars(&self, v: &Spanned<f64>, field: String, max: f64) -> Result<f64, ConfigError> {
+        let x = *v.get_ref();
+        if !x.is_finite() || x < 0.0 {
+            return Err(self.error(
+                v.span(),
+                field,
+                format!("must be a finite amount of USD, at least 0 (got {x})"),
+            ));
+        }
+        if x > max {
+            return Err(self.error(v.span(), field, format!("must be at most {max}")));
+        }
+        Ok(x)
+    }
+
+    fn prices(&self, raw: Vec<Spanned<RawPrice>>) -> Result<Vec<PriceConfig>, ConfigError> {
+        let mut seen: HashMap<String, usize> = HashMap::new();
+        let mut prices = Vec::with_capacity(raw.len());
+        for (i, p) in raw.into_iter().enumerate() {
+            let p = p.into_inner();
+            let field = |f: &str| format!("prices[{i}].{f}");
+            let model = p.model.get_ref().trim().to_owned();
+            if model.is_empty() {
+                return Err(self.error(p.model.span(), field("model"), "must not be empty"));
+            }
+            if let Some(first) = seen.insert(model.clone(), i) {
+                return Err(self.error(
+                    p.model.span(),
+                    field("model"),
+                    format!("prices[{first}] already prices `{model}`"),
+                ));
+            }
+            // USD per million tokens is micro-USD per token; kept as pico-USD per token, an
+            // integer, so that a cost is exact (0.15 * 100 is not 15 in floating point).
+            let pico = |v: &Spanned<f64>, name: &str| -> Result<u64, ConfigError> {
+                let x = self.dollars(v, field(name), MAX_PRICE_PER_MILLION)?;
+                Ok((x * 1e6).round() as u64)
+            };
+            prices.push(PriceConfig {
+                model,
+                input_pico: pico(&p.input_per_million, "input_per_million")?,
+                output_pico: pico(&p.output_per_million, "output_per_million")?,
+            });
+        }
+        Ok(prices)
+    }
+
+    fn budgets(
+        &self,
+        raw: Vec<Spanned<RawBudget>>,
+        keys: &HashMap<String, usize>,
+    ) -> Result<BTreeMap<(ScopeKind, String), Vec<BudgetConfig>>, ConfigError> {
+        let mut budgets: BTreeMap<(ScopeKind, String), Vec<BudgetConfig>> = BTreeMap::new();
+        let mut seen: HashMap<(ScopeKind, String, Period), usize> = HashMap::new();
+        for (i, b) in raw.into_iter().enumerate() {
+            let span = b.span();
+            let b = b.into_inner();
+            let field = |f: &str| format!("budgets[{i}].{f}");
+            let kind = ScopeKind::parse(b.scope.get_ref().trim()).ok_or_else(|| {
+                self.error(
+                    b.scope.span(),
+                    field("scope"),
+                    format!(
+                        "unknown scope `{}`: expected key, project, team, business_unit, org, customer or gateway",
+                        b.scope.get_ref()
+                    ),
+                )
+            })?;
+            let id_span = b.id.as_ref().map_or(span.clone(), |id| id.span());
+            let id = match (kind, b.id) {
+                (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
+                (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
+                    return Err(self.error(
+                        id.span(),
+                        field("id"),
+                        "the gateway scope has no id (omit it, or write \"gateway\")",
+                    ));
+                }
+                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.get_ref().trim().to_owned(),
+                (_, Some(id)) => {
+                    return Err(self.error(id.span(), field("id"), "must not be empty"));
+                }
+                (_, None) => {
+                    return Err(self.error(
+                        span,
+                        field("id"),
+                        format!("a `{kind}` budget needs the id of the {kind} it caps"),
+                    ));
+                }
+            };
+            if kind == ScopeKind::Customer && !id.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+                return Err(self.error(
+                    id_span,
+                    field("id"),
+                    format!(
+                        "a customer id is visible ASCII (the X-Floodgate-Customer header carries no other): no request could name `{id}`"
+                    ),
+                ));
+            }
+            if kind == ScopeKind::Key && !keys.contains_key(&id) {
+                return Err(self.error(
+                    id_span,
+                    field("id"),
+                    format!("no [[keys]] entry has id `{id}`"),
+                ));
+            }
+            let period = Period::parse(b.period.get_ref().trim()).ok_or_else(|| {
+                self.error(
+                    b.period.span(),
+                    field("period"),
+                    format!(
+                        "unknown period `{}`: expected \"day\" or \"month\" (calendar periods in UTC)",
+                        b.period.get_ref()
+                    ),
+                )
+            })?;
+            let usd = self.dollars(&b.usd, field("usd"), MAX_BUDGET_USD)?;
+            if let Some(first) = seen.insert((kind, id.clone(), period), i) {
+                return Err(self.error(
+                    b.period.span(),
+                    field("period"),
+                    format!("budgets[{first}] already caps this {kind} per {period}"),
+                ));
+            }
+            budgets.entry((kind, id)).or_default().push(BudgetConfig {
+                period,
+                micro_usd: (usd * 1e6).round() as u64,
+            });
+        }
+        Ok(budgets)
     }
 
     fn store(

@@ -8,7 +8,7 @@ use std::time::Duration;
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use floodgate::{Charge, ScopeKind, WindowLimit};
+use floodgate::{Charge, Period, ScopeKind, WindowLimit};
 use serde_json::json;
 
 /// What went wrong with a request.
@@ -26,6 +26,16 @@ pub enum AppError {
         limit: WindowLimit,
         /// The exact wait; `None` if the request can never pass.
         retry_after: Option<Duration>,
+    },
+    /// A budget of the chain has reached its cap for the current period (429
+    /// `insufficient_quota`; nothing charged).
+    BudgetExceeded {
+        /// The kind of scope whose budget is spent (never its id).
+        scope: ScopeKind,
+        /// The budget's period.
+        period: Period,
+        /// The wait until every exceeded budget's period ends.
+        retry_after: Duration,
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
@@ -54,7 +64,9 @@ impl AppError {
     pub fn status(&self) -> StatusCode {
         match self {
             AppError::Unauthorized => StatusCode::UNAUTHORIZED,
-            AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
+            AppError::RateLimited { .. } | AppError::BudgetExceeded { .. } => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
@@ -99,6 +111,21 @@ impl AppError {
                     None => message.push_str(" This request can never fit this limit."),
                 }
                 (message, "rate_limit_exceeded", "rate_limit_exceeded")
+            }
+            AppError::BudgetExceeded {
+                scope,
+                period,
+                retry_after,
+            } => {
+                let period = match period {
+                    Period::Day => "daily",
+                    Period::Month => "monthly",
+                };
+                let message = format!(
+                    "Budget exceeded for {scope}: its {period} spend cap (UTC) is reached. Please retry after {}s.",
+                    crate::headers::ceil_secs(*retry_after)
+                );
+                (message, "insufficient_quota", "budget_exceeded")
             }
             AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),
             AppError::BodyTimeout => (

@@ -206,6 +206,13 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
     }
 }
 
+/// `Retry-After` (whole seconds) and `retry-after-ms` for a wait, rounded up: for refusals that
+/// no rate decision describes (a spent budget).
+pub fn apply_retry_after(headers: &mut HeaderMap, wait: Duration) {
+    headers.insert(RETRY_AFTER, ceil_secs(wait).into());
+    headers.insert(RETRY_AFTER_MS, ceil_millis(wait).into());
+}
+
 /// Whether `name` is one of [`ALL`]: all of them start with `x-ratelimit-` or `ratelimit`.
 fn is_rate_limit_header(name: &HeaderName) -> bool {
     let n = name.as_str();

@@ -8,6 +8,7 @@
 //! - [`server`]: the process: worker threads, store, signals, draining;
 //! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
+//! - [`budgets`]: spend caps per scope per day or month, priced per model;
 //! - [`headers`]: rate-limit response headers;
 //! - [`demo`]: the built-in demo upstream;
 //! - [`error`]: OpenAI-style errors;
@@ -30,6 +31,7 @@
 
 pub mod app;
 pub mod auth;
+pub mod budgets;
 pub mod config;
 pub mod demo;
 pub mod error;

@@ -6,7 +6,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use floodgate::ScopeKind;
 use floodgate_gateway::auth::Keys;
-use floodgate_gateway::config::{Backend, Config, GATEWAY_ID, OnError, UpstreamTarget};
+use floodgate_gateway::budgets::Prices;
+use floodgate_gateway::config::{
+    Backend, Config, GATEWAY_ID, OnError, UpstreamTarget, per_million,
+};
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc instead of the system allocator: a proxied request makes some 30 small, short-lived
@@ -109,6 +112,21 @@ fn check_config(file: &PathBuf) -> ExitCode {
         let list: Vec<String> = gateway.iter().map(ToString::to_string).collect();
         println!("gateway: {}", list.join(", "));
     }
+    let gateway_budgets = config.scope_budgets(ScopeKind::Gateway, GATEWAY_ID);
+    for b in gateway_budgets {
+        println!("gateway budget: {b}");
+    }
+    let prices = Prices::new(&config.prices);
+    if !config.prices.is_empty() {
+        println!("prices (USD per million tokens, input / output):");
+        for (model, p) in prices.list() {
+            println!(
+                "    {model:<30} {} / {}",
+                per_million(p.input_pico),
+                per_million(p.output_pico)
+            );
+        }
+    }
     let keys = Keys::from_config(&config);
     println!("keys: {}", config.keys.len());
     for k in &config.keys {
@@ -135,8 +153,27 @@ fn check_config(file: &PathBuf) -> ExitCode {
             println!("    {:<13} {:<16} {l}", "gateway", "-");
             any = true;
         }
+        let budgeted = !gateway_budgets.is_empty()
+            || k.scopes()
+                .into_iter()
+                .any(|(kind, id)| !config.scope_budgets(kind, id).is_empty());
         if !any {
-            println!("    (unlimited)");
+            println!(
+                "    {}",
+                if budgeted {
+                    "(no rate limits)"
+                } else {
+                    "(unlimited)"
+                }
+            );
+        }
+        for (kind, id) in k.scopes() {
+            for b in config.scope_budgets(kind, id) {
+                println!("    {:<13} {id:<16} budget {b}", kind.as_str());
+            }
+        }
+        for b in gateway_budgets {
+            println!("    {:<13} {:<16} budget {b}", "gateway", "-");
         }
     }
     let mut customers: Vec<_> = keys.customers().collect();
@@ -146,6 +183,9 @@ fn check_config(file: &PathBuf) -> ExitCode {
         for (c, _) in customers {
             for l in config.scope_limits(ScopeKind::Customer, c) {
                 println!("    {:<13} {c:<16} {l}", "customer");
+            }
+            for b in config.scope_budgets(ScopeKind::Customer, c) {
+                println!("    {:<13} {c:<16} budget {b}", "customer");
             }
         }
     }

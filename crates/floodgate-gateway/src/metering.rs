@@ -12,7 +12,8 @@
 //!   the stream it asked for.
 //!
 //! Tokens are recorded in a spawned task when the body is dropped (finished, or abandoned by the
-//! caller), exactly once. Metering never delays or cuts a response: a full token window only
+//! caller), exactly once; so is the response's spend, for a chain with budgets (priced from the
+//! input and output tokens and the model the response names, else the one the request named). Metering never delays or cuts a response: a full token window only
 //! refuses later requests.
 
 use std::pin::Pin;
@@ -23,12 +24,13 @@ use std::time::Instant;
 use axum::body::Body;
 use axum::http::{Method, StatusCode, Uri};
 use bytes::{Bytes, BytesMut};
-use floodgate::Chain;
+use floodgate::{Budgets, Chain};
 use http_body::{Frame, SizeHint};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 use serde_json::value::RawValue;
 
+use crate::budgets::{Prices, spend_later};
 use crate::store::GatewayStore;
 
 /// Most bytes of a JSON response kept to read its `usage`; past this the response is forwarded
@@ -44,7 +46,26 @@ struct Usage {
     output_tokens: Option<u64>,
 }
 
+/// A response's token usage as metering read it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TokenUsage {
+    /// Input tokens (`prompt_tokens` or `input_tokens`), if given.
+    pub input: Option<u64>,
+    /// Output tokens (`completion_tokens` or `output_tokens`), if given.
+    pub output: Option<u64>,
+    /// All tokens: what token limits are charged.
+    pub total: u64,
+}
+
 impl Usage {
+    fn detail(&self) -> TokenUsage {
+        TokenUsage {
+            input: self.prompt_tokens.or(self.input_tokens),
+            output: self.completion_tokens.or(self.output_tokens),
+            total: self.total(),
+        }
+    }
+
     fn total(&self) -> u64 {
         // The upstream's numbers: saturating (the store caps counts anyway).
         self.total_tokens.unwrap_or_else(|| {
@@ -69,25 +90,44 @@ struct UsageCarrier {
     choices: Option<Vec<IgnoredAny>>,
     /// Responses API events carry usage on the nested response.
     response: Option<Box<NestedResponse>>,
+    /// The model that answered (what budgets price).
+    model: Option<String>,
 }
 
 #[derive(Deserialize)]
 struct NestedResponse {
     usage: Option<Usage>,
+    model: Option<String>,
 }
 
 impl UsageCarrier {
-    fn tokens(&self) -> Option<u64> {
+    fn usage(&self) -> Option<TokenUsage> {
         self.usage
             .as_ref()
             .or_else(|| self.response.as_ref().and_then(|r| r.usage.as_ref()))
-            .map(Usage::total)
+            .map(Usage::detail)
+    }
+
+    fn tokens(&self) -> Option<u64> {
+        self.usage().map(|u| u.total)
+    }
+
+    fn into_model(self) -> Option<String> {
+        self.model.or_else(|| self.response.and_then(|r| r.model))
     }
 }
 
 /// The tokens in a JSON response body's `usage`, if it has one.
 pub fn usage_from_json(body: &[u8]) -> Option<u64> {
     serde_json::from_slice::<UsageCarrier>(body).ok()?.tokens()
+}
+
+/// A JSON response body's usage and the model it names, if any.
+pub fn usage_and_model_from_json(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
+    match serde_json::from_slice::<UsageCarrier>(body) {
+        Ok(c) => (c.usage(), c.into_model()),
+        Err(_) => (None, None),
+    }
 }
 
 /// A streaming completion request, as the gateway forwards it.
@@ -124,9 +164,21 @@ impl<'de> Deserialize<'de> for TopLevel {
     }
 }
 
+/// A metered completion request, prepared for the upstream.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The body to forward.
+    pub body: Bytes,
+    /// For a streaming request, what the caller asked for.
+    pub stream: Option<StreamRequest>,
+    /// The `model` the request names (a string), which prices its spend when the response
+    /// names none.
+    pub model: Option<String>,
+}
+
 /// Prepares a metered completion request body: a streaming request (`"stream": true`) is
-/// rewritten to ask the upstream for usage. Returns the body to forward and, for a streaming
-/// request, what the caller asked for.
+/// rewritten to ask the upstream for usage. Returns the body to forward, what a streaming
+/// request's caller asked for, and (with `want_model`: for a chain with budgets) the model named.
 ///
 /// Refused (the caller gets 400, nothing is charged) where the gateway cannot tell for sure
 /// whether the upstream will stream, since a stream it did not ask usage for would go
@@ -134,7 +186,7 @@ impl<'de> Deserialize<'de> for TopLevel {
 /// with a byte-order mark or a `NaN` in it), a `stream` that is not `true`, `false` or `null`
 /// (some servers take `1` or `"true"` for true), and a body that names `stream` or
 /// `stream_options` twice (servers differ on which one counts).
-pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), String> {
+pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
         return Err("The request body is not a JSON object.".into());
     };
@@ -150,9 +202,25 @@ pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), St
     };
     let stream = field("stream")?;
     let options = field("stream_options")?;
+    // Read only to price a response that names no model: a duplicate or a non-string is no
+    // model rather than an error.
+    let model = if want_model {
+        field("model")
+            .ok()
+            .flatten()
+            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+    } else {
+        None
+    };
     match stream.map(RawValue::get) {
         Some("true") => {}
-        None | Some("false" | "null") => return Ok((body, None)),
+        None | Some("false" | "null") => {
+            return Ok(Prepared {
+                body,
+                stream: None,
+                model,
+            });
+        }
         Some(_) => return Err("`stream` must be true or false.".into()),
     }
     // The caller's options, with include_usage set; each field once (a duplicate
@@ -184,7 +252,11 @@ pub fn prepare_request(body: Bytes) -> Result<(Bytes, Option<StreamRequest>), St
     out.extend_from_slice(b"\"stream_options\":");
     out.extend_from_slice(opts.as_bytes());
     out.push(b'}');
-    Ok((Bytes::from(out), Some(asked)))
+    Ok(Prepared {
+        body: Bytes::from(out),
+        stream: Some(asked),
+        model,
+    })
 }
 
 /// Whether a request path names a completion endpoint (`.../completions`), as a lenient
@@ -306,14 +378,28 @@ pub fn record_later(store: &GatewayStore, chain: &Arc<Chain>, tokens: u64) {
     });
 }
 
-/// A response body forwarded frame by frame while its usage is read; records the tokens and
-/// logs the request when dropped.
+/// What a response spends against: the chain's budgets, the price table, and the model the
+/// request named (for a response that names none).
+pub struct Spend {
+    /// The chain's budgets.
+    pub budgets: Arc<Budgets>,
+    /// The price table.
+    pub prices: Arc<Prices>,
+    /// The request's `model`.
+    pub request_model: Option<String>,
+}
+
+/// A response body forwarded frame by frame while its usage is read; records the tokens (and
+/// the spend, with budgets) and logs the request when dropped.
 pub struct MeteredBody {
     inner: Body,
     mode: Mode,
     finished: bool,
     tokens: Option<u64>,
+    usage: Option<TokenUsage>,
+    model: Option<String>,
     charge: Option<(GatewayStore, Arc<Chain>)>,
+    spend: Option<Spend>,
     log: RequestLog,
 }
 
@@ -324,12 +410,14 @@ enum Mode {
 }
 
 impl MeteredBody {
-    /// Wraps `inner`; tokens go to `chain` on `store` when metered.
+    /// Wraps `inner`; tokens go to `chain` on `store` when metered, and spend to `spend`'s
+    /// budgets.
     pub fn new(
         inner: Body,
         meter: Meter,
         store: GatewayStore,
         chain: Arc<Chain>,
+        spend: Option<Spend>,
         log: RequestLog,
     ) -> MeteredBody {
         let mode = match meter {
@@ -338,14 +426,21 @@ impl MeteredBody {
                 chunks: Vec::new(),
                 size: 0,
             },
-            Meter::Sse { strip_usage } => Mode::Sse(SseFilter::new(strip_usage)),
+            Meter::Sse { strip_usage } => {
+                let mut f = SseFilter::new(strip_usage);
+                f.want_model = spend.is_some();
+                Mode::Sse(f)
+            }
         };
         MeteredBody {
             inner,
             mode,
             finished: false,
             tokens: None,
+            usage: None,
+            model: None,
             charge: Some((store, chain)),
+            spend,
             log,
         }
     }
@@ -360,13 +455,15 @@ impl MeteredBody {
 
     fn parse_json(&mut self) {
         if let Mode::Json { chunks, .. } = &mut self.mode {
-            let tokens = match chunks.len() {
-                0 => None,
-                1 => usage_from_json(&chunks[0]),
-                _ => usage_from_json(&chunks.concat()),
+            let (usage, model) = match chunks.len() {
+                0 => (None, None),
+                1 => usage_and_model_from_json(&chunks[0]),
+                _ => usage_and_model_from_json(&chunks.concat()),
             };
             chunks.clear();
-            self.tokens = tokens;
+            self.tokens = usage.map(|u| u.total);
+            self.usage = usage;
+            self.model = model;
         }
     }
 }
@@ -376,10 +473,17 @@ impl Drop for MeteredBody {
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole
         // (only its end still to come) parses; one cut short does not, and charges nothing.
         self.finish();
-        if let Mode::Sse(f) = &self.mode {
+        if let Mode::Sse(f) = &mut self.mode {
             self.tokens = f.tokens.or(self.tokens);
+            self.usage = f.usage.or(self.usage);
+            self.model = f.model.take().or(self.model.take());
         }
         if let (Some((store, chain)), Some(t)) = (self.charge.take(), self.tokens) {
+            if let (Some(spend), Some(usage)) = (self.spend.take(), self.usage) {
+                let model = self.model.as_deref().or(spend.request_model.as_deref());
+                let micro_usd = spend.prices.spend(model, &usage);
+                spend_later(&store, &spend.budgets, micro_usd);
+            }
             record_later(&store, &chain, t);
         }
         self.log.emit(self.tokens);
@@ -478,6 +582,12 @@ struct SseFilter {
     oversized: bool,
     strip_usage: bool,
     tokens: Option<u64>,
+    /// The last usage read, in detail (what budgets price).
+    usage: Option<TokenUsage>,
+    /// Whether to look for the model that answered (budgets price by it).
+    want_model: bool,
+    /// The model named by the stream's chunks: the usage chunk's, else the first named.
+    model: Option<String>,
 }
 
 /// The length of the line terminator at `buf[i]`: CRLF, LF or CR (the event stream format allows
@@ -529,6 +639,9 @@ impl SseFilter {
             oversized: false,
             strip_usage,
             tokens: None,
+            usage: None,
+            want_model: false,
+            model: None,
         }
     }
 
@@ -650,6 +763,10 @@ impl SseFilter {
 
     /// Reads an event's usage; says what to forward.
     fn inspect(&mut self, event: &[u8]) -> Action {
+        if self.want_model && self.model.is_none() {
+            // Until one chunk names it: the first chunk usually does, so this is one search.
+            self.model = model_in(event);
+        }
         let fields = usage_fields(event);
         if fields.is_empty() {
             return Action::Keep;
@@ -675,11 +792,18 @@ impl SseFilter {
         let Ok(chunk) = serde_json::from_slice::<UsageCarrier>(&data) else {
             return Action::Keep;
         };
-        let Some(tokens) = chunk.tokens() else {
+        let Some(usage) = chunk.usage() else {
             return Action::Keep;
         };
-        self.tokens = Some(tokens);
+        self.tokens = Some(usage.total);
+        self.usage = Some(usage);
         let usage_only = chunk.choices.as_ref().is_none_or(Vec::is_empty) && chunk.usage.is_some();
+        if self.want_model
+            && let Some(model) = chunk.into_model()
+        {
+            // The usage chunk's model wins: it is the one the usage is of.
+            self.model = Some(model);
+        }
         if self.strip_usage && usage_only {
             Action::Drop
         } else {
@@ -711,6 +835,35 @@ impl UsageField {
 }
 
 const USAGE_KEY: &[u8] = b"\"usage\"";
+const MODEL_KEY: &[u8] = b"\"model\"";
+
+/// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
+/// (A `"model"` inside a string value has its quotes escaped, so it is not found.)
+fn model_in(event: &[u8]) -> Option<String> {
+    let mut from = 0;
+    while let Some(p) = find(&event[from..], MODEL_KEY) {
+        let key = from + p;
+        let colon = skip_space(event, key + MODEL_KEY.len());
+        if event.get(colon) == Some(&b':') {
+            let value = skip_space(event, colon + 1);
+            if event.get(value) != Some(&b'"') {
+                return None;
+            }
+            // The closing quote: the first one not escaped.
+            let mut i = value + 1;
+            while i < event.len() {
+                match event[i] {
+                    b'\\' => i += 2,
+                    b'"' => return serde_json::from_slice(&event[value..=i]).ok(),
+                    _ => i += 1,
+                }
+            }
+            return None;
+        }
+        from = key + MODEL_KEY.len();
+    }
+    None
+}
 
 fn skip_space(buf: &[u8], mut i: usize) -> usize {
     while buf
@@ -793,8 +946,62 @@ mod tests {
     }
 
     #[test]
+    fn usage_in_detail_and_the_model_from_bodies_and_requests() {
+        let (usage, model) = usage_and_model_from_json(
+            br#"{"model":"gpt-4o-mini-2024-07-18","usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}"#,
+        );
+        assert_eq!(
+            usage,
+            Some(TokenUsage {
+                input: Some(3),
+                output: Some(4),
+                total: 7
+            })
+        );
+        assert_eq!(model.as_deref(), Some("gpt-4o-mini-2024-07-18"));
+        // The Responses API: usage and model on the nested response.
+        let (usage, model) = usage_and_model_from_json(
+            br#"{"type":"response.completed","response":{"model":"o3","usage":{"input_tokens":1,"output_tokens":2,"total_tokens":3}}}"#,
+        );
+        assert_eq!(usage.map(|u| (u.input, u.output)), Some((Some(1), Some(2))));
+        assert_eq!(model.as_deref(), Some("o3"));
+        let (usage, model) = usage_and_model_from_json(br#"{"usage":{"total_tokens":9}}"#);
+        assert_eq!(
+            usage,
+            Some(TokenUsage {
+                input: None,
+                output: None,
+                total: 9
+            })
+        );
+        assert_eq!(model, None);
+        let body = Bytes::from_static(br#"{"model":"gpt-4o","stream":true}"#);
+        let p = prepare_request(body.clone(), true).unwrap();
+        assert_eq!(p.model.as_deref(), Some("gpt-4o"));
+        assert_eq!(
+            prepare_request(body, false).unwrap().model,
+            None,
+            "not asked for"
+        );
+        let p = prepare_request(Bytes::from_static(br#"{"model":7}"#), true).unwrap();
+        assert_eq!(p.model, None);
+        // A model in a stream: any chunk's, with any spacing; not one inside a string.
+        assert_eq!(
+            model_in(br#"data: {"id":"x", "model" : "gpt-4o-mini"}"#).as_deref(),
+            Some("gpt-4o-mini")
+        );
+        assert_eq!(model_in(br#"data: {"content":"\"model\": \"x\""}"#), None);
+        assert_eq!(
+            model_in(br#"data: {"model":"a\"b"}"#).as_deref(),
+            Some("a\"b")
+        );
+    }
+
+    #[test]
     fn stream_requests_ask_for_usage() {
-        let ask = |body: &'static [u8]| prepare_request(Bytes::from_static(body));
+        let ask = |body: &'static [u8]| {
+            prepare_request(Bytes::from_static(body), false).map(|p| (p.body, p.stream))
+        };
         let (b, s) = ask(br#"{"stream":true,"model":"m"}"#).unwrap();
         assert_eq!(
             s,
@@ -834,7 +1041,8 @@ mod tests {
             b"{\"stream\":false}",
             b"{\"stream\" : null}",
         ] {
-            let (b, s) = prepare_request(Bytes::copy_from_slice(body)).unwrap();
+            let p = prepare_request(Bytes::copy_from_slice(body), false).unwrap();
+            let (b, s) = (p.body, p.stream);
             assert_eq!((&b[..], s), (body, None));
         }
         // Whether the upstream streams would be its guess: refused.
@@ -847,7 +1055,7 @@ mod tests {
             b"{\"stream\":1}",
             b"{\"stream\":\"true\"}",
         ] {
-            assert!(prepare_request(Bytes::copy_from_slice(body)).is_err());
+            assert!(prepare_request(Bytes::copy_from_slice(body), false).is_err());
         }
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());

@@ -114,3 +114,40 @@ async fn without_a_secret_there_is_no_alerts_route() {
     assert_eq!(reply.status, 404);
     let _: Value = reply.json();
 }
+
+/// A spent budget's 429 is a refusal like any other: counted against the key (or the gateway,
+/// for a gateway budget).
+#[tokio::test]
+async fn budget_refusals_are_tallied_too() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[alerts]
+secret = "sk-admin"
+[[keys]]
+id = "alice"
+secret = "sk-alice"
+[[prices]]
+model = "*"
+input_per_million = 1000
+output_per_million = 1000
+[[budgets]]
+scope = "key"
+id = "alice"
+period = "day"
+usd = 0.000001
+"#,
+        &up.url(),
+    )
+    .await;
+    assert_eq!(gw.chat("sk-alice", CHAT).await.status, 200);
+    settle().await;
+    let refused = gw.chat("sk-alice", CHAT).await;
+    assert_eq!(refused.status, 429);
+    assert_eq!(refused.json()["error"]["type"], "insufficient_quota");
+    let alerts = alerts(&gw, Some("sk-admin")).await.json();
+    assert_eq!(alerts["alerts"][0]["key"], "alice", "{alerts}");
+    assert_eq!(alerts["alerts"][0]["count"], 1, "{alerts}");
+}

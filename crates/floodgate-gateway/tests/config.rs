@@ -51,6 +51,16 @@ const CASES: &[(&str, usize, &str)] = &[
     ("unterminated-string.toml", 5, "id"),
     ("zero-header-timeout.toml", 2, "server.header_timeout_sec"),
     ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),
+    ("budget-negative-usd.toml", 8, "budgets[0].usd"),
+    ("budget-usd-not-finite.toml", 7, "budgets[0].usd"),
+    ("budget-unknown-period.toml", 7, "budgets[0].period"),
+    ("budget-unknown-scope.toml", 5, "budgets[0].scope"),
+    ("duplicate-budget.toml", 13, "budgets[1].period"),
+    ("budget-for-unknown-key.toml", 10, "budgets[0].id"),
+    ("duplicate-price.toml", 10, "prices[1].model"),
+    ("negative-price.toml", 7, "prices[0].output_per_million"),
+    ("price-not-a-number.toml", 6, "prices[0].input_per_million"),
+    ("unknown-budget-field.toml", 9, "eur"),
 ];
 
 fn fixtures() -> PathBuf {
@@ -353,5 +363,47 @@ fn an_upstream_key_variable_that_is_set_but_empty_stops_serve() {
     assert!(
         stderr.contains("the environment variable FLOODGATE_TEST_EMPTY_KEY is empty"),
         "{stderr}"
+    );
+}
+
+#[test]
+fn check_config_prints_prices_and_each_keys_budgets() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(root.join("examples/upstream.toml"))
+        .env("UPSTREAM_API_KEY", "x")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for line in [
+        "gpt-4o-mini                    0.15 / 0.6",
+        "*                              2.5 / 10",
+        "project       batch            budget $25.00 per day",
+        "org           acme             budget $2000.00 per month",
+    ] {
+        assert!(stdout.contains(line), "{line:?} in {stdout}");
+    }
+    assert!(!stdout.contains("warning"), "{stdout}");
+    // Without a `*` price, budgets miss every model the table does not name: warned about.
+    let path = std::env::temp_dir().join(format!("floodgate-nostar-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[upstream]\ndemo = true\n[[prices]]\nmodel = \"gpt-4o\"\ninput_per_million = 1\noutput_per_million = 2\n[[budgets]]\nscope = \"gateway\"\nperiod = \"day\"\nusd = 5\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(&path)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&path);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(stdout.contains("gateway budget: $5.00 per day"), "{stdout}");
+    assert!(
+        stdout.contains("warning: budgets are set but no `[[prices]]` entry has model = \"*\""),
+        "{stdout}"
     );
 }

@@ -337,6 +337,85 @@ async fn the_gateway_keeps_its_limits_on_redis_over_tls() {
     );
 }
 
+/// A chat answered by gpt-4o-mini with 50 input and 50 output tokens: 38 µUSD.
+async fn budget_chat(gw: &Gateway) -> Reply {
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-shared"), CHAT);
+    req.headers_mut()
+        .insert("x-test-model", "gpt-4o-mini".parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-tokens", "100".parse().unwrap());
+    gw.send(req).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_gateways_share_one_budget() {
+    let Some(redis) = redis_url() else { return };
+    // The budget is per UTC day on Redis's clock: a run across midnight would see it reset.
+    let secs = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_secs();
+    let to_midnight = 86_400 - secs % 86_400;
+    if to_midnight < 30 {
+        tokio::time::sleep(Duration::from_secs(to_midnight + 1)).await;
+    }
+    let up = fake_upstream().await;
+    let prefix = format!("fgtest:{}:", unique());
+    // 100 µUSD a day; each answer below spends 38 (50 + 50 tokens of gpt-4o-mini).
+    let text = format!(
+        r#"
+[store]
+backend = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "shared"
+secret = "sk-shared"
+org = "acme"
+[[prices]]
+model = "gpt-4o-mini"
+input_per_million = 0.15
+output_per_million = 0.60
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "day"
+usd = 0.0001
+"#
+    );
+    // Two gateways, each with its own Redis connection: two replicas.
+    let a = gateway(&text, &up.url()).await;
+    let b = gateway(&text, &up.url()).await;
+    let mut statuses = Vec::new();
+    for gw in [&a, &b, &a, &b, &a] {
+        statuses.push(budget_chat(gw).await.status.as_u16());
+        settle().await;
+    }
+    // 38, 76, 114: the third answer passes the cap (admitted at 76); then both refuse.
+    assert_eq!(statuses, [200, 200, 200, 429, 429]);
+    let r = budget_chat(&b).await;
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    assert_eq!(up.seen.hits(), 3);
+    // The spend lives once in Redis, under the store's prefix, hash-tagged on the org: both
+    // replicas read the same 114 µUSD.
+    for gw in [&a, &b] {
+        let key = gw.state.keys().lookup("sk-shared").unwrap();
+        let budgets = gw.state.keys().chain_for(key, None).budgets.unwrap();
+        let d = budgets.check(gw.state.store()).await.unwrap();
+        assert!(d.enforced);
+        assert_eq!(d.spent, [114]);
+        let floodgate::store::AnyStore::Redis(store) = gw.state.store() else {
+            panic!("a Redis store");
+        };
+        assert_eq!(
+            store.redis_key(budgets.budgets()[0].counter().key()),
+            format!("{prefix}{{org:acme}}:org:acme:budget:day")
+        );
+    }
+}
+
 /// Two replicas on one Redis keep one refusal tally: each flushes its own counts into the day's
 /// hash, and either one's `/alerts` shows the sum.
 #[tokio::test]

@@ -5,7 +5,9 @@
 //! - a [`Chain`] of sliding-window limits over scopes (key, project, team, business unit, org,
 //!   customer, gateway): a request passes only if every limit passes, is charged to all or none,
 //!   and a refusal carries the exact time at which the same request would pass;
-//! - a [`TokenBucket`] per name, with a [`Rate`] checked at compile time.
+//! - a [`TokenBucket`] per name, with a [`Rate`] checked at compile time;
+//! - [`Budgets`]: caps on what a scope spends per calendar day or month ([`period`]), read
+//!   before a request and charged after it.
 //!
 //! Stores: the embedded [`MemoryStore`](store::MemoryStore) (one process, the default) and, with
 //! the `redis` feature, [`RedisStore`](store::redis::RedisStore), where many replicas share one
@@ -30,18 +32,22 @@
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
 pub mod bucket;
+pub mod budget;
 pub mod chain;
 pub mod clock;
 mod error;
 mod limiter;
+pub mod period;
 pub mod store;
 pub mod window;
 
 pub use bucket::{Admission, Rate};
+pub use budget::{Budget, BudgetDecision, Budgets};
 pub use chain::{ChainDecision, ChainLimit, LimitStatus, ScopeKind};
 pub use clock::Timestamp;
 pub use error::Error;
 pub use limiter::{BucketName, Chain, TokenBucket};
+pub use period::{Period, PeriodCounter};
 pub use window::{Charge, WindowLimit};
 
 /// The README's library example, compiled and run as a doctest.

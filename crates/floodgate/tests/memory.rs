@@ -13,7 +13,10 @@ use std::time::Duration;
 use common::{T0, at, limit};
 use floodgate::clock::FakeClock;
 use floodgate::store::MemoryStore;
-use floodgate::{Admission, Chain, Charge, Rate, ScopeKind, Timestamp, TokenBucket, WindowLimit};
+use floodgate::{
+    Admission, Chain, Charge, Period, PeriodCounter, Rate, ScopeKind, Timestamp, TokenBucket,
+    WindowLimit,
+};
 
 /// Runs a memory-store future, which is always ready at once.
 fn ready<F: Future>(f: F) -> F::Output {
@@ -278,4 +281,18 @@ fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
     let d = store.admit_sync(std::slice::from_ref(&live), 1, None);
     assert!(d.admitted);
     assert_eq!(d.snapshots[0].cur, 1, "the first request was kept");
+}
+
+#[test]
+fn period_counters_expire_a_day_after_their_period_ends() {
+    // At T0 (2023-11-14T22:14:00Z) the day ends 6 360 s later; the state lives a day more.
+    let store = MemoryStore::with_clock(FakeClock::new(at(0)));
+    let day = [PeriodCounter::new("{org:x}:key:e:budget:day", Period::Day)];
+    let seen = store.add_periods_sync(&day, 3, Some(at(0)));
+    assert_eq!(seen.totals, [3]);
+    let gone = common::MIDNIGHT_MS + 86_400_000;
+    store.sweep_at(at(gone - 1));
+    assert_eq!(store.len(), 1);
+    store.sweep_at(at(gone));
+    assert!(store.is_empty());
 }

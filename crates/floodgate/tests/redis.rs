@@ -21,8 +21,8 @@ use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
 use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Store};
 use floodgate::{
-    Admission, Chain, ChainLimit, Charge, Error, Rate, ScopeKind, Timestamp, TokenBucket,
-    WindowLimit,
+    Admission, Budget, Budgets, Chain, ChainLimit, Charge, Error, Period, Rate, ScopeKind,
+    Timestamp, TokenBucket, WindowLimit,
 };
 use redis::AsyncCommands;
 use tokio::task::JoinSet;
@@ -215,6 +215,19 @@ async fn shared_vectors_pass_on_redis() {
     common::run_vectors(&store(&url).await).await;
     // And through the run-time choice of backend.
     common::run_vectors(&AnyStore::from(store(&url).await)).await;
+}
+
+#[tokio::test]
+async fn period_vectors_pass_on_redis() {
+    let Some(url) = redis_url("period_vectors_pass_on_redis") else {
+        return;
+    };
+    common::run_period_vectors(&store(&url).await).await;
+    common::run_period_vectors(&AnyStore::from(store(&url).await)).await;
+    // No counters: nothing to ask (MGET would refuse no keys).
+    let s = store(&url).await;
+    assert!(s.read_periods(&[], None).await.unwrap().totals.is_empty());
+    assert!(s.add_periods(&[], 5, None).await.unwrap().totals.is_empty());
 }
 
 /// A small deterministic generator: the differential test's sequence is fixed by its seed.
@@ -1741,4 +1754,108 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
         );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+fn day_budget(id: &str, cap: u64) -> Budgets {
+    Budgets::new(vec![Budget::new(
+        "org:acme",
+        ScopeKind::Key,
+        id,
+        Period::Day,
+        cap,
+    )])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spend_cut_off_by_a_dropped_connection_is_never_replayed_but_a_read_is() {
+    let test = "a_spend_cut_off_by_a_dropped_connection_is_never_replayed_but_a_read_is";
+    // A server of its own: CLIENT KILL TYPE normal would cut every other test's connections.
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let store = store(&server.url()).await;
+    let budgets = day_budget("cut", 1_000);
+    budgets.spend(&store, 100).await.unwrap();
+    kill_clients(&server).await;
+    // Adding spend never replays: the add is lost with its connection, not risked twice.
+    assert!(budgets.spend(&store, 10).await.is_err());
+    assert_eq!(store.stats().replays, 0);
+    assert_eq!(
+        store.stats().outages,
+        0,
+        "a dropped connection is no outage"
+    );
+    let d = budgets.check(&store).await.unwrap();
+    assert!(d.enforced);
+    assert_eq!(d.spent, [100], "the lost add was not applied");
+    // A read is replayed: the first check after a drop is still enforced.
+    kill_clients(&server).await;
+    let d = budgets.check(&store).await.unwrap();
+    assert!(d.enforced);
+    assert_eq!(d.spent, [100]);
+    assert_eq!(store.stats().replays, 1);
+}
+
+#[tokio::test]
+async fn period_counters_expire_a_day_after_their_period_ends() {
+    let Some(url) = redis_url("period_counters_expire_a_day_after_their_period_ends") else {
+        return;
+    };
+    let store = store(&url).await;
+    let mut conn = raw(&url).await;
+    let counters = common::period_counters();
+    // Pinned at T0 (2023-11-14T22:14:00Z): the TTL is counted on the pinned clock, to the end
+    // of the period plus a day.
+    store
+        .add_periods(&counters[..2], 5, Some(common::at(0)))
+        .await
+        .unwrap();
+    let day: i64 = conn.pttl(store.redis_key(counters[0].key())).await.unwrap();
+    let expected = (common::MIDNIGHT_MS + 86_400_000) as i64;
+    assert!(
+        day <= expected && day > expected - 5_000,
+        "day ttl {day} ms"
+    );
+    let month: i64 = conn.pttl(store.redis_key(counters[1].key())).await.unwrap();
+    let expected = (common::DECEMBER_MS + 86_400_000) as i64;
+    assert!(
+        month <= expected && month > expected - 5_000,
+        "month ttl {month} ms"
+    );
+    // The key is the counter's; the period and total are its value.
+    let v: String = conn.get(store.redis_key(counters[1].key())).await.unwrap();
+    assert_eq!(v, "2023-11 5");
+    assert!(
+        store
+            .redis_key(counters[0].key())
+            .ends_with("{org:acme}:org:acme:budget:day")
+    );
+}
+
+#[tokio::test]
+async fn a_budget_read_fails_open_or_closed_and_a_spend_fails() {
+    let test = "a_budget_read_fails_open_or_closed_and_a_spend_fails";
+    let Some(_) = redis_url(test) else { return };
+    let Some(mut server) = Server::start(test) else {
+        return;
+    };
+    let url = server.url();
+    let cfg = |on_error| RedisConfig {
+        on_error,
+        timeout: Duration::from_millis(500),
+        ..config(&url)
+    };
+    let open = RedisStore::connect(cfg(OnError::Open)).await.unwrap();
+    let closed = RedisStore::connect(cfg(OnError::Closed)).await.unwrap();
+    let budgets = day_budget("down", 1);
+    budgets.spend(&open, 1).await.unwrap();
+    assert!(!budgets.check(&open).await.unwrap().allowed());
+    server.stop();
+    let d = budgets.check(&open).await.unwrap();
+    assert!(!d.enforced && d.allowed(), "fails open: {d:?}");
+    let e = budgets.check(&closed).await.unwrap_err();
+    assert!(matches!(e, Error::Unavailable(_)), "fails closed: {e}");
+    assert!(budgets.spend(&open, 1).await.is_err());
+    assert!(open.stats().breaker_open);
 }

@@ -8,3 +8,8 @@ use floodgate::store::MemoryStore;
 async fn memory_store_passes_the_shared_vectors() {
     common::run_vectors(&MemoryStore::new()).await;
 }
+
+#[tokio::test]
+async fn memory_store_passes_the_period_vectors() {
+    common::run_period_vectors(&MemoryStore::new()).await;
+}

@@ -78,7 +78,8 @@ fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
-/// Chat completions with `usage` (total `x-test-tokens`, default 50), as JSON or SSE; for SSE
+/// Chat completions with `usage` (total `x-test-tokens`, default 50), as JSON or SSE, naming the
+/// model `x-test-model` (default `fake`; `-`: no model at all); for SSE
 /// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones; a JSON
 /// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole.
 async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
@@ -88,12 +89,25 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
     *seen.last_headers.lock().unwrap() = Some(headers.clone());
     let total = header_u64(&headers, "x-test-tokens", 50);
     let usage = json!({"prompt_tokens": total / 2, "completion_tokens": total - total / 2, "total_tokens": total});
+    let model = headers
+        .get("x-test-model")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("fake")
+        .to_owned();
+    let with_model = move |mut v: Value| {
+        if model == "-" {
+            v.as_object_mut().unwrap().remove("model");
+        } else {
+            v["model"] = Value::String(model.clone());
+        }
+        v
+    };
     if req["stream"] != json!(true) {
-        let completion = json!({
+        let completion = with_model(json!({
             "id": "x", "object": "chat.completion", "model": "fake",
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
             "usage": usage,
-        });
+        }));
         let end = Duration::from_millis(header_u64(&headers, "x-test-end-delay-ms", 0));
         if end.is_zero() {
             return axum::Json(completion).into_response();
@@ -115,8 +129,10 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
     let include_usage = req["stream_options"]["include_usage"] == json!(true);
     let delay = Duration::from_millis(header_u64(&headers, "x-test-last-delay-ms", 0));
     let chunk = |content: &str| {
-        let mut c = json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
-            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]});
+        let mut c = with_model(
+            json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]}),
+        );
         if include_usage {
             c["usage"] = Value::Null;
         }
@@ -128,7 +144,9 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
         (delay, chunk("!")),
     ];
     if include_usage {
-        let u = json!({"id": "x", "object": "chat.completion.chunk", "model": "fake", "choices": [], "usage": usage});
+        let u = with_model(
+            json!({"id": "x", "object": "chat.completion.chunk", "model": "fake", "choices": [], "usage": usage}),
+        );
         events.push((Duration::ZERO, format!("data: {u}\n\n")));
     }
     events.push((Duration::ZERO, "data: [DONE]\n\n".into()));

@@ -1,11 +1,12 @@
 //! A store chosen at run time: the gateway's configuration names the backend.
 
 use super::redis::RedisStore;
-use super::{BucketKey, BucketObservation, MemoryStore, Observation, Store};
+use super::{BucketKey, BucketObservation, MemoryStore, Observation, PeriodObservation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
+use crate::period::PeriodCounter;
 
 /// Either store, picked at run time; every call is delegated to the one it holds.
 ///
@@ -82,6 +83,29 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.reset(key, limit, now).await,
             AnyStore::Redis(s) => s.reset(key, limit, now).await,
+        }
+    }
+
+    async fn read_periods(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.read_periods(counters, now).await,
+            AnyStore::Redis(s) => s.read_periods(counters, now).await,
+        }
+    }
+
+    async fn add_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.add_periods(counters, amount, now).await,
+            AnyStore::Redis(s) => s.add_periods(counters, amount, now).await,
         }
     }
 }

@@ -9,11 +9,12 @@ use std::time::Duration;
 use foldhash::fast::RandomState;
 use hashbrown::HashTable;
 
-use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
+use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
 use crate::chain::{ChainLimit, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
+use crate::period::{PeriodCounter, PeriodState};
 use crate::window::{Charge, Snapshot, WindowState};
 
 /// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
@@ -26,8 +27,8 @@ const MIN_SWEEP: usize = 1024;
 
 /// The embedded in-memory store: thread-safe, cheap to clone (clones share state).
 ///
-/// State is split over shards (eight per core, at least 8), each two hash tables (windows and
-/// buckets) behind a `std::sync::Mutex`. A chain whose
+/// State is split over shards (eight per core, at least 8), each three hash tables (windows,
+/// buckets and period counters) behind a `std::sync::Mutex`. A chain whose
 /// limits live in several shards locks them all in ascending shard order (so two chains can
 /// never deadlock), reads, decides and writes, then unlocks: the decision is atomic, with no
 /// torn reads. The locks are std ones because they are never held across an `.await`: every
@@ -56,7 +57,17 @@ struct Shard {
     /// one cache line.
     windows: HashTable<WindowSlot>,
     buckets: HashTable<BucketSlot>,
+    /// Period counters (budgets' spend), apart from the windows so that the admission path's
+    /// table keeps its own slots and size.
+    periods: HashTable<PeriodSlot>,
     sweep_at_len: usize,
+}
+
+#[derive(Debug)]
+struct PeriodSlot {
+    key: Box<str>,
+    state: PeriodState,
+    expires: Timestamp,
 }
 
 #[derive(Debug)]
@@ -109,7 +120,15 @@ impl BucketSlot {
 
 impl Shard {
     fn len(&self) -> usize {
-        self.windows.len() + self.buckets.len()
+        self.windows.len() + self.buckets.len() + self.periods.len()
+    }
+
+    /// The live state of the period counter at `key`.
+    fn period(&self, hash: u64, key: &str, now: Timestamp) -> Option<PeriodState> {
+        self.periods
+            .find(hash, |s| &*s.key == key)
+            .filter(|s| s.expires > now)
+            .map(|s| s.state)
     }
 
     /// The live window state at `key`.
@@ -156,6 +175,7 @@ impl Shard {
     fn sweep(&mut self, now: Timestamp) {
         self.windows.retain(|s| s.expires > now);
         self.buckets.retain(|s| s.expires > now);
+        self.periods.retain(|s| s.expires > now);
         self.sweep_at_len = (self.len() * 2).max(MIN_SWEEP);
     }
 }
@@ -181,6 +201,7 @@ impl MemoryStore {
                 Mutex::new(Shard {
                     windows: HashTable::new(),
                     buckets: HashTable::new(),
+                    periods: HashTable::new(),
                     sweep_at_len: MIN_SWEEP,
                 })
             })
@@ -420,6 +441,75 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// [`Store::read_periods`], without the future.
+    pub fn read_periods_sync(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> PeriodObservation {
+        let (now, _) = self.times(now);
+        // Each counter is read under its shard's lock: a budget check charges nothing, so
+        // there is no decision to keep whole across counters.
+        let totals = counters
+            .iter()
+            .map(|c| {
+                let (hash, shard) = self.locate(c.key());
+                let state = self.lock(shard).period(hash, c.key(), now);
+                PeriodState::total_at(state, c.period(), now)
+            })
+            .collect();
+        PeriodObservation {
+            now,
+            enforced: true,
+            totals,
+        }
+    }
+
+    /// [`Store::add_periods`], without the future.
+    pub fn add_periods_sync(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> PeriodObservation {
+        let (now, sweep_at) = self.times(now);
+        // Each counter's add is atomic on its own, as a token record's is: the adds of one
+        // response do not depend on each other.
+        let totals = counters
+            .iter()
+            .map(|c| {
+                let (hash, shard) = self.locate(c.key());
+                let mut shard = self.lock(shard);
+                let state =
+                    PeriodState::added(shard.period(hash, c.key(), now), c.period(), now, amount);
+                let expires = c.expires(now);
+                if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
+                    slot.state = state;
+                    slot.expires = expires;
+                } else {
+                    shard.grow(sweep_at);
+                    let slot = PeriodSlot {
+                        key: c.key().into(),
+                        state,
+                        expires,
+                    };
+                    let hasher = &self.inner.hasher;
+                    shard
+                        .periods
+                        .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
+                }
+                state.total
+            })
+            .collect();
+        PeriodObservation {
+            now,
+            enforced: true,
+            totals,
+        }
+    }
+}
+
 /// The locked shard `shard` among `guards` (which hold every shard a chain touches).
 fn locked<'a>(guards: &'a mut [(usize, MutexGuard<'_, Shard>)], shard: usize) -> &'a mut Shard {
     let at = guards.iter().position(|(i, _)| *i == shard).unwrap_or(0);
@@ -464,6 +554,23 @@ impl Store for MemoryStore {
         now: Option<Timestamp>,
     ) -> Result<bool, Error> {
         Ok(self.reset_sync(key, limit, now))
+    }
+
+    async fn read_periods(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        Ok(self.read_periods_sync(counters, now))
+    }
+
+    async fn add_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        Ok(self.add_periods_sync(counters, amount, now))
     }
 }
 

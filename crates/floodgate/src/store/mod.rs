@@ -5,7 +5,8 @@
 //! apply the pure functions of [`window`](crate::window) and [`bucket`](crate::bucket) (the
 //! scripts mirror them operation for operation) and write the result, so the same operation
 //! sequence with the same clock gives the same decisions on both: `tests/vectors.rs` holds the
-//! shared cases.
+//! shared cases. Period counters (budgets' spend per calendar day or month) are kept the same
+//! way, with their own read and add.
 
 use std::fmt;
 use std::future::Future;
@@ -14,6 +15,7 @@ use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
+use crate::period::PeriodCounter;
 use crate::window::Snapshot;
 
 #[cfg(feature = "redis")]
@@ -50,6 +52,17 @@ pub struct BucketObservation {
     pub tokens: f64,
     /// Whether a store decided; `false` when it failed open.
     pub enforced: bool,
+}
+
+/// What a store saw for a read of, or an add to, period counters.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeriodObservation {
+    /// The instant of the operation: which period each counter was in.
+    pub now: Timestamp,
+    /// Whether a store answered; `false` when a read failed open (then `totals` are all 0).
+    pub enforced: bool,
+    /// Each counter's total in its current period (after the add, for an add), in order.
+    pub totals: Vec<u64>,
 }
 
 /// Where a token bucket lives: the limiter's name and the bucket's name within it.
@@ -139,4 +152,24 @@ pub trait Store: Send + Sync {
         limit: BucketLimit,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    /// Reads each counter's total in its period at `now` (0 for a counter last written in an
+    /// earlier period, or never), changing nothing. A store that cannot be reached answers as
+    /// an admission would: unchecked (`enforced: false`) when it fails open, else an error.
+    fn read_periods(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
+
+    /// Adds `amount` to each counter's total in its period at `now` (a counter of an earlier
+    /// period starts again from 0), in one atomic step, and keeps each counter until
+    /// [`GRACE`](crate::period::GRACE) after its period ends. Never replayed: an add whose
+    /// connection dropped fails rather than risk counting twice.
+    fn add_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
 }

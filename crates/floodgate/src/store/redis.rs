@@ -12,9 +12,10 @@
 //!
 //! - one multiplexed, auto-reconnecting connection per store (a [`ConnectionManager`]), a timeout
 //!   on every call, connected lazily so that a process can start while Redis is down;
-//! - an operation that is safe to run twice (admission, acquire, reset) is replayed once when its
-//!   connection dropped under it; recording (an increment) never is (each script declares its
-//!   replay policy beside its source);
+//! - an operation that is safe to run twice (admission, acquire, reset, reading period counters)
+//!   is replayed once when its connection dropped under it; an increment (recording tokens,
+//!   adding spend to period counters) never is (each script declares its replay policy beside
+//!   its source);
 //! - when Redis is unreachable, admissions fail open (or closed, by [`OnError`]), a circuit
 //!   breaker answers at once instead of waiting for a timeout on every request, and a background
 //!   task probes Redis until it answers. One warning per outage, one info line when it ends;
@@ -49,11 +50,12 @@ use ::redis::{
     ServerErrorKind,
 };
 
-use super::{BucketKey, BucketObservation, NameRef, Observation, Store};
+use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::{ChainLimit, ScopeKind};
 use crate::clock::Timestamp;
+use crate::period::{Period, PeriodCounter};
 use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
 
 /// What a decision does when Redis cannot be reached.
@@ -222,10 +224,11 @@ enum Replay {
     /// Replayed once. Admission: the first request after a drop is still enforced; if the first
     /// attempt did run and only its reply was lost, the request is charged twice, which errs by
     /// one toward stricter for one window. Acquire: the same, with tokens. Reset: a delete,
-    /// idempotent.
+    /// idempotent. Reading period counters: a read, harmless twice.
     Once,
-    /// Never replayed: an increment applied twice would count units (later: spend) that were
-    /// never used, and nothing would ever take them back.
+    /// Never replayed: an increment applied twice would count units (tokens, spend) that were
+    /// never used, and nothing would ever take them back. Recording and adding to period
+    /// counters (budgets' spend).
     Never,
 }
 
@@ -250,12 +253,22 @@ macro_rules! lua {
             include_str!($file)
         )
     };
+    // The period counter scripts share `period_at` and `total_in` (period.lua).
+    (period $file:literal) => {
+        concat!(
+            include_str!("clock.lua"),
+            include_str!("period.lua"),
+            include_str!($file)
+        )
+    };
 }
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
 const RECORD_LUA: &str = lua!(window "record.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
+const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
+const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
 
 fn op(name: &'static str, source: &str, replay: Replay) -> Op {
     Op {
@@ -270,9 +283,13 @@ static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Onc
 static RECORD: LazyLock<Op> = LazyLock::new(|| op("record", RECORD_LUA, Replay::Never));
 static ACQUIRE: LazyLock<Op> = LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
 static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
+static PERIODS_READ: LazyLock<Op> =
+    LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
+static PERIODS_ADD: LazyLock<Op> =
+    LazyLock::new(|| op("periods_add", PERIODS_ADD_LUA, Replay::Never));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`. For benchmarks and operators who preload scripts
+/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`. For benchmarks and operators who preload scripts
 /// (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -285,6 +302,8 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "record" => RECORD_LUA,
         "acquire" => ACQUIRE_LUA,
         "reset" => RESET_LUA,
+        "periods_read" => PERIODS_READ_LUA,
+        "periods_add" => PERIODS_ADD_LUA,
         _ => return None,
     })
 }
@@ -1286,6 +1305,106 @@ impl Store for RedisStore {
             }
         }
     }
+
+    async fn read_periods(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            // Nothing to read (and MGET takes at least one key).
+            return Ok(no_periods(now));
+        }
+        let cmd = self.periods_cmd(&PERIODS_READ, counters, None, now);
+        let seen = self
+            .inner
+            .run::<Vec<::redis::Value>>(&PERIODS_READ, &cmd)
+            .await
+            .and_then(|reply| periods_reply(&reply, counters.len()));
+        match seen {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                // Unreachable: as for an admission, unchecked (open) or an error (closed).
+                self.fail(failure)?;
+                Ok(PeriodObservation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    enforced: false,
+                    totals: vec![0; counters.len()],
+                })
+            }
+        }
+    }
+
+    async fn add_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            return Ok(no_periods(now));
+        }
+        let cmd = self.periods_cmd(&PERIODS_ADD, counters, Some(amount), now);
+        self.inner
+            .run::<Vec<::redis::Value>>(&PERIODS_ADD, &cmd)
+            .await
+            .and_then(|reply| periods_reply(&reply, counters.len()))
+            .map_err(|f| {
+                bump(&self.inner.counters.errors);
+                f.into()
+            })
+    }
+}
+
+impl RedisStore {
+    /// The call of a period counter script: the counters' keys; the time; the amount, for an
+    /// add; each counter's period.
+    fn periods_cmd(
+        &self,
+        op: &Op,
+        counters: &[PeriodCounter],
+        amount: Option<u64>,
+        now: Option<Timestamp>,
+    ) -> Cmd {
+        let n = counters.len();
+        let mut cmd = self.evalsha(op, n, 1 + usize::from(amount.is_some()) + n);
+        for c in counters {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        if let Some(amount) = amount {
+            cmd.arg(amount);
+        }
+        for c in counters {
+            cmd.arg(match c.period() {
+                Period::Day => "day",
+                Period::Month => "month",
+            });
+        }
+        cmd
+    }
+}
+
+/// The observation of an operation on no counters, which needs no call.
+fn no_periods(now: Option<Timestamp>) -> PeriodObservation {
+    PeriodObservation {
+        now: now.unwrap_or_else(Timestamp::now),
+        enforced: true,
+        totals: Vec::new(),
+    }
+}
+
+/// Reads a period counter script's reply: `{now, total_1, ..., total_n}`.
+fn periods_reply(reply: &[::redis::Value], n: usize) -> Result<PeriodObservation, Failure> {
+    let (now, totals) = reply.split_first().ok_or_else(bad_reply)?;
+    if totals.len() != n {
+        return Err(bad_reply());
+    }
+    Ok(PeriodObservation {
+        now: Timestamp::from_micros(int(now)?),
+        enforced: true,
+        totals: totals.iter().map(int).collect::<Result<_, _>>()?,
+    })
 }
 
 #[cfg(test)]
@@ -1397,6 +1516,10 @@ mod tests {
             assert!(script_source(name).is_some());
         }
         assert_eq!(RECORD.replay, Replay::Never);
+        assert_eq!(PERIODS_ADD.replay, Replay::Never);
+        assert_eq!(PERIODS_READ.replay, Replay::Once);
+        assert!(script_source("periods_read").is_some());
+        assert!(script_source("periods_add").is_some());
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use floodgate::store::Store;
 use floodgate::{
-    Admission, Chain, ChainLimit, Charge, Rate, ScopeKind, Timestamp, TokenBucket, WindowLimit,
+    Admission, Budget, Budgets, Chain, ChainLimit, Charge, Period, PeriodCounter, Rate, ScopeKind,
+    Timestamp, TokenBucket, WindowLimit,
 };
 
 /// A minute boundary: bucket-aligned for every window that divides an hour.
@@ -375,4 +376,189 @@ pub async fn run_vectors<S: Store>(store: &S) {
 /// Whether the Redis tests must run (CI sets this): a skip is then a failure.
 pub fn redis_required() -> bool {
     std::env::var("FLOODGATE_REQUIRE_REDIS").is_ok_and(|v| v == "1")
+}
+
+/// The period counters the period vectors use: a day and a month counter of one org, and a
+/// counter to saturate.
+pub fn period_counters() -> Vec<PeriodCounter> {
+    vec![
+        PeriodCounter::new("{org:acme}:org:acme:budget:day", Period::Day),
+        PeriodCounter::new("{org:acme}:org:acme:budget:month", Period::Month),
+        PeriodCounter::new("{org:acme}:key:big:budget:day", Period::Day),
+    ]
+}
+
+/// One operation on period counters and the totals it must give.
+pub enum PeriodOp {
+    /// Read counters `counters` at `ms`; expect `totals`.
+    Read {
+        counters: &'static [usize],
+        ms: u64,
+        totals: &'static [u64],
+    },
+    /// Add `amount` to counters `counters` at `ms`; expect their totals after it.
+    Add {
+        counters: &'static [usize],
+        ms: u64,
+        amount: u64,
+        totals: &'static [u64],
+    },
+}
+
+/// `T0` is 2023-11-14T22:14:00Z: midnight UTC is 6 360 s later, December 1 1 388 760 s later.
+pub const MIDNIGHT_MS: u64 = 6_360_000;
+/// December 1, 00:00 UTC, in ms after `T0`.
+pub const DECEMBER_MS: u64 = 1_388_760_000;
+
+/// The period counter table: reads change nothing, adds accumulate within a period, a new
+/// period starts from zero (the day at midnight while the month goes on; the month on the 1st).
+pub fn period_vectors() -> Vec<PeriodOp> {
+    use PeriodOp::*;
+    vec![
+        // Never written: zero.
+        Read {
+            counters: &[0, 1],
+            ms: 0,
+            totals: &[0, 0],
+        },
+        Add {
+            counters: &[0, 1],
+            ms: 0,
+            amount: 250,
+            totals: &[250, 250],
+        },
+        Read {
+            counters: &[0, 1],
+            ms: 0,
+            totals: &[250, 250],
+        },
+        Add {
+            counters: &[0],
+            ms: 1_000,
+            amount: 100,
+            totals: &[350],
+        },
+        // The last millisecond of the day still counts it.
+        Read {
+            counters: &[1, 0],
+            ms: MIDNIGHT_MS - 1,
+            totals: &[250, 350],
+        },
+        // Midnight: the day starts again, the month goes on.
+        Read {
+            counters: &[0, 1],
+            ms: MIDNIGHT_MS,
+            totals: &[0, 250],
+        },
+        Add {
+            counters: &[0, 1],
+            ms: MIDNIGHT_MS,
+            amount: 5,
+            totals: &[5, 255],
+        },
+        Read {
+            counters: &[1],
+            ms: DECEMBER_MS - 1,
+            totals: &[255],
+        },
+        // December 1: the month starts again.
+        Read {
+            counters: &[0, 1],
+            ms: DECEMBER_MS,
+            totals: &[0, 0],
+        },
+        Add {
+            counters: &[1],
+            ms: DECEMBER_MS,
+            amount: 1,
+            totals: &[1],
+        },
+        // Totals saturate at 2^53.
+        Add {
+            counters: &[2],
+            ms: 0,
+            amount: u64::MAX,
+            totals: &[1 << 53],
+        },
+        Add {
+            counters: &[2],
+            ms: 1,
+            amount: 7,
+            totals: &[1 << 53],
+        },
+        // Zero adds nothing but is still an add.
+        Add {
+            counters: &[0],
+            ms: DECEMBER_MS,
+            amount: 0,
+            totals: &[0],
+        },
+    ]
+}
+
+/// Runs the period counter table against `store` (empty, or under a fresh prefix), then a
+/// budget through [`Budgets`]: the same answers on every store.
+pub async fn run_period_vectors<S: Store>(store: &S) {
+    let all = period_counters();
+    for (i, op) in period_vectors().into_iter().enumerate() {
+        let (picked, ms, amount, totals) = match op {
+            PeriodOp::Read {
+                counters,
+                ms,
+                totals,
+            } => (counters, ms, None, totals),
+            PeriodOp::Add {
+                counters,
+                ms,
+                amount,
+                totals,
+            } => (counters, ms, Some(amount), totals),
+        };
+        let counters: Vec<PeriodCounter> = picked.iter().map(|&c| all[c].clone()).collect();
+        let seen = match amount {
+            None => store.read_periods(&counters, Some(at(ms))).await,
+            Some(a) => store.add_periods(&counters, a, Some(at(ms))).await,
+        }
+        .unwrap_or_else(|e| panic!("period vector {i}: {e}"));
+        assert!(seen.enforced, "period vector {i}: enforced");
+        assert_eq!(seen.now, at(ms), "period vector {i}: now");
+        assert_eq!(seen.totals, totals, "period vector {i}: totals");
+    }
+
+    // A day budget of 300 for a key: allowed below the cap, refused at it until midnight.
+    let budgets = Budgets::new(vec![
+        Budget::new("org:acme", ScopeKind::Key, "b", Period::Day, 300),
+        Budget::new("org:acme", ScopeKind::Org, "acme", Period::Month, 1_000),
+    ]);
+    let d = budgets.check_at(store, at(0)).await.unwrap();
+    assert!(d.allowed() && d.enforced);
+    assert_eq!(d.spent, [0, 0]);
+    budgets.spend_at(store, 299, at(1_000)).await.unwrap();
+    let d = budgets.check_at(store, at(2_000)).await.unwrap();
+    assert!(d.allowed());
+    assert_eq!(d.spent, [299, 299]);
+    budgets.spend_at(store, 1, at(3_000)).await.unwrap();
+    let d = budgets.check_at(store, at(4_000)).await.unwrap();
+    assert_eq!(
+        (d.exceeded_by, d.spent.as_slice()),
+        (Some(0), &[300, 300][..])
+    );
+    assert_eq!(
+        d.retry_after,
+        Some(Duration::from_millis(MIDNIGHT_MS - 4_000)),
+        "until midnight UTC"
+    );
+    // The next day the key's budget is whole again; the org's month still counts.
+    let d = budgets.check_at(store, at(MIDNIGHT_MS)).await.unwrap();
+    assert!(d.allowed());
+    assert_eq!(d.spent, [0, 300]);
+    budgets.spend_at(store, 700, at(MIDNIGHT_MS)).await.unwrap();
+    let d = budgets.check_at(store, at(MIDNIGHT_MS + 1)).await.unwrap();
+    // Both are spent: the key's named (the narrowest), the wait the org's (the longest).
+    assert_eq!(d.exceeded_by, Some(0));
+    assert_eq!(d.spent, [700, 1_000]);
+    assert_eq!(
+        d.retry_after,
+        Some(Duration::from_millis(DECEMBER_MS - MIDNIGHT_MS - 1))
+    );
 }

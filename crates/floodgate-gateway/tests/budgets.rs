@@ -1,0 +1,373 @@
+//! Budgets: spend priced per model from JSON and SSE usage fills a daily cap, then requests are
+//! refused with 429 `insufficient_quota` until the UTC day ends, charging no rate limit; an org's
+//! budget refuses every key of the org; prices match exactly, by `-` prefix, or by `*`; an
+//! unpriced model spends nothing; the store failing open or closed; a stream in flight is never
+//! cut off by a budget spent meanwhile.
+//!
+//! The gateway runs on a memory store with a fake clock pinned 100 s before a UTC midnight.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use floodgate::clock::FakeClock;
+use floodgate::store::{AnyStore, MemoryStore};
+use floodgate::{Chain, Timestamp};
+use serde_json::Value;
+
+/// 2026-12-01T23:58:20Z: 100 s before midnight UTC.
+const BEFORE_MIDNIGHT: Timestamp = Timestamp::from_secs(1_796_083_200 + 86_400 - 100);
+
+const PRICES: &str = r#"
+[[prices]]
+model = "gpt-4o-mini"
+input_per_million = 0.15
+output_per_million = 0.60
+[[prices]]
+model = "gpt-4o"
+input_per_million = 2.5
+output_per_million = 10.0
+"#;
+
+/// A key with 10 requests a minute and a daily budget of 100 µUSD.
+fn tiny_budget() -> String {
+    format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+rate_limit = {{ requests = 10 }}
+{PRICES}
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 0.0001
+"#
+    )
+}
+
+/// A gateway on a memory store whose clock is `clock`.
+async fn pinned_gateway(text: &str, upstream: &str, clock: &FakeClock) -> Gateway {
+    let c = config(text, upstream);
+    let store = AnyStore::Memory(MemoryStore::with_clock(clock.clone()));
+    gateway_on(&c, store).await
+}
+
+/// `POST /v1/chat/completions` whose response names `model` and uses `tokens` (half input,
+/// half output).
+async fn chat_as(gw: &Gateway, key: &str, body: &str, model: &str, tokens: u64) -> Reply {
+    let mut req = gw.request("POST", "/v1/chat/completions", Some(key), body);
+    req.headers_mut()
+        .insert("x-test-model", model.parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-tokens", tokens.to_string().parse().unwrap());
+    let r = gw.send(req).await;
+    // Spend (and tokens) are recorded in the background once the body is done.
+    settle().await;
+    r
+}
+
+/// The current spend of each budget of `secret`'s chain (customer `customer`).
+async fn spent(gw: &Gateway, secret: &str, customer: Option<&str>) -> Vec<u64> {
+    let key = gw.state.keys().lookup(secret).unwrap();
+    let budgets = gw.state.keys().chain_for(key, customer).budgets.unwrap();
+    let d = budgets.check(gw.state.store()).await.unwrap();
+    d.spent
+}
+
+/// The request slots left on the first limit of `secret`'s chain, read without charging.
+async fn requests_left(gw: &Gateway, secret: &str) -> u64 {
+    let chain: &Chain = gw.state.keys().lookup(secret).unwrap().chain();
+    let d = chain.admit(gw.state.store(), 0).await.unwrap();
+    d.statuses[0].remaining
+}
+
+#[tokio::test]
+async fn a_spent_daily_budget_refuses_until_midnight_utc_and_charges_no_rate_limit() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let gw = pinned_gateway(&tiny_budget(), &up.url(), &clock).await;
+    // Priced as gpt-4o-mini (the longest priced prefix at a `-`): 50 input tokens at 0.15 and
+    // 50 output tokens at 0.60 USD per million = 37.5 µUSD, rounded up to 38.
+    let model = "gpt-4o-mini-2024-07-18";
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(spent(&gw, "sk-k", None).await, [38], "from a JSON usage");
+    // A stream: the gateway asks for its usage (budgets meter even without a token limit)
+    // and prices it by the model its chunks name.
+    let r = chat_as(&gw, "sk-k", CHAT_STREAM, model, 100).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        up.seen.last_body()["stream_options"]["include_usage"],
+        Value::Bool(true)
+    );
+    assert!(up.seen.last_headers().get("accept-encoding").is_none());
+    let events = events(&r.body);
+    assert!(
+        events.iter().all(|e| !e.contains("usage")),
+        "the usage the caller did not ask for is hidden: {events:?}"
+    );
+    assert_eq!(spent(&gw, "sk-k", None).await, [76], "from an SSE stream");
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 200, "76 < 100: still under the cap");
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("7"));
+    assert_eq!(spent(&gw, "sk-k", None).await, [114]);
+
+    // 114 >= 100: refused until midnight UTC, 100 s away.
+    for _ in 0..2 {
+        let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+        assert_eq!(r.status, 429, "{}", r.text());
+        let error = &r.json()["error"];
+        assert_eq!(error["type"], "insufficient_quota");
+        assert_eq!(error["code"], "budget_exceeded");
+        let message = error["message"].as_str().unwrap();
+        assert!(
+            message.contains("for key") && message.contains("daily"),
+            "{message}"
+        );
+        assert!(
+            !message.contains("sk-k") && !message.contains("acme"),
+            "{message}"
+        );
+        assert_eq!(r.header("retry-after"), Some("100"));
+        assert_eq!(r.header("retry-after-ms"), Some("100000"));
+        assert!(
+            r.header("x-ratelimit-limit").is_none(),
+            "no rate decision taken"
+        );
+    }
+    assert_eq!(
+        up.seen.hits(),
+        3,
+        "refused requests never reach the upstream"
+    );
+    assert_eq!(
+        requests_left(&gw, "sk-k").await,
+        7,
+        "the refused requests took no request slot"
+    );
+    assert_eq!(spent(&gw, "sk-k", None).await, [114], "and spent nothing");
+
+    // Midnight: a new day, a whole budget.
+    clock.advance(Duration::from_secs(100));
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(spent(&gw, "sk-k", None).await, [38]);
+}
+
+#[tokio::test]
+async fn an_org_budget_refuses_every_key_of_the_org() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "a"
+secret = "sk-a"
+org = "acme"
+team = "ml"
+[[keys]]
+id = "b"
+secret = "sk-b"
+org = "acme"
+[[keys]]
+id = "c"
+secret = "sk-c"
+org = "other"
+{PRICES}
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "month"
+usd = 0.00005
+"#
+    );
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let model = "gpt-4o-mini";
+    assert_eq!(chat_as(&gw, "sk-a", CHAT, model, 100).await.status, 200);
+    assert_eq!(chat_as(&gw, "sk-b", CHAT, model, 100).await.status, 200);
+    assert_eq!(spent(&gw, "sk-a", None).await, [76]);
+    for key in ["sk-a", "sk-b"] {
+        let r = chat_as(&gw, key, CHAT, model, 100).await;
+        assert_eq!(r.status, 429, "{key}");
+        let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(
+            message.contains("for org") && message.contains("monthly"),
+            "{message}"
+        );
+        assert!(!message.contains("acme"), "never a tenant id: {message}");
+        // The month ends with the day: 2026-12-31 is not this day, so the wait is the month's.
+        let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+        assert_eq!(wait, 100 + 30 * 86_400, "until January 1, 00:00 UTC");
+    }
+    // Another org's key is not touched.
+    assert_eq!(chat_as(&gw, "sk-c", CHAT, model, 100).await.status, 200);
+    assert_eq!(up.seen.hits(), 3);
+}
+
+#[tokio::test]
+async fn prices_match_exactly_by_dash_prefix_and_by_star_and_the_request_names_the_model() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+{PRICES}
+[[prices]]
+model = "*"
+input_per_million = 1
+output_per_million = 2
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 1000
+[[budgets]]
+scope = "customer"
+id = "cust"
+period = "day"
+usd = 1000
+"#
+    );
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let mut total = 0;
+    // (model the response names, µUSD for 50 input + 50 output tokens)
+    for (model, cost) in [
+        ("gpt-4o-mini", 38),            // 7.5 + 30, rounded up
+        ("gpt-4o-2024-08-06", 625),     // 125 + 500: gpt-4o, not gpt-4o-mini
+        ("gpt-4o-mini-2024-07-18", 38), // the longest prefix wins
+        ("gpt-4omni", 150),             // not at a `-`: the `*` price, 50 + 100
+        ("llama-3", 150),
+    ] {
+        let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+        assert_eq!(r.status, 200);
+        total += cost;
+        assert_eq!(spent(&gw, "sk-k", None).await, [total], "{model}");
+    }
+    // A response that names no model is priced by the request's `model`.
+    let body = r#"{"model":"gpt-4o","messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(chat_as(&gw, "sk-k", body, "-", 100).await.status, 200);
+    total += 625;
+    assert_eq!(spent(&gw, "sk-k", None).await, [total]);
+    // A customer's budget joins the chain through the header, after the key's.
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT);
+    req.headers_mut()
+        .insert("x-floodgate-customer", "cust".parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-model", "gpt-4o".parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-tokens", "100".parse().unwrap());
+    assert_eq!(gw.send(req).await.status, 200);
+    settle().await;
+    assert_eq!(spent(&gw, "sk-k", Some("cust")).await, [total + 625, 625]);
+}
+
+#[tokio::test]
+async fn an_unpriced_model_spends_nothing() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let gw = pinned_gateway(&tiny_budget(), &up.url(), &clock).await;
+    for _ in 0..5 {
+        let r = chat_as(&gw, "sk-k", CHAT, "mystery-model", 100_000).await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(spent(&gw, "sk-k", None).await, [0], "no price, no spend");
+    // A priced one still counts.
+    chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await;
+    assert_eq!(spent(&gw, "sk-k", None).await, [625]);
+}
+
+#[tokio::test]
+async fn a_failed_response_spends_nothing() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let gw = pinned_gateway(&tiny_budget(), &up.url(), &clock).await;
+    // The fake upstream has no such route: 404, no usage.
+    let r = gw
+        .send(gw.request("POST", "/v1/nothing/completions", Some("sk-k"), CHAT))
+        .await;
+    assert_eq!(r.status, 404);
+    settle().await;
+    assert_eq!(spent(&gw, "sk-k", None).await, [0]);
+}
+
+fn dead_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
+#[tokio::test]
+async fn with_the_store_down_a_budget_fails_open_or_closed() {
+    let up = fake_upstream().await;
+    // A key with a budget and no rate limit: the budget read is its only store call.
+    let text = |on_error: &str| {
+        format!(
+            r#"
+[store]
+backend = "redis"
+url = "redis://127.0.0.1:{}/0"
+on_error = "{on_error}"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+{PRICES}
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 1
+"#,
+            dead_port()
+        )
+    };
+    let open = gateway(&text("open"), &up.url()).await;
+    let r = open.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200, "fails open: {}", r.text());
+    let closed = gateway(&text("closed"), &up.url()).await;
+    let r = closed.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 503);
+    assert_eq!(r.json()["error"]["code"], "rate_limiter_unavailable");
+    assert_eq!(up.seen.hits(), 1);
+}
+
+#[tokio::test]
+async fn a_budget_spent_while_a_stream_is_in_flight_does_not_cut_it() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let gw = std::sync::Arc::new(pinned_gateway(&tiny_budget(), &up.url(), &clock).await);
+    // A stream whose last chunk comes 500 ms after the first.
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    req.headers_mut()
+        .insert("x-test-last-delay-ms", "500".parse().unwrap());
+    req.headers_mut()
+        .insert("x-test-model", "gpt-4o".parse().unwrap());
+    let streaming = tokio::spawn({
+        let gw = gw.clone();
+        async move { gw.send(req).await }
+    });
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    // Meanwhile another answer spends the whole budget (625 µUSD of gpt-4o > 100).
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 200);
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 429);
+    let r = streaming.await.unwrap();
+    assert_eq!(r.status, 200);
+    let events = events(&r.body);
+    assert_eq!(events.len(), 4, "the stream ran to its end: {events:?}");
+    assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
+    settle().await;
+    // And its own spend (25 + 25 tokens of gpt-4o: 312.5, so 313) was still recorded.
+    assert_eq!(spent(&gw, "sk-k", None).await, [625 + 313]);
+}
