@@ -8,6 +8,7 @@
 //! - [`server`]: the process: worker threads, store, signals, draining;
 //! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
+//! - [`realtime`]: Realtime API WebSocket sessions, their cap and their token meter;
 //! - [`headers`]: rate-limit response headers;
 //! - [`demo`]: the built-in demo upstream;
 //! - [`error`]: OpenAI-style errors;
@@ -36,6 +37,7 @@ pub mod error;
 pub mod headers;
 pub mod metering;
 pub mod proxy;
+pub mod realtime;
 pub mod server;
 pub mod store;
 mod tls;

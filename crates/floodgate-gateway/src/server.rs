@@ -18,6 +18,7 @@ use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::app::{AppState, run};
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
+use crate::realtime::LiveSessions;
 use crate::store::{self, GatewayStore};
 
 /// How long a graceful shutdown waits for requests in flight before exiting anyway.
@@ -88,6 +89,8 @@ pub fn serve(config: &Config) -> Result<(), String> {
         std::net::TcpListener::bind(config.listen)
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     }
+    // `[realtime] max_connections` holds for the process: every worker counts on this one.
+    let live_sessions = LiveSessions::new();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
@@ -103,6 +106,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             reuse_port: workers > 1,
             config: config.clone(),
             store: shared.clone(),
+            live_sessions: live_sessions.clone(),
             stop: stop_rx.clone(),
             ready: ready_tx.clone(),
             done: done_tx.clone(),
@@ -199,6 +203,8 @@ struct Worker {
     config: Config,
     /// The shared store; `None`: the worker opens its own (Redis).
     store: Option<GatewayStore>,
+    /// The process's realtime sessions.
+    live_sessions: LiveSessions,
     stop: watch::Receiver<bool>,
     ready: mpsc::Sender<Result<SocketAddr, String>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
@@ -221,6 +227,7 @@ impl Worker {
             reuse_port,
             config,
             store,
+            live_sessions,
             mut stop,
             ready,
             done,
@@ -250,7 +257,7 @@ impl Worker {
             };
             // Each worker has its own upstream client (and connection pool): no cross-thread
             // hand-offs on the hot path.
-            let state = match AppState::new(&config, store) {
+            let state = match AppState::with_live_sessions(&config, store, live_sessions) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = ready.send(Err(e));
