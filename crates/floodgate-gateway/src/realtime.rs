@@ -14,8 +14,10 @@
 //!    that carries its handshake headers and the rate-limit headers; any other answer is passed
 //!    through like a proxied response.
 //!
-//! Then bytes are copied both ways unchanged, as they arrive, until both sides have closed (or
-//! one side has closed and the other has not followed within 10 s, or one side fails).
+//! Then bytes are copied both ways unchanged, as they arrive, until the upstream closes its
+//! connection (a WebSocket server does so after the closing handshake; the caller's connection
+//! is then closed too), or the caller closes its own and the upstream follows (within 10 s), or
+//! either side fails.
 //!
 //! **Metering.** For a chain with token limits the frames from the upstream are read as they
 //! pass ([`FrameReader`]): each text message whose JSON `type` is `response.done` adds its
@@ -66,8 +68,8 @@ pub const MAX_METERED_MESSAGE: usize = 1024 * 1024;
 /// The buffer each direction of a session copies through.
 const COPY_BUFFER: usize = 16 * 1024;
 
-/// Once one side of a session has closed its connection, how long the other may take to close
-/// its own (a WebSocket closing handshake takes one round trip) before the session is ended.
+/// Once the caller has closed its connection, how long the upstream may take to close its own
+/// (it is told by a half-close, and may still have frames to send) before the session is ended.
 const HALF_CLOSED_LINGER: Duration = Duration::from_secs(10);
 
 /// The `Retry-After` of a refusal for too many live sessions: sessions last minutes, and when
@@ -380,9 +382,12 @@ struct Session {
 /// Why a session ended.
 #[derive(Debug)]
 enum End {
-    /// Both sides closed their connections.
-    Closed,
-    /// One side closed, the other did not follow within [`HALF_CLOSED_LINGER`].
+    /// The upstream closed its connection.
+    UpstreamClosed,
+    /// The caller closed its connection, and the upstream followed.
+    CallerClosed,
+    /// The caller closed its connection, the upstream did not follow within
+    /// [`HALF_CLOSED_LINGER`].
     HalfClosed,
     /// Reading or writing one side failed (a reset).
     Failed(std::io::Error),
@@ -393,7 +398,8 @@ enum End {
 impl End {
     fn as_str(&self) -> &'static str {
         match self {
-            End::Closed => "closed",
+            End::UpstreamClosed => "upstream_closed",
+            End::CallerClosed => "caller_closed",
             End::HalfClosed => "half_closed",
             End::Failed(_) => "connection_error",
             End::Shutdown => "shutdown",
@@ -431,29 +437,28 @@ impl Session {
             ));
             let mut closing = pin!(closing(&mut self.close));
             let mut linger = pin!(tokio::time::sleep(HALF_CLOSED_LINGER));
-            let (mut up_done, mut down_done) = (false, false);
+            let mut caller_done = false;
             loop {
                 tokio::select! {
-                    r = &mut up, if !up_done => match r {
-                        Ok(()) => up_done = true,
+                    r = &mut up, if !caller_done => match r {
+                        Ok(()) => {
+                            // The upstream has been told (half-close); its time starts now.
+                            caller_done = true;
+                            linger
+                                .as_mut()
+                                .reset(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
+                        }
                         Err(e) => break End::Failed(e),
                     },
-                    r = &mut down, if !down_done => match r {
-                        Ok(()) => down_done = true,
+                    // Everything the upstream sent has gone to the caller, then a half-close.
+                    r = &mut down => match r {
+                        Ok(()) if caller_done => break End::CallerClosed,
+                        Ok(()) => break End::UpstreamClosed,
                         Err(e) => break End::Failed(e),
                     },
                     () = &mut flusher => {}
                     () = &mut closing => break End::Shutdown,
-                    () = &mut linger, if up_done || down_done => break End::HalfClosed,
-                }
-                if up_done && down_done {
-                    break End::Closed;
-                }
-                if up_done != down_done && linger.is_elapsed() {
-                    // Just half-closed: the other side's time starts now.
-                    linger
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
+                    () = &mut linger, if caller_done => break End::HalfClosed,
                 }
             }
             // Both connections are dropped here, before the last tokens are charged.
