@@ -617,7 +617,7 @@ tpm = 100
 #[tokio::test]
 async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_the_session() {
     let up = ws_upstream().await;
-    let gw = gateway(METERED, &up.url()).await;
+    let gw = gateway(&METERED.replace("tpm = 100", "tpm = 110"), &up.url()).await;
     let mut a = open(
         &gw,
         Some("sk-k"),
@@ -643,14 +643,18 @@ async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_t
     );
     // Not yet flushed: the window is untouched.
     let r = models(&gw, "sk-k").await;
-    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("100"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("110"));
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.status, 200);
-    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("30"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("40"));
+    // The next flush has nothing new to charge: nothing is charged twice.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("40"));
 
-    // 40 more: the window is full; a normal request is refused, the session goes on.
-    ws.send(TEXT, b"usage:40").await;
+    // 45 more: the window is full; a normal request is refused, the session goes on.
+    ws.send(TEXT, b"usage:45").await;
     ws.message().await.unwrap();
     tokio::time::sleep(Duration::from_millis(1300)).await;
     let r = models(&gw, "sk-k").await;
