@@ -175,6 +175,10 @@ impl WsUpstream {
     fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
+    /// The https URL by host name (the test certificate's `localhost`).
+    fn https_url(&self) -> String {
+        format!("https://localhost:{}", self.addr.port())
+    }
 }
 
 /// A Realtime-like upstream: answers a WebSocket upgrade with 101 (or, for `?model=refuse`,
@@ -184,6 +188,31 @@ impl WsUpstream {
 /// anything else (text or binary) is echoed. A close frame is answered with one and the end.
 /// Plain requests get `200 {"object": "list"}`.
 async fn ws_upstream() -> WsUpstream {
+    ws_upstream_on(None).await
+}
+
+/// The same over TLS, with the test-only certificate of `tests/tls/` (for `localhost`).
+async fn ws_upstream_tls() -> WsUpstream {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let certs = CertificateDer::pem_file_iter(tls_fixture("server.pem"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(tls_fixture("server.key")).unwrap();
+    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    ws_upstream_on(Some(tokio_rustls::TlsAcceptor::from(Arc::new(tls)))).await
+}
+
+async fn ws_upstream_on(tls: Option<tokio_rustls::TlsAcceptor>) -> WsUpstream {
     let seen = Seen::default();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -191,20 +220,34 @@ async fn ws_upstream() -> WsUpstream {
     tokio::spawn(async move {
         loop {
             let (tcp, _) = listener.accept().await.unwrap();
-            let seen = recorded.clone();
-            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
-                let seen = seen.clone();
-                async move { Ok::<_, Infallible>(upstream_answer(seen, req)) }
-            });
+            let (seen, tls) = (recorded.clone(), tls.clone());
             tokio::spawn(async move {
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(TokioIo::new(tcp), service)
-                    .with_upgrades()
-                    .await;
+                match tls {
+                    None => serve_upstream(TokioIo::new(tcp), seen).await,
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(tcp).await {
+                            serve_upstream(TokioIo::new(stream), seen).await;
+                        }
+                    }
+                }
             });
         }
     });
     WsUpstream { addr, seen }
+}
+
+async fn serve_upstream<I>(io: I, seen: Seen)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let seen = seen.clone();
+        async move { Ok::<_, Infallible>(upstream_answer(seen, req)) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(io, service)
+        .with_upgrades()
+        .await;
 }
 
 fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
@@ -708,6 +751,35 @@ async fn tokens_left_at_the_end_are_charged_once_and_large_messages_pass_unmeter
         Some("890"),
         "charged once"
     );
+}
+
+#[tokio::test]
+async fn a_session_to_an_https_upstream_goes_over_tls_and_is_metered() {
+    let up = ws_upstream_tls().await;
+    // The test CA trusted through `ca_file`, in `[upstream]` (just before `[realtime]`).
+    let ca = format!(
+        "ca_file = \"{}\"\n[realtime]",
+        tls_fixture("ca.pem").display()
+    );
+    let config = METERED
+        .replace("[realtime]", &ca)
+        .replace("tpm = 100", "tpm = 1000");
+    let gw = gateway(&config, &up.https_url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    let (_, h) = up.seen.last();
+    assert_eq!(h["host"], format!("localhost:{}", up.addr.port()));
+    let ws = a.ws();
+    ws.send(TEXT, b"over tls").await;
+    assert_eq!(ws.message().await.unwrap().1, b"over tls");
+    ws.send(TEXT, b"usage:25").await;
+    ws.message().await.unwrap();
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("975"));
 }
 
 #[tokio::test]
