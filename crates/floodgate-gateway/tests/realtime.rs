@@ -364,7 +364,16 @@ async fn open_path(
     key: Option<&str>,
     headers: &[(&str, &str)],
 ) -> Answer {
-    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    open_at(gw.addr, path, key, headers).await
+}
+
+async fn open_at(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let tcp = TcpStream::connect(addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await
         .unwrap();
@@ -372,7 +381,7 @@ async fn open_path(
     let mut req = Request::builder()
         .method("GET")
         .uri(path)
-        .header("host", gw.addr.to_string())
+        .header("host", addr.to_string())
         .header("connection", "Upgrade")
         .header("upgrade", "websocket")
         .header("sec-websocket-version", "13")
@@ -905,4 +914,128 @@ async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charg
 
 fn config_for(text: &str, upstream: &str) -> floodgate_gateway::Config {
     common::config(text, upstream)
+}
+
+/// The `floodgate` binary on a config of its own, its stderr kept; killed when dropped.
+struct Binary {
+    child: std::process::Child,
+    path: std::path::PathBuf,
+}
+
+impl Binary {
+    fn start(config: &str) -> Binary {
+        let path =
+            std::env::temp_dir().join(format!("floodgate-realtime-{}.toml", std::process::id()));
+        std::fs::write(&path, config).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env_remove("FLOODGATE_REDIS_URL")
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Binary { child, path }
+    }
+
+    async fn exited(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
+        err
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The binary with two workers: the cap holds across them, SIGTERM closes the live session at
+/// `drain_sec` and exits 0, and the log has the session's request line and end line, never the
+/// key sent as a subprotocol.
+#[cfg(unix)]
+#[tokio::test]
+async fn the_binary_caps_sessions_across_workers_logs_them_and_closes_them_on_sigterm() {
+    let up = ws_upstream().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut bin = Binary::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\nbase_url = \"{}\"\n\
+         [realtime]\nmax_connections = 1\ndrain_sec = 1\n\
+         [[keys]]\nid = \"k\"\nsecret = \"sk-secret-k\"\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 1000\n",
+        up.url()
+    ));
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let browser_key = [(
+        "sec-websocket-protocol",
+        "realtime, openai-insecure-api-key.sk-secret-k",
+    )];
+    let mut a = open_at(addr, "/v1/realtime?model=m", None, &browser_key).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    a.ws().send(TEXT, b"usage:25").await;
+    a.ws().message().await.unwrap();
+    // New connections land on either worker: every one is refused while the session lives.
+    for _ in 0..6 {
+        let b = open_at(addr, "/v1/realtime?model=m", Some("sk-secret-k"), &[]).await;
+        assert_eq!(b.status, 429, "{}", b.body);
+        assert_eq!(b.code(), "too_many_connections");
+    }
+    let pid = bin.child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert!(
+        a.ws().closed_within(Duration::from_secs(5)).await,
+        "the drain closes the session"
+    );
+    let status = bin.exited(Duration::from_secs(10)).await.expect("exits");
+    assert!(status.success(), "{status:?}");
+    let log = bin.stderr();
+    assert!(!log.contains("sk-secret-k"), "{log}");
+    let upgrade = log
+        .lines()
+        .find(|l| l.contains("status=101"))
+        .unwrap_or_else(|| panic!("no request line for the upgrade: {log}"));
+    assert!(
+        upgrade.contains("key=k") && upgrade.contains("admitted"),
+        "{upgrade}"
+    );
+    let ended = log
+        .lines()
+        .find(|l| l.contains("realtime session ended"))
+        .unwrap_or_else(|| panic!("no end line: {log}"));
+    assert!(
+        ended.contains("key=k") && ended.contains("tokens=25") && ended.contains("shutdown"),
+        "{ended}"
+    );
+    assert_eq!(
+        log.matches("too_many_connections").count(),
+        6,
+        "one line per refusal: {log}"
+    );
 }
