@@ -417,18 +417,20 @@ impl Session {
                 return;
             }
         };
-        let (caller_in, caller_out) = tokio::io::split(TokioIo::new(caller));
-        let (upstream_in, upstream_out) = tokio::io::split(TokioIo::new(upstream));
+        let (caller_in, mut caller_out) = tokio::io::split(TokioIo::new(caller));
+        let (upstream_in, mut upstream_out) = tokio::io::split(TokioIo::new(upstream));
         let pending = AtomicU64::new(0);
-        let mut meter = self.chain.as_ref().map(|_| Meter {
-            frames: FrameReader::default(),
+        // The caller's frames are only followed, never held; the upstream's are read for
+        // their tokens when metered.
+        let mut to_upstream = Direction::new(None);
+        let mut to_caller = Direction::new(self.chain.as_ref().map(|_| Meter {
             pending: &pending,
             total: 0,
             key: &self.key,
-        });
+        }));
         let end = {
-            let mut up = pin!(pump(caller_in, upstream_out, None));
-            let mut down = pin!(pump(upstream_in, caller_out, meter.as_mut()));
+            let mut up = pin!(pump(caller_in, &mut upstream_out, &mut to_upstream));
+            let mut down = pin!(pump(upstream_in, &mut caller_out, &mut to_caller));
             let mut flusher = pin!(flush_every(
                 self.flush,
                 &pending,
@@ -461,9 +463,16 @@ impl Session {
                     () = &mut linger, if caller_done => break End::HalfClosed,
                 }
             }
-            // Both connections are dropped here, before the last tokens are charged.
         };
-        let tokens = meter.as_ref().map(|m| m.total);
+        if let End::Shutdown = end {
+            // A close frame each way (1001, going away) where it can go between frames: the
+            // caller can tell a drain from a failure, and the upstream ends its session.
+            going_away(&mut caller_out, &to_caller, false).await;
+            going_away(&mut upstream_out, &to_upstream, true).await;
+        }
+        // Both connections are closed before the last tokens are charged.
+        drop((caller_out, upstream_out));
+        let tokens = to_caller.meter.as_ref().map(|m| m.total);
         if let Some(chain) = &self.chain {
             metering::record_now(&self.store, chain, pending.swap(0, Ordering::SeqCst)).await;
         }
@@ -510,13 +519,9 @@ async fn flush_every(
     }
 }
 
-/// Copies `from` to `to` until `from` ends (then `to` is shut down for writing), reading what
-/// went to the caller with `meter` after it went.
-async fn pump<R, W>(
-    mut from: R,
-    mut to: W,
-    mut meter: Option<&mut Meter<'_>>,
-) -> std::io::Result<()>
+/// Copies `from` to `to` until `from` ends (then `to` is shut down for writing); `dir` reads
+/// what went, after it went.
+async fn pump<R, W>(mut from: R, to: &mut W, dir: &mut Direction<'_>) -> std::io::Result<()>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -529,17 +534,88 @@ where
             let _ = to.shutdown().await;
             return Ok(());
         }
+        dir.writing = true;
         to.write_all(&buf[..n]).await?;
         to.flush().await?;
-        if let Some(m) = meter.as_deref_mut() {
-            m.push(&buf[..n]);
+        dir.writing = false;
+        dir.passed(&buf[..n]);
+    }
+}
+
+/// A close frame with status 1001 (going away), as a server sends it.
+const GOING_AWAY: [u8; 4] = [0x88, 0x02, 0x03, 0xe9];
+
+/// Sends a close frame with status 1001 (going away) on `to`, if `dir` (what went there) ended
+/// between two frames, masked as a client's when `masked`; within 1 s, or not at all.
+async fn going_away<W: AsyncWrite + Unpin>(to: &mut W, dir: &Direction<'_>, masked: bool) {
+    if !dir.between_frames() {
+        return;
+    }
+    let frame = if masked {
+        // A client's frames are masked (RFC 6455, 5.3); the key needs no secrecy here: the
+        // payload is the gateway's own.
+        let k = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0x5a17_c39e, |d| d.subsec_nanos())
+            .to_be_bytes();
+        vec![
+            GOING_AWAY[0],
+            0x80 | GOING_AWAY[1],
+            k[0],
+            k[1],
+            k[2],
+            k[3],
+            GOING_AWAY[2] ^ k[0],
+            GOING_AWAY[3] ^ k[1],
+        ]
+    } else {
+        GOING_AWAY.to_vec()
+    };
+    let send = async {
+        to.write_all(&frame).await?;
+        to.flush().await
+    };
+    let _ = tokio::time::timeout(Duration::from_secs(1), send).await;
+}
+
+/// One direction of a session: its frames followed as they pass (so that the gateway knows
+/// where a frame of its own may go), and for the upstream's of a metered session, the meter.
+struct Direction<'a> {
+    frames: FrameReader,
+    /// A write under way when the session ended: the peer may have part of a frame.
+    writing: bool,
+    meter: Option<Meter<'a>>,
+}
+
+impl<'a> Direction<'a> {
+    fn new(meter: Option<Meter<'a>>) -> Direction<'a> {
+        Direction {
+            // Text messages are only held to be metered.
+            frames: FrameReader {
+                skip_text: meter.is_none(),
+                ..FrameReader::default()
+            },
+            writing: false,
+            meter,
+        }
+    }
+
+    /// Whether everything sent so far ends with a whole frame.
+    fn between_frames(&self) -> bool {
+        !self.writing && self.frames.between_frames()
+    }
+
+    /// `data` went through.
+    fn passed(&mut self, data: &[u8]) {
+        match &mut self.meter {
+            Some(meter) => meter.read(&mut self.frames, data),
+            None => self.frames.push(data, |_| {}),
         }
     }
 }
 
-/// A session's token meter: the upstream's frames, and the tokens not yet charged.
+/// A session's token meter: the tokens not yet charged.
 struct Meter<'a> {
-    frames: FrameReader,
     pending: &'a AtomicU64,
     /// Every token metered in the session, for its log line.
     total: u64,
@@ -547,9 +623,9 @@ struct Meter<'a> {
 }
 
 impl Meter<'_> {
-    fn push(&mut self, data: &[u8]) {
+    /// Reads `data` with `frames`, metering each `response.done`.
+    fn read(&mut self, frames: &mut FrameReader, data: &[u8]) {
         let Meter {
-            frames,
             pending,
             total,
             key,
@@ -594,6 +670,8 @@ pub enum Message<'a> {
 /// [`MAX_METERED_MESSAGE`] bytes of a message are held.
 #[derive(Debug, Default)]
 pub struct FrameReader {
+    /// Follows frames without holding any message (`false`: text messages are reported).
+    pub skip_text: bool,
     /// The frame header read so far (at most 14 bytes).
     head: [u8; 14],
     head_len: usize,
@@ -688,6 +766,11 @@ impl FrameReader {
         }
     }
 
+    /// Whether the bytes read so far end with a whole frame.
+    pub fn between_frames(&self) -> bool {
+        !self.in_payload && self.head_len == 0
+    }
+
     /// The header is complete: reads it and starts the frame's payload.
     fn start_frame(&mut self, on_message: &mut impl FnMut(Message<'_>)) {
         let head = &self.head[..self.head_len];
@@ -726,7 +809,7 @@ impl FrameReader {
                 self.state = MessageState::Skip;
                 on_message(Message::Compressed);
             }
-            1 => {
+            1 if !self.skip_text => {
                 self.text.clear();
                 self.state = MessageState::Collect;
             }
@@ -852,6 +935,24 @@ mod tests {
         assert_eq!(read(&s, 64 * 1024), ["<too large>", "after"]);
         let exact = vec![b'y'; MAX_METERED_MESSAGE];
         assert_eq!(read(&frame(true, 1, &exact, None), 1 << 16).len(), 1);
+    }
+
+    #[test]
+    fn frames_are_followed_without_holding_text() {
+        let mut r = FrameReader {
+            skip_text: true,
+            ..FrameReader::default()
+        };
+        assert!(r.between_frames());
+        let f = frame(true, 1, &[b'x'; 300], Some([1, 2, 3, 4]));
+        let mut seen = 0;
+        r.push(&f[..1], |_| seen += 1);
+        assert!(!r.between_frames(), "within a header");
+        r.push(&f[1..100], |_| seen += 1);
+        assert!(!r.between_frames(), "within a payload");
+        r.push(&f[100..], |_| seen += 1);
+        assert!(r.between_frames());
+        assert_eq!((seen, r.text.capacity()), (0, 0));
     }
 
     #[test]

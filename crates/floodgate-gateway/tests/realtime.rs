@@ -153,11 +153,18 @@ fn response_done(tokens: u64, pad: usize) -> String {
     .to_string()
 }
 
-/// What the fake upstream saw: each request's URI and headers.
+/// What the fake upstream saw: each request's URI and headers, and the payload of each close
+/// frame it got.
 #[derive(Clone, Default)]
-struct Seen(Arc<Mutex<Vec<(String, HeaderMap)>>>);
+struct Seen(
+    Arc<Mutex<Vec<(String, HeaderMap)>>>,
+    Arc<Mutex<Vec<Vec<u8>>>>,
+);
 
 impl Seen {
+    fn closes(&self) -> Vec<Vec<u8>> {
+        self.1.lock().unwrap().clone()
+    }
     fn count(&self) -> usize {
         self.0.lock().unwrap().len()
     }
@@ -282,7 +289,7 @@ fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
     let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
         let io = TokioIo::new(on_upgrade.await.unwrap());
-        upstream_session(Ws { io, masked: false }).await;
+        upstream_session(Ws { io, masked: false }, seen).await;
     });
     let mut resp = Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
@@ -296,9 +303,10 @@ fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
     resp.body(Body::empty()).unwrap()
 }
 
-async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>) {
+async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen: Seen) {
     while let Some((opcode, data, _)) = ws.message().await {
         if opcode == CLOSE {
+            seen.1.lock().unwrap().push(data.clone());
             ws.send(CLOSE, &data).await;
             return;
         }
@@ -892,10 +900,16 @@ async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charg
     let start = Instant::now();
     gw.shutdown();
     let server = gw.server.take().unwrap();
-    assert!(
-        a.ws().closed_within(Duration::from_secs(3)).await,
-        "closed by the drain"
+    // A close frame, 1001 (going away), then the end of the connection.
+    let close = tokio::time::timeout(Duration::from_secs(3), a.ws().frame())
+        .await
+        .expect("closed by the drain")
+        .expect("a close frame first");
+    assert_eq!(
+        (close.opcode, close.payload),
+        (CLOSE, 1001u16.to_be_bytes().to_vec())
     );
+    assert!(a.ws().closed_within(Duration::from_secs(1)).await);
     let closed_after = start.elapsed();
     assert!(
         closed_after >= Duration::from_millis(900),
@@ -906,6 +920,12 @@ async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charg
         .expect("the drain ends once the sessions are closed")
         .unwrap()
         .unwrap();
+    // The upstream was told too (masked, as a client's frames are).
+    let told = Instant::now();
+    while up.seen.closes().is_empty() && told.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(up.seen.closes(), [1001u16.to_be_bytes().to_vec()]);
     // The session's tokens were charged before `run` returned.
     let after = gateway_on(&c, store).await;
     let r = models(&after, "sk-k").await;
