@@ -28,7 +28,8 @@
 //! and a full token window only refuses later requests and upgrades.
 //!
 //! **Shutdown.** A draining worker lets its live sessions go on for `[realtime] drain_sec`, then
-//! closes them (their connections are dropped, without a close frame) and charges their tokens.
+//! closes them: a close frame with status 1001 (going away) to each side where it fits between
+//! frames, both connections closed, their tokens charged.
 
 use std::pin::pin;
 use std::sync::Arc;
