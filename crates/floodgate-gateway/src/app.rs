@@ -341,9 +341,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
     if websocket {
         // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
         // can only fail, and be charged for it: refused plainly instead, uncharged.
-        let err = AppError::UpgradeUnsupported(
-            "This gateway proxies WebSocket upgrades on /v1/realtime only.",
-        );
+        let err = AppError::UpgradeUnsupported;
         log_local(
             Some(&key.id),
             &req,

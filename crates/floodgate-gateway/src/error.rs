@@ -32,9 +32,9 @@ pub enum AppError {
     /// A request body the gateway reads before admission did not arrive within
     /// `[server] header_timeout_sec` (408; nothing charged).
     BodyTimeout,
-    /// A WebSocket upgrade the gateway does not proxy: on a path other than `/v1/realtime`, or
-    /// with the demo upstream (501; nothing charged). Says why.
-    UpgradeUnsupported(&'static str),
+    /// A WebSocket upgrade of a path other than `/v1/realtime`, which the gateway does not
+    /// proxy (501; nothing charged).
+    UpgradeUnsupported,
     /// The process already has `[realtime] max_connections` live realtime sessions (429
     /// `too_many_connections`; nothing charged).
     TooManyConnections {
@@ -63,7 +63,7 @@ impl AppError {
             AppError::RateLimited { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            AppError::UpgradeUnsupported(_) => StatusCode::NOT_IMPLEMENTED,
+            AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
             AppError::TooManyConnections { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::StoreUnavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -111,8 +111,8 @@ impl AppError {
                 "invalid_request_error",
                 "request_timeout",
             ),
-            AppError::UpgradeUnsupported(why) => (
-                (*why).into(),
+            AppError::UpgradeUnsupported => (
+                "This gateway proxies WebSocket upgrades on /v1/realtime only.".into(),
                 "invalid_request_error",
                 "upgrade_not_supported",
             ),

@@ -220,42 +220,47 @@ impl Upstream {
 }
 
 impl Upstream {
-    /// Whether this is the built-in demo upstream (which answers no WebSocket upgrade).
-    pub fn is_demo(&self) -> bool {
-        matches!(self.target, Target::Demo(_))
-    }
-
     /// Forwards a WebSocket upgrade request (`GET` with `Upgrade: websocket`) on a new
-    /// connection of its own, which an upgrade consumes and no pool could reuse. Headers are
-    /// treated as in [`Upstream::send`], then `Connection: upgrade` and `Upgrade: websocket` are
-    /// set again. Returns the upstream's answer, whose hop-by-hop headers are dropped: on a 101,
+    /// connection of its own, which an upgrade consumes and no pool could reuse (for the demo
+    /// upstream, an in-process pipe to [`crate::demo::serve_realtime`]). Headers are treated as
+    /// in [`Upstream::send`], then `Connection: upgrade` and `Upgrade: websocket` are set again.
+    /// Returns the upstream's answer, whose hop-by-hop headers are dropped: on a 101,
     /// [`hyper::upgrade::on`] gives the upgraded connection.
     pub async fn upgrade(&self, mut req: Request<Body>) -> Result<Response<Incoming>, AppError> {
-        let Target::Http {
-            pool,
-            host,
-            prefix,
-            auth,
-            ..
-        } = &self.target
-        else {
-            return Err(AppError::Internal(
-                "the demo upstream answers no WebSocket upgrade".into(),
-            ));
-        };
         let headers = req.headers_mut();
         strip_hop_by_hop(headers);
         headers.remove(header::AUTHORIZATION);
         headers.remove(CUSTOMER_HEADER);
-        headers.insert(header::HOST, host.clone());
-        if let Some(auth) = auth {
-            headers.insert(header::AUTHORIZATION, auth.clone());
-        }
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        to_origin_form(&mut req, prefix)?;
+        let pool = match &self.target {
+            Target::Demo(_) => None,
+            Target::Http {
+                pool,
+                host,
+                prefix,
+                auth,
+                ..
+            } => {
+                let headers = req.headers_mut();
+                headers.insert(header::HOST, host.clone());
+                if let Some(auth) = auth {
+                    headers.insert(header::AUTHORIZATION, auth.clone());
+                }
+                to_origin_form(&mut req, prefix)?;
+                Some(pool)
+            }
+        };
         let send = async {
-            let mut conn = pool.connect(true).await?;
+            let mut conn = match pool {
+                Some(pool) => pool.connect(true).await?,
+                None => {
+                    // A pipe as wide as a socket's buffer: the demo's frames are small.
+                    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+                    tokio::spawn(crate::demo::serve_realtime(TokioIo::new(theirs)));
+                    handshake(TokioIo::new(ours), true).await?
+                }
+            };
             conn.ready()
                 .await
                 .map_err(|_| "the upstream closed a new connection".to_owned())?;

@@ -10,7 +10,8 @@
 //! 2. the process-local `[realtime] max_connections` cap (429 `too_many_connections`);
 //! 3. the same admission as any request: one request on the key's chain (429 with the
 //!    rate-limit headers when refused);
-//! 4. forwarded on an upstream connection of its own. The upstream's 101 is answered with a 101
+//! 4. forwarded on an upstream connection of its own (with the demo upstream, an in-process
+//!    pipe to [`crate::demo::serve_realtime`]). The upstream's 101 is answered with a 101
 //!    that carries its handshake headers and the rate-limit headers; any other answer is passed
 //!    through like a proxied response.
 //!
@@ -247,19 +248,6 @@ pub(crate) async fn open(
             "bad_request",
         );
         return AppError::BadRequest(why.into()).into_response();
-    }
-    if state.upstream().is_demo() {
-        let err = AppError::UpgradeUnsupported(
-            "The built-in demo upstream does not answer the Realtime API: set `[upstream] base_url` to a real upstream.",
-        );
-        log_local(
-            Some(&key.id),
-            &req,
-            start,
-            err.status(),
-            "upgrade_unsupported",
-        );
-        return err.into_response();
     }
     let customer = req
         .headers()

@@ -821,7 +821,7 @@ async fn an_upstream_refusal_passes_through_charged_and_a_dead_upstream_is_502()
 }
 
 #[tokio::test]
-async fn malformed_upgrades_and_the_demo_upstream_charge_nothing() {
+async fn malformed_upgrades_charge_nothing() {
     let up = ws_upstream().await;
     let gw = gateway(PLAIN, &up.url()).await;
     let a = open(&gw, Some("sk-k"), &[("sec-websocket-version", "8")]).await;
@@ -850,15 +850,68 @@ async fn malformed_upgrades_and_the_demo_upstream_charge_nothing() {
     assert_eq!(up.seen.count(), 0);
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}
 
-    let demo = "[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 5 }\n";
+#[tokio::test]
+async fn the_demo_upstream_answers_a_realtime_session_and_its_tokens_are_charged() {
+    let demo = r#"
+[upstream]
+demo = true
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 1000
+"#;
     let gw = gateway(demo, "").await;
-    let a = open(&gw, Some("sk-k"), &[]).await;
-    assert_eq!(a.status, 501, "{}", a.body);
-    assert_eq!(a.code(), "upgrade_not_supported");
-    assert!(a.body.contains("demo"), "{}", a.body);
+    let mut a = open(&gw, Some("sk-k"), &[("sec-websocket-protocol", "realtime")]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    // The demo's handshake is a real one: RFC 6455's sample key gets its sample accept.
+    assert_eq!(a.header("sec-websocket-accept"), Some(WS_ACCEPT));
+    assert_eq!(a.header("sec-websocket-protocol"), Some("realtime"));
+    let ws = a.ws();
+    let event = |data: Vec<u8>| -> serde_json::Value { serde_json::from_slice(&data).unwrap() };
+    let created = event(ws.message().await.unwrap().1);
+    assert_eq!(created["type"], "session.created");
+    assert_eq!(created["session"]["model"], "gpt-realtime");
+    let item = json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "Hello, demo!"}]}});
+    ws.send(TEXT, item.to_string().as_bytes()).await;
+    assert_eq!(
+        event(ws.message().await.unwrap().1)["type"],
+        "conversation.item.created"
+    );
+    ws.send(TEXT, br#"{"type":"response.create"}"#).await;
+    let mut text = String::new();
+    let usage = loop {
+        let e = event(ws.message().await.unwrap().1);
+        match e["type"].as_str().unwrap() {
+            "response.created" | "response.output_text.done" => {}
+            "response.output_text.delta" => text.push_str(e["delta"].as_str().unwrap()),
+            "response.done" => break e["response"]["usage"].clone(),
+            other => panic!("unexpected {other}: {e}"),
+        }
+    };
+    assert_eq!(text, floodgate_gateway::demo::REPLY);
+    let total = usage["total_tokens"].as_u64().unwrap();
+    assert_eq!(
+        total,
+        usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap()
+    );
+    ws.send(TEXT, b"not json").await;
+    assert_eq!(event(ws.message().await.unwrap().1)["type"], "error");
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert_eq!(ws.message().await.unwrap().0, CLOSE);
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
     let r = models(&gw, "sk-k").await;
-    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        Some((1000 - total).to_string().as_str())
+    );
 }
 
 #[tokio::test]
