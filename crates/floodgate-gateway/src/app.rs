@@ -151,7 +151,8 @@ enum Probe {
 /// Serves [`route`] on `listener` over HTTP/1.1 until `shutdown` completes, then stops accepting
 /// and waits for the requests in flight (streams included) to finish; idle kept-alive
 /// connections are closed. Live realtime sessions are waited for up to `[realtime] drain_sec`
-/// after `shutdown`, then closed; `run` returns once their tokens are charged.
+/// after `shutdown`, then closed; `run` returns once their tokens are charged. (A state whose
+/// `run` has drained closes any later session at once: give a new `run` a new [`AppState`].)
 pub async fn run(
     listener: TcpListener,
     state: AppState,
