@@ -19,9 +19,9 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
 use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
 use crate::auth::{CUSTOMER_HEADER, KeyEntry, Keys, ResolvedChain};
 use crate::budgets::Prices;
@@ -30,6 +30,7 @@ use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metering::{self, Meter, MeteredBody, RequestLog, Spend};
 use crate::proxy::Upstream;
+use crate::realtime::{self, LiveSessions, Sessions};
 use crate::store::GatewayStore;
 use crate::tally::{Counters, Subject, Tally};
 
@@ -55,13 +56,19 @@ struct Inner {
     refusals: Arc<Counters>,
     /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
     alerts_secret: Option<[u8; 32]>,
+    sessions: Sessions,
 }
 
 impl AppState {
-    /// State for `config` on `store`, with a refusal tally of its own kept in memory. Fails if
-    /// the upstream's API key is missing.
+    /// State for `config` on `store`, with a refusal tally of its own kept in memory and its
+    /// realtime sessions counted alone. Fails if the upstream's API key is missing.
     pub fn new(config: &Config, store: GatewayStore) -> Result<AppState, String> {
-        AppState::with_tally(config, store, &Arc::new(Tally::in_memory(config)))
+        AppState::for_worker(
+            config,
+            store,
+            &Arc::new(Tally::in_memory(config)),
+            LiveSessions::new(),
+        )
     }
 
     /// State for `config` on `store` that counts its refusals in `tally` (one state per worker,
@@ -70,6 +77,28 @@ impl AppState {
         config: &Config,
         store: GatewayStore,
         tally: &Arc<Tally>,
+    ) -> Result<AppState, String> {
+        AppState::for_worker(config, store, tally, LiveSessions::new())
+    }
+
+    /// State for `config` on `store` whose realtime sessions count against `[realtime]
+    /// max_connections` together with every other state given the same `live` (the workers of
+    /// one process).
+    pub fn with_live_sessions(
+        config: &Config,
+        store: GatewayStore,
+        live: LiveSessions,
+    ) -> Result<AppState, String> {
+        AppState::for_worker(config, store, &Arc::new(Tally::in_memory(config)), live)
+    }
+
+    /// One worker's state: its refusals counted in the process's `tally`, its realtime sessions
+    /// in the process's `live`. Fails if the upstream's API key is missing.
+    pub fn for_worker(
+        config: &Config,
+        store: GatewayStore,
+        tally: &Arc<Tally>,
+        live: LiveSessions,
     ) -> Result<AppState, String> {
         Ok(AppState {
             inner: Arc::new(Inner {
@@ -81,8 +110,18 @@ impl AppState {
                 refusals: tally.worker(),
                 tally: Arc::clone(tally),
                 alerts_secret: config.alerts.secret_sha256,
+                sessions: Sessions::new(&config.realtime, live),
             }),
         })
+    }
+
+    /// The live realtime sessions counted against `[realtime] max_connections`.
+    pub fn live_sessions(&self) -> &LiveSessions {
+        self.inner.sessions.live()
+    }
+
+    pub(crate) fn sessions(&self) -> &Sessions {
+        &self.inner.sessions
     }
 
     /// The store.
@@ -160,13 +199,18 @@ enum Local {
 
 /// Serves [`route`] on `listener` over HTTP/1.1 until `shutdown` completes, then stops accepting
 /// and waits for the requests in flight (streams included) to finish; idle kept-alive
-/// connections are closed.
+/// connections are closed. Live realtime sessions are waited for up to `[realtime] drain_sec`
+/// after `shutdown`, then closed; `run` returns once their tokens are charged. (A state whose
+/// `run` has drained closes any later session at once: give a new `run` a new [`AppState`].)
 pub async fn run(
     listener: TcpListener,
     state: AppState,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    let graceful = GracefulShutdown::new();
+    // In place of hyper-util's `GracefulShutdown`, which cannot watch a connection that may be
+    // upgraded (a realtime WebSocket): each connection holds a receiver and, told to stop,
+    // finishes its request in flight; no receiver left means no connection left.
+    let (draining, drain_rx) = watch::channel(false);
     let mut shutdown = std::pin::pin!(shutdown);
     let mut http = http1::Builder::new();
     // A caller that trickles its request head (slowloris) is cut off after `header_timeout`; so
@@ -199,16 +243,45 @@ pub async fn run(
             async move { Ok::<_, Infallible>(route(state, req.map(Body::new)).await) }
         });
         let conn = http.serve_connection(TokioIo::new(tcp), service);
-        let conn = graceful.watch(conn);
+        let mut drain = drain_rx.clone();
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
+            let mut conn = std::pin::pin!(conn.with_upgrades());
+            let ended = tokio::select! {
+                ended = conn.as_mut() => ended,
+                () = told_to_drain(&mut drain) => {
+                    conn.as_mut().graceful_shutdown();
+                    conn.await
+                }
+            };
+            if let Err(e) = ended {
                 tracing::debug!(error = %e, "client connection ended");
             }
+            // Held to here: the drain waits for this connection.
+            drop(drain);
         });
     }
     drop(listener);
-    graceful.shutdown().await;
+    drop(drain_rx);
+    let sessions = state.sessions();
+    let close_at = tokio::time::Instant::now() + sessions.drain_time();
+    draining.send_replace(true);
+    let mut connections = std::pin::pin!(draining.closed());
+    // Requests in flight get the whole drain; live sessions `drain_sec` of it.
+    tokio::select! {
+        () = connections.as_mut() => {}
+        () = tokio::time::sleep_until(close_at) => {
+            sessions.close_all();
+            connections.await;
+        }
+    }
+    // No connection left to start a session: those live are all there will be.
+    sessions.finish(close_at).await;
     Ok(())
+}
+
+/// Resolves once `run` drains its connections (or is gone).
+async fn told_to_drain(drain: &mut watch::Receiver<bool>) {
+    let _ = drain.wait_for(|d| *d).await;
 }
 
 /// How long to pause after a failed `accept`: not at all for a connection that failed before it
@@ -284,8 +357,8 @@ fn has_dot_segment(path: &str) -> bool {
     })
 }
 
-/// Whether `req` asks to switch to a protocol the gateway does not proxy: a WebSocket (the
-/// Realtime API). Other `Upgrade` offers (`h2c`) are optional for a server to take (RFC 9110,
+/// Whether `req` asks to switch to a WebSocket: proxied on `/v1/realtime` (the Realtime API),
+/// refused elsewhere. Other `Upgrade` offers (`h2c`) are optional for a server to take (RFC 9110,
 /// 7.8): the header is dropped as hop-by-hop and the request served over HTTP/1.1.
 fn asks_for_websocket(req: &Request) -> bool {
     let lists = |name, token: &str| {
@@ -298,7 +371,13 @@ fn asks_for_websocket(req: &Request) -> bool {
 }
 
 /// Logs a request answered by the gateway itself.
-fn log_local(key: Option<&str>, req: &Request, start: Instant, status: StatusCode, decision: &str) {
+pub(crate) fn log_local(
+    key: Option<&str>,
+    req: &Request,
+    start: Instant,
+    status: StatusCode,
+    decision: &str,
+) {
     tracing::info!(
         key = %key.unwrap_or("-"),
         method = %req.method(),
@@ -312,7 +391,14 @@ fn log_local(key: Option<&str>, req: &Request, start: Instant, status: StatusCod
 
 async fn proxy(state: AppState, req: Request) -> Response {
     let start = Instant::now();
-    let Some(key) = state.keys().authenticate(req.headers()).cloned() else {
+    let websocket = req.headers().contains_key(UPGRADE) && asks_for_websocket(&req);
+    let realtime = websocket && realtime::is_realtime(req.uri().path());
+    let key = if realtime {
+        state.keys().authenticate_websocket(req.headers())
+    } else {
+        state.keys().authenticate(req.headers())
+    };
+    let Some(key) = key.cloned() else {
         log_local(
             None,
             &req,
@@ -322,7 +408,10 @@ async fn proxy(state: AppState, req: Request) -> Response {
         );
         return AppError::Unauthorized.into_response();
     };
-    if req.headers().contains_key(UPGRADE) && asks_for_websocket(&req) {
+    if realtime {
+        return realtime::open(state, key, req, start).await;
+    }
+    if websocket {
         // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
         // can only fail, and be charged for it: refused plainly instead, uncharged.
         let err = AppError::UpgradeUnsupported;
@@ -538,7 +627,7 @@ fn store_error(
 /// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
 /// until the budget's period ends. No rate limit was consulted, so no rate-limit state headers.
 /// Counted in the refusal tally like a rate-limit refusal.
-fn refuse_budget(
+pub(crate) fn refuse_budget(
     state: &AppState,
     key: &KeyEntry,
     req: &Request,
@@ -576,7 +665,7 @@ fn refuse_budget(
 /// Logs the request line of a caller that went away while its request waited for the upstream
 /// (hyper then drops the handler): status 499, nginx's "client closed request". The request was
 /// admitted and charged; no response (and no token usage) follows.
-struct CallerGone<'a> {
+pub(crate) struct CallerGone<'a> {
     key: &'a str,
     method: &'a Method,
     uri: &'a Uri,
@@ -585,9 +674,27 @@ struct CallerGone<'a> {
     armed: bool,
 }
 
-impl CallerGone<'_> {
+impl<'a> CallerGone<'a> {
+    /// Armed: logs a 499 line if dropped before [`CallerGone::disarm`].
+    pub(crate) fn new(
+        key: &'a str,
+        method: &'a Method,
+        uri: &'a Uri,
+        start: Instant,
+        decision: &'static str,
+    ) -> CallerGone<'a> {
+        CallerGone {
+            key,
+            method,
+            uri,
+            start,
+            decision,
+            armed: true,
+        }
+    }
+
     /// The upstream answered (or failed) with the caller still there: no line from here.
-    fn disarm(mut self) {
+    pub(crate) fn disarm(mut self) {
         self.armed = false;
     }
 }
@@ -610,7 +717,7 @@ impl Drop for CallerGone<'_> {
 
 /// Counts a 429 in the refusal tally: against the gateway if its own scope refused, else against
 /// the key.
-fn count_refusal(state: &AppState, key: &KeyEntry, refused_by: floodgate::ScopeKind) {
+pub(crate) fn count_refusal(state: &AppState, key: &KeyEntry, refused_by: floodgate::ScopeKind) {
     let subject = match refused_by {
         floodgate::ScopeKind::Gateway => Subject::Gateway,
         _ => Subject::Key(key.index),
@@ -620,7 +727,7 @@ fn count_refusal(state: &AppState, key: &KeyEntry, refused_by: floodgate::ScopeK
 
 /// The 429 for a refused request, with the refusing limit's headers; counted in the refusal
 /// tally.
-fn refuse(
+pub(crate) fn refuse(
     state: &AppState,
     key: &KeyEntry,
     req: Request,

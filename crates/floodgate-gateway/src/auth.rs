@@ -8,7 +8,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::http::HeaderMap;
-use axum::http::header::AUTHORIZATION;
+use axum::http::header::{AUTHORIZATION, SEC_WEBSOCKET_PROTOCOL};
 use floodgate::{Budget, Budgets, Chain, ChainLimit, ScopeKind};
 use sha2::{Digest, Sha256};
 
@@ -17,6 +17,10 @@ use crate::headers::ChainHeaders;
 
 /// The header naming the end customer of a request, which adds the `customer` scope.
 pub const CUSTOMER_HEADER: &str = "x-floodgate-customer";
+
+/// The prefix of the `Sec-WebSocket-Protocol` entry in which a browser, which cannot set an
+/// `Authorization` header on a WebSocket, sends its key: `openai-insecure-api-key.<secret>`.
+pub const PROTOCOL_KEY_PREFIX: &str = "openai-insecure-api-key.";
 
 /// One caller key with its precomputed chain.
 #[derive(Debug)]
@@ -179,6 +183,23 @@ impl Keys {
         self.lookup(token.trim())
     }
 
+    /// The key of a WebSocket upgrade: as [`Keys::authenticate`] when the request has an
+    /// `Authorization` header; otherwise the first `Sec-WebSocket-Protocol` entry
+    /// `openai-insecure-api-key.<secret>` (what OpenAI's browser clients send). The gateway
+    /// never forwards that entry, and never logs it.
+    pub fn authenticate_websocket(&self, headers: &HeaderMap) -> Option<&Arc<KeyEntry>> {
+        if headers.contains_key(AUTHORIZATION) {
+            return self.authenticate(headers);
+        }
+        let secret = headers
+            .get_all(SEC_WEBSOCKET_PROTOCOL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .find_map(|p| p.trim().strip_prefix(PROTOCOL_KEY_PREFIX))?;
+        self.lookup(secret)
+    }
+
     /// The chain of a request by `key` for end customer `customer`: the key's chain, with the
     /// customer's limits and budgets (if the config has any for it) between the org's and the
     /// gateway's.
@@ -263,5 +284,29 @@ rpm = 2
         assert_eq!(keys.chain_for(k, Some("carol")).chain.limits().len(), 4);
         h.insert(AUTHORIZATION, "Bearer sk-nobody".parse().unwrap());
         assert!(keys.authenticate(&h).is_none());
+    }
+
+    #[test]
+    fn a_websocket_key_comes_from_the_header_or_else_a_subprotocol() {
+        let c = Config::parse_with_env("t.toml", CONFIG, None).unwrap();
+        let keys = Keys::from_config(&c);
+        let mut h = HeaderMap::new();
+        h.insert(
+            SEC_WEBSOCKET_PROTOCOL,
+            "realtime, openai-insecure-api-key.sk-alice, openai-beta.realtime-v1"
+                .parse()
+                .unwrap(),
+        );
+        assert_eq!(&*keys.authenticate_websocket(&h).unwrap().id, "alice");
+        assert!(keys.authenticate(&h).is_none(), "only for WebSockets");
+        // An Authorization header decides when present, even a wrong one.
+        h.insert(AUTHORIZATION, "Bearer sk-nobody".parse().unwrap());
+        assert!(keys.authenticate_websocket(&h).is_none());
+        let mut h = HeaderMap::new();
+        h.insert(
+            SEC_WEBSOCKET_PROTOCOL,
+            "openai-insecure-api-key.sk-nobody".parse().unwrap(),
+        );
+        assert!(keys.authenticate_websocket(&h).is_none());
     }
 }

@@ -158,16 +158,22 @@ pub fn spend_later(store: &GatewayStore, budgets: &Arc<Budgets>, micro_usd: u64)
     };
     let store = store.clone();
     let budgets = Arc::clone(budgets);
-    rt.spawn(async move {
-        match budgets.spend(&store, micro_usd).await {
-            Ok(()) => {}
-            // The store logs an outage (or a dropped connection) once.
-            Err(e @ floodgate::Error::Unavailable(_)) => {
-                tracing::debug!(error = %e, micro_usd, "could not record spend");
-            }
-            Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
+    rt.spawn(async move { spend_now(&store, &budgets, micro_usd).await });
+}
+
+/// Adds `micro_usd` to every budget of `budgets` now, once (never replayed).
+pub async fn spend_now(store: &GatewayStore, budgets: &Budgets, micro_usd: u64) {
+    if micro_usd == 0 || budgets.is_empty() {
+        return;
+    }
+    match budgets.spend(store, micro_usd).await {
+        Ok(()) => {}
+        // The store logs an outage (or a dropped connection) once.
+        Err(e @ floodgate::Error::Unavailable(_)) => {
+            tracing::debug!(error = %e, micro_usd, "could not record spend");
         }
-    });
+        Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
+    }
 }
 
 #[cfg(test)]

@@ -39,6 +39,14 @@ pub const DEFAULT_HEADER_TIMEOUT_SEC: u64 = 60;
 
 /// How long the gateway waits for the upstream's response headers when `timeout_sec` is absent.
 pub const DEFAULT_UPSTREAM_TIMEOUT_SEC: u64 = 300;
+/// `[realtime] max_connections` when absent: live realtime sessions per gateway process.
+pub const DEFAULT_REALTIME_MAX_CONNECTIONS: usize = 1000;
+/// `[realtime] flush_sec` when absent: how often a session's metered tokens are charged.
+pub const DEFAULT_REALTIME_FLUSH_SEC: u64 = 5;
+/// `[realtime] drain_sec` when absent, and its largest value: how long a graceful shutdown lets
+/// live realtime sessions go on before closing them. Below the process's 30 s drain deadline
+/// ([`crate::server::DRAIN_TIMEOUT`]), so that closed sessions still have their tokens charged.
+pub const MAX_REALTIME_DRAIN_SEC: u64 = 25;
 /// The environment variable that overrides `[store] url`.
 pub const REDIS_URL_ENV: &str = "FLOODGATE_REDIS_URL";
 
@@ -104,6 +112,7 @@ struct RawConfig {
     store: Option<RawStore>,
     upstream: Spanned<RawUpstream>,
     gateway: Option<RawGateway>,
+    realtime: Option<RawRealtime>,
     #[serde(default)]
     keys: Vec<Spanned<RawKey>>,
     #[serde(default)]
@@ -187,6 +196,18 @@ struct RawUpstream {
     ca_file: Option<Spanned<String>>,
 }
 
+/// Signed, so that a negative value gets this module's message rather than a type error.
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [realtime] table (max_connections, flush_sec, drain_sec)"
+)]
+struct RawRealtime {
+    max_connections: Option<Spanned<i64>>,
+    flush_sec: Option<Spanned<i64>>,
+    drain_sec: Option<Spanned<i64>>,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a [gateway] table (rate_limit)")]
 struct RawGateway {
@@ -251,6 +272,8 @@ pub struct Config {
     pub store: StoreConfig,
     /// Where admitted requests go.
     pub upstream: UpstreamConfig,
+    /// Realtime (WebSocket) sessions.
+    pub realtime: RealtimeConfig,
     /// The callers.
     pub keys: Vec<KeyConfig>,
     /// Limits per scope, from both config shapes, merged: `(scope, id) -> limits`. The gateway
@@ -442,6 +465,30 @@ pub struct UpstreamConfig {
     pub target: UpstreamTarget,
     /// How long to wait for the upstream's response headers (then 504).
     pub timeout: Duration,
+}
+
+/// `[realtime]`: WebSocket sessions on `/v1/realtime`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RealtimeConfig {
+    /// Most live sessions in this gateway process, all workers together (a session counts from
+    /// its upgrade request to its end). Not shared between replicas.
+    pub max_connections: usize,
+    /// How often a live session's metered tokens are charged to the token limits (and once
+    /// more when it ends).
+    pub flush: Duration,
+    /// On a graceful shutdown, how long live sessions may go on before the gateway closes
+    /// them (their tokens are then charged).
+    pub drain: Duration,
+}
+
+impl Default for RealtimeConfig {
+    fn default() -> RealtimeConfig {
+        RealtimeConfig {
+            max_connections: DEFAULT_REALTIME_MAX_CONNECTIONS,
+            flush: Duration::from_secs(DEFAULT_REALTIME_FLUSH_SEC),
+            drain: Duration::from_secs(MAX_REALTIME_DRAIN_SEC),
+        }
+    }
 }
 
 /// Where requests are forwarded.
@@ -709,6 +756,7 @@ impl Validator<'_> {
 
         let store = self.store(raw.store, redis_url_env)?;
         let upstream = self.upstream(raw.upstream)?;
+        let realtime = self.realtime(raw.realtime)?;
 
         let mut limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>> = BTreeMap::new();
         if let Some(w) = raw.gateway.and_then(|g| g.rate_limit) {
@@ -912,6 +960,7 @@ impl Validator<'_> {
             header_timeout,
             store,
             upstream,
+            realtime,
             keys,
             limits,
             alerts,
@@ -1178,6 +1227,38 @@ impl Validator<'_> {
             });
         }
         Ok(budgets)
+    }
+
+    fn realtime(&self, raw: Option<RawRealtime>) -> Result<RealtimeConfig, ConfigError> {
+        let mut out = RealtimeConfig::default();
+        let Some(raw) = raw else {
+            return Ok(out);
+        };
+        // Each field: its value within `min..=max`, or an error naming it.
+        let ranged = |v: &Spanned<i64>, field: &str, min: i64, max: i64| {
+            let n = *v.get_ref();
+            if (min..=max).contains(&n) {
+                Ok(n.unsigned_abs())
+            } else {
+                Err(self.error(
+                    v.span(),
+                    format!("realtime.{field}"),
+                    format!("must be between {min} and {max}"),
+                ))
+            }
+        };
+        if let Some(v) = &raw.max_connections {
+            let n = ranged(v, "max_connections", 1, 1_000_000)?;
+            out.max_connections = usize::try_from(n).unwrap_or(usize::MAX);
+        }
+        if let Some(v) = &raw.flush_sec {
+            out.flush = Duration::from_secs(ranged(v, "flush_sec", 1, 3600)?);
+        }
+        if let Some(v) = &raw.drain_sec {
+            let max = i64::try_from(MAX_REALTIME_DRAIN_SEC).unwrap_or(i64::MAX);
+            out.drain = Duration::from_secs(ranged(v, "drain_sec", 0, max)?);
+        }
+        Ok(out)
     }
 
     fn store(
@@ -1557,6 +1638,27 @@ tpm = 10
         let text = "[store]\nbackend = \"redis\"\n[upstream]\ndemo = true\n";
         let c = Config::parse_with_env("t.toml", text, Some("redis://env:6379".into())).unwrap();
         assert_eq!(c.store.url.as_deref(), Some("redis://env:6379"));
+    }
+
+    #[test]
+    fn realtime_defaults_and_values() {
+        let c = parse("[upstream]\ndemo = true\n").unwrap();
+        assert_eq!(c.realtime, RealtimeConfig::default());
+        assert_eq!(c.realtime.max_connections, 1000);
+        let c = parse(
+            "[upstream]\ndemo = true\n[realtime]\nmax_connections = 2\nflush_sec = 1\ndrain_sec = 0\n",
+        )
+        .unwrap();
+        assert_eq!(
+            c.realtime,
+            RealtimeConfig {
+                max_connections: 2,
+                flush: Duration::from_secs(1),
+                drain: Duration::ZERO,
+            }
+        );
+        let e = parse("[upstream]\ndemo = true\n[realtime]\nflush_sec = 0\n").unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (4, "realtime.flush_sec"), "{e}");
     }
 
     #[test]

@@ -1,11 +1,13 @@
 //! The built-in demo upstream (`[upstream] demo = true`): answers `POST /v1/chat/completions`
-//! with a fixed reply and a real `usage`, as JSON or as a server-sent event stream, and
-//! `GET /v1/models`, so that the quick start needs no outside service. It is not a model: it
-//! says so in its reply and the gateway says so in its logs.
+//! with a fixed reply and a real `usage`, as JSON or as a server-sent event stream,
+//! `GET /v1/models`, and Realtime API sessions on `/v1/realtime` ([`serve_realtime`]), so that
+//! the quick start needs no outside service. It is not a model: it says so in its reply and the
+//! gateway says so in its logs.
 //!
 //! Token counts follow the usual rule of thumb of four characters per token for the prompt, and
 //! one token per word of the reply.
 
+use std::convert::Infallible;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
@@ -14,8 +16,11 @@ use axum::body::{Body, Bytes};
 use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
 use serde::Deserialize;
 use serde_json::{Value, json};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
 /// The demo's reply to every chat completion.
 pub const REPLY: &str =
@@ -164,4 +169,300 @@ async fn chat(body: Bytes) -> Response {
 
 fn sse(v: &Value) -> String {
     format!("data: {v}\n\n")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The Realtime API.
+
+/// Largest client message the demo reads; a larger one ends the session (close 1009).
+const MAX_REALTIME_MESSAGE: usize = 1024 * 1024;
+
+/// Serves the demo's Realtime API over `io`, one end of an in-process pipe whose other end the
+/// gateway's upstream client holds: HTTP/1.1 whose `GET /v1/realtime` WebSocket upgrade starts a
+/// session. In it, `session.update`, `conversation.item.create` and `response.create` are
+/// answered as the Realtime API does (the reply is [`REPLY`], a word per
+/// `response.output_text.delta`, then `response.done` with a real `usage`); anything else gets an
+/// `error` event.
+pub async fn serve_realtime<I>(io: I)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service =
+        hyper::service::service_fn(|req| async move { Ok::<_, Infallible>(realtime_upgrade(req)) });
+    if let Err(e) = hyper::server::conn::http1::Builder::new()
+        .serve_connection(io, service)
+        .with_upgrades()
+        .await
+    {
+        tracing::debug!(error = %e, "demo realtime connection ended");
+    }
+}
+
+fn realtime_upgrade(mut req: hyper::Request<Incoming>) -> Response {
+    if req.uri().path() != "/v1/realtime" {
+        return error(
+            StatusCode::NOT_FOUND,
+            "The floodgate demo upstream answers WebSocket upgrades on /v1/realtime only.",
+        );
+    }
+    let Some(key) = req.headers().get(header::SEC_WEBSOCKET_KEY) else {
+        return error(StatusCode::BAD_REQUEST, "No Sec-WebSocket-Key.");
+    };
+    let accept = websocket_accept(key.as_bytes());
+    let model = req
+        .uri()
+        .query()
+        .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("model=")))
+        .unwrap_or(MODEL)
+        .to_owned();
+    // Offered by OpenAI's browser clients: taken, as the Realtime API does.
+    let realtime_protocol = req
+        .headers()
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|p| p.trim() == "realtime");
+    let upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        match upgrade.await {
+            Ok(io) => realtime_session(TokioIo::new(io), model).await,
+            Err(e) => tracing::debug!(error = %e, "demo realtime upgrade failed"),
+        }
+    });
+    let mut resp = Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header(header::CONNECTION, "upgrade")
+        .header(header::UPGRADE, "websocket")
+        .header(header::SEC_WEBSOCKET_ACCEPT, accept);
+    if realtime_protocol {
+        resp = resp.header(header::SEC_WEBSOCKET_PROTOCOL, "realtime");
+    }
+    resp.body(Body::empty())
+        .unwrap_or_else(|_| error(StatusCode::INTERNAL_SERVER_ERROR, "bad handshake"))
+}
+
+/// `Sec-WebSocket-Accept` for `key` (RFC 6455, 4.2.2): base64 of the SHA-1 of the key and a
+/// fixed GUID.
+fn websocket_accept(key: &[u8]) -> String {
+    let mut sha1 = sha1_smol::Sha1::new();
+    sha1.update(key.trim_ascii());
+    sha1.update(b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11");
+    base64(&sha1.digest().bytes())
+}
+
+fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let byte = |i: usize| u32::from(chunk.get(i).copied().unwrap_or(0));
+        let n = (byte(0) << 16) | (byte(1) << 8) | byte(2);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i)) as usize & 63]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// A message from the client: opcode and payload, fragments joined.
+struct ClientMessage {
+    opcode: u8,
+    payload: Vec<u8>,
+}
+
+/// The next message (or control frame) from the client; `None` when the connection ends, or
+/// on a message over [`MAX_REALTIME_MESSAGE`] (after a close 1009).
+async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) -> Option<ClientMessage> {
+    let mut message: Option<ClientMessage> = None;
+    loop {
+        let mut head = [0u8; 2];
+        io.read_exact(&mut head).await.ok()?;
+        let len = match head[1] & 0x7f {
+            126 => u64::from(io.read_u16().await.ok()?),
+            127 => io.read_u64().await.ok()?,
+            n => u64::from(n),
+        };
+        let mut mask = [0u8; 4];
+        if head[1] & 0x80 != 0 {
+            io.read_exact(&mut mask).await.ok()?;
+        }
+        let held = message.as_ref().map_or(0, |m| m.payload.len());
+        let Some(len) = usize::try_from(len)
+            .ok()
+            .filter(|l| held + l <= MAX_REALTIME_MESSAGE)
+        else {
+            send_frame(io, 0x8, &1009u16.to_be_bytes()).await;
+            return None;
+        };
+        let mut payload = vec![0u8; len];
+        io.read_exact(&mut payload).await.ok()?;
+        for (i, b) in payload.iter_mut().enumerate() {
+            *b ^= mask[i % 4];
+        }
+        let (fin, opcode) = (head[0] & 0x80 != 0, head[0] & 0x0f);
+        if opcode & 0x08 != 0 {
+            // Close, ping and pong may come between fragments: answered on their own.
+            return Some(ClientMessage { opcode, payload });
+        }
+        match &mut message {
+            Some(m) => m.payload.extend_from_slice(&payload),
+            None => message = Some(ClientMessage { opcode, payload }),
+        }
+        if fin {
+            return message;
+        }
+    }
+}
+
+/// Writes one unmasked (server) frame; a failure ends the session at the next read.
+async fn send_frame<S: AsyncWrite + Unpin>(io: &mut S, opcode: u8, payload: &[u8]) {
+    let mut out = Vec::with_capacity(payload.len() + 10);
+    out.push(0x80 | opcode);
+    match payload.len() {
+        n if n < 126 => out.push(n as u8),
+        n if n <= 0xffff => {
+            out.push(126);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+        n => {
+            out.push(127);
+            out.extend_from_slice(&(n as u64).to_be_bytes());
+        }
+    }
+    out.extend_from_slice(payload);
+    let _ = io.write_all(&out).await;
+    let _ = io.flush().await;
+}
+
+/// One demo Realtime session: events answered until the client closes.
+async fn realtime_session<S: AsyncRead + AsyncWrite + Unpin>(mut io: S, model: String) {
+    let mut events = 0u64;
+    let mut send = async |io: &mut S, mut event: Value| {
+        events += 1;
+        event["event_id"] = json!(format!("event_demo_{events}"));
+        send_frame(io, 0x1, event.to_string().as_bytes()).await;
+    };
+    let session = json!({"id": "sess_demo", "object": "realtime.session", "model": model});
+    send(
+        &mut io,
+        json!({"type": "session.created", "session": session}),
+    )
+    .await;
+    // The conversation so far, for the input tokens of each response (the whole conversation is
+    // the model's input every turn).
+    let (mut chars, mut items) = (0u64, 0u64);
+    let mut responses = 0u64;
+    while let Some(m) = read_message(&mut io).await {
+        let event: Value = match m.opcode {
+            0x8 => {
+                send_frame(&mut io, 0x8, &m.payload).await;
+                return;
+            }
+            0x9 => {
+                send_frame(&mut io, 0xA, &m.payload).await;
+                continue;
+            }
+            0xA => continue,
+            0x1 => serde_json::from_slice(&m.payload).unwrap_or(Value::Null),
+            _ => Value::Null,
+        };
+        match event["type"].as_str().unwrap_or_default() {
+            "session.update" => {
+                send(
+                    &mut io,
+                    json!({"type": "session.updated", "session": session}),
+                )
+                .await;
+            }
+            "conversation.item.create" => {
+                let item = &event["item"];
+                chars += item["content"].as_array().map_or(0, |parts| {
+                    parts
+                        .iter()
+                        .filter_map(|p| p["text"].as_str())
+                        .map(|t| t.chars().count())
+                        .sum::<usize>()
+                }) as u64;
+                items += 1;
+                send(
+                    &mut io,
+                    json!({"type": "conversation.item.created", "item": item}),
+                )
+                .await;
+            }
+            "response.create" => {
+                responses += 1;
+                let id = format!("resp_demo_{responses}");
+                send(
+                    &mut io,
+                    json!({"type": "response.created", "response": {"id": id, "object": "realtime.response", "status": "in_progress"}}),
+                )
+                .await;
+                let words: Vec<&str> = REPLY.split_inclusive(' ').collect();
+                for w in &words {
+                    tokio::time::sleep(CHUNK_INTERVAL).await;
+                    send(
+                        &mut io,
+                        json!({"type": "response.output_text.delta", "response_id": id, "delta": w}),
+                    )
+                    .await;
+                }
+                send(
+                    &mut io,
+                    json!({"type": "response.output_text.done", "response_id": id, "text": REPLY}),
+                )
+                .await;
+                // The demo's rule of thumb, as for chat completions.
+                let input = chars.div_ceil(4) + 3 * items + 3;
+                let output = words.len() as u64;
+                send(
+                    &mut io,
+                    json!({"type": "response.done", "response": {
+                        "id": id,
+                        "object": "realtime.response",
+                        "status": "completed",
+                        "output": [{"type": "message", "role": "assistant",
+                            "content": [{"type": "output_text", "text": REPLY}]}],
+                        "usage": {"total_tokens": input + output, "input_tokens": input, "output_tokens": output},
+                    }}),
+                )
+                .await;
+                // The reply joins the conversation.
+                chars += REPLY.chars().count() as u64;
+                items += 1;
+            }
+            _ => {
+                send(
+                    &mut io,
+                    json!({"type": "error", "error": {
+                        "type": "invalid_request_error",
+                        "message": "The floodgate demo upstream answers session.update, conversation.item.create and response.create (JSON text messages).",
+                    }}),
+                )
+                .await;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_accept_of_rfc_6455s_sample_key() {
+        assert_eq!(
+            websocket_accept(b"dGhlIHNhbXBsZSBub25jZQ=="),
+            "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+        );
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+    }
 }

@@ -42,9 +42,17 @@ pub enum AppError {
     /// A request body the gateway reads before admission did not arrive within
     /// `[server] header_timeout_sec` (408; nothing charged).
     BodyTimeout,
-    /// A protocol upgrade (a WebSocket, as the Realtime API opens), which the gateway does not
+    /// A WebSocket upgrade of a path other than `/v1/realtime`, which the gateway does not
     /// proxy (501; nothing charged).
     UpgradeUnsupported,
+    /// The process already has `[realtime] max_connections` live realtime sessions (429
+    /// `too_many_connections`; nothing charged).
+    TooManyConnections {
+        /// The cap.
+        max: usize,
+        /// The `Retry-After` to send.
+        retry_after: Duration,
+    },
     /// No such route (404).
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
@@ -70,6 +78,7 @@ impl AppError {
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
+            AppError::TooManyConnections { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::StoreUnavailable(_) | AppError::TallyUnavailable => {
                 StatusCode::SERVICE_UNAVAILABLE
@@ -134,10 +143,17 @@ impl AppError {
                 "request_timeout",
             ),
             AppError::UpgradeUnsupported => (
-                "This gateway does not proxy protocol upgrades (WebSocket, the Realtime API) yet."
-                    .into(),
+                "This gateway proxies WebSocket upgrades on /v1/realtime only.".into(),
                 "invalid_request_error",
                 "upgrade_not_supported",
+            ),
+            AppError::TooManyConnections { max, retry_after } => (
+                format!(
+                    "Too many realtime sessions on this gateway (at most {max} at once). Please retry after {}s.",
+                    crate::headers::ceil_secs(*retry_after)
+                ),
+                "rate_limit_exceeded",
+                "too_many_connections",
             ),
             AppError::NotFound => (
                 "Unknown path: the gateway serves /v1/..., /healthz and /readyz.".into(),
@@ -191,6 +207,18 @@ impl IntoResponse for AppError {
         let body = json!({
             "error": { "message": message, "type": kind, "param": null, "code": code }
         });
-        (self.status(), Json(body)).into_response()
+        let mut resp = (self.status(), Json(body)).into_response();
+        if let AppError::TooManyConnections { retry_after, .. } = &self {
+            let h = resp.headers_mut();
+            h.insert(
+                axum::http::header::RETRY_AFTER,
+                crate::headers::ceil_secs(*retry_after).into(),
+            );
+            h.insert(
+                "retry-after-ms",
+                crate::headers::ceil_millis(*retry_after).into(),
+            );
+        }
+        resp
     }
 }

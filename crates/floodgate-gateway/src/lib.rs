@@ -9,6 +9,7 @@
 //! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
 //! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
 //! - [`budgets`]: spend caps per scope per day or month, priced per model;
+//! - [`realtime`]: Realtime API WebSocket sessions, their cap and their token meter;
 //! - [`headers`]: rate-limit response headers;
 //! - [`demo`]: the built-in demo upstream;
 //! - [`error`]: OpenAI-style errors;
@@ -38,6 +39,7 @@ pub mod error;
 pub mod headers;
 pub mod metering;
 pub mod proxy;
+pub mod realtime;
 pub mod server;
 pub mod store;
 pub mod tally;

@@ -105,6 +105,12 @@ fn check_config(file: &PathBuf) -> ExitCode {
             }
         }
     }
+    println!(
+        "realtime: at most {} live sessions in this process, tokens charged every {}s, {}s to finish on shutdown",
+        config.realtime.max_connections,
+        config.realtime.flush.as_secs(),
+        config.realtime.drain.as_secs()
+    );
     let gateway = config.scope_limits(ScopeKind::Gateway, GATEWAY_ID);
     if gateway.is_empty() {
         println!("gateway: unlimited");

@@ -365,17 +365,49 @@ pub fn record_later(store: &GatewayStore, chain: &Arc<Chain>, tokens: u64) {
     };
     let store = store.clone();
     let chain = Arc::clone(chain);
-    rt.spawn(async move {
-        match chain.record(&store, tokens).await {
-            Ok(()) => {}
-            // The store logs an outage (or a dropped connection) once; a line for every
-            // metered response would flood the log for as long as it lasts.
-            Err(e @ floodgate::Error::Unavailable(_)) => {
-                tracing::debug!(error = %e, tokens, "could not record tokens");
-            }
-            Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
+    rt.spawn(async move { record_now(&store, &chain, tokens).await });
+}
+
+/// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned
+/// (the response or session it came from is over, or must not be held up by it).
+pub async fn record_now(store: &GatewayStore, chain: &Chain, tokens: u64) {
+    if tokens == 0 || !chain.has_reactive() {
+        return;
+    }
+    match chain.record(store, tokens).await {
+        Ok(()) => {}
+        // The store logs an outage (or a dropped connection) once; a line for every
+        // metered response would flood the log for as long as it lasts.
+        Err(e @ floodgate::Error::Unavailable(_)) => {
+            tracing::debug!(error = %e, tokens, "could not record tokens");
         }
-    });
+        Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
+    }
+}
+
+/// A Realtime API server event, as far as metering reads it.
+#[derive(Deserialize)]
+struct RealtimeEvent<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: std::borrow::Cow<'a, str>,
+    response: Option<NestedResponse>,
+}
+
+/// The tokens of a Realtime API `response.done` event (a text message of the session):
+/// `response.usage`, as `total_tokens`, else `input_tokens + output_tokens`. `None` for any other
+/// event, and for one that is not JSON.
+pub fn response_done_tokens(message: &[u8]) -> Option<u64> {
+    response_done_usage(message).map(|u| u.total)
+}
+
+/// The usage of a Realtime API `response.done` event (input, output and total tokens), if
+/// `message` is one and carries it.
+pub fn response_done_usage(message: &[u8]) -> Option<TokenUsage> {
+    let event: RealtimeEvent<'_> = serde_json::from_slice(message).ok()?;
+    if event.kind != "response.done" {
+        return None;
+    }
+    event.response?.usage.as_ref().map(Usage::detail)
 }
 
 /// What a response spends against: the chain's budgets, the price table, and the model the
@@ -995,6 +1027,25 @@ mod tests {
             model_in(br#"data: {"model":"a\"b"}"#).as_deref(),
             Some("a\"b")
         );
+    }
+
+    #[test]
+    fn usage_from_realtime_events() {
+        let done = br#"{"event_id":"e1","type":"response.done","response":{"id":"r","output":[{"type":"message"}],"usage":{"total_tokens":42,"input_tokens":30,"output_tokens":12}}}"#;
+        assert_eq!(response_done_tokens(done), Some(42));
+        let parts =
+            br#"{"type":"response.done","response":{"usage":{"input_tokens":5,"output_tokens":6}}}"#;
+        assert_eq!(response_done_tokens(parts), Some(11));
+        // Escaped, still the same type.
+        let escaped = br#"{"type":"response\u002edone","response":{"usage":{"total_tokens":3}}}"#;
+        assert_eq!(response_done_tokens(escaped), Some(3));
+        // Other events carry usage-like fields too; only a finished response counts.
+        let other = br#"{"type":"response.created","response":{"usage":{"total_tokens":9}}}"#;
+        assert_eq!(response_done_tokens(other), None);
+        let no_usage = br#"{"type":"response.done","response":{"usage":null}}"#;
+        assert_eq!(response_done_tokens(no_usage), None);
+        assert_eq!(response_done_tokens(b"response.done"), None);
+        assert_eq!(response_done_tokens(br#"{"type":7}"#), None);
     }
 
     #[test]

@@ -205,21 +205,7 @@ impl Upstream {
                 if let Some(auth) = auth {
                     headers.insert(header::AUTHORIZATION, auth.clone());
                 }
-                let path_and_query = match (prefix.is_empty(), req.uri().path_and_query()) {
-                    // The common case: no prefix; the request's path is reused as is.
-                    (true, Some(pq)) => pq.clone(),
-                    (_, pq) => {
-                        let pq = pq.map_or("/", PathAndQuery::as_str);
-                        format!("{prefix}{pq}")
-                            .parse::<PathAndQuery>()
-                            .map_err(|e| {
-                                AppError::BadRequest(format!("cannot forward this path: {e}"))
-                            })?
-                    }
-                };
-                // Origin form (`/v1/...`): the connection already names the upstream.
-                *req.uri_mut() = Uri::from(path_and_query);
-                *req.version_mut() = Version::HTTP_11;
+                to_origin_form(&mut req, prefix)?;
                 let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
                     Err(_) => return Err(AppError::UpstreamTimeout),
                     Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
@@ -231,6 +217,81 @@ impl Upstream {
             }
         }
     }
+}
+
+impl Upstream {
+    /// Forwards a WebSocket upgrade request (`GET` with `Upgrade: websocket`) on a new
+    /// connection of its own, which an upgrade consumes and no pool could reuse (for the demo
+    /// upstream, an in-process pipe to [`crate::demo::serve_realtime`]). Headers are treated as
+    /// in [`Upstream::send`], then `Connection: upgrade` and `Upgrade: websocket` are set again.
+    /// Returns the upstream's answer, whose hop-by-hop headers are dropped: on a 101,
+    /// [`hyper::upgrade::on`] gives the upgraded connection.
+    pub async fn upgrade(&self, mut req: Request<Body>) -> Result<Response<Incoming>, AppError> {
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(CUSTOMER_HEADER);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        let pool = match &self.target {
+            Target::Demo(_) => None,
+            Target::Http {
+                pool,
+                host,
+                prefix,
+                auth,
+                ..
+            } => {
+                let headers = req.headers_mut();
+                headers.insert(header::HOST, host.clone());
+                if let Some(auth) = auth {
+                    headers.insert(header::AUTHORIZATION, auth.clone());
+                }
+                to_origin_form(&mut req, prefix)?;
+                Some(pool)
+            }
+        };
+        let send = async {
+            let mut conn = match pool {
+                Some(pool) => pool.connect(true).await?,
+                None => {
+                    // A pipe as wide as a socket's buffer: the demo's frames are small.
+                    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+                    tokio::spawn(crate::demo::serve_realtime(TokioIo::new(theirs)));
+                    handshake(TokioIo::new(ours), true).await?
+                }
+            };
+            conn.ready()
+                .await
+                .map_err(|_| "the upstream closed a new connection".to_owned())?;
+            conn.send_request(req).await.map_err(|e| cause(&e))
+        };
+        let mut resp = match tokio::time::timeout(self.timeout, send).await {
+            Err(_) => return Err(AppError::UpstreamTimeout),
+            Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
+            Ok(Ok(resp)) => resp,
+        };
+        strip_hop_by_hop(resp.headers_mut());
+        Ok(resp)
+    }
+}
+
+/// Points `req` at the upstream: its path and query after the base URL's `prefix`, in origin
+/// form (`/v1/...`: the connection already names the upstream), over HTTP/1.1.
+fn to_origin_form<B>(req: &mut Request<B>, prefix: &str) -> Result<(), AppError> {
+    let path_and_query = match (prefix.is_empty(), req.uri().path_and_query()) {
+        // The common case: no prefix; the request's path is reused as is.
+        (true, Some(pq)) => pq.clone(),
+        (_, pq) => {
+            let pq = pq.map_or("/", PathAndQuery::as_str);
+            format!("{prefix}{pq}")
+                .parse::<PathAndQuery>()
+                .map_err(|e| AppError::BadRequest(format!("cannot forward this path: {e}")))?
+        }
+    };
+    *req.uri_mut() = Uri::from(path_and_query);
+    *req.version_mut() = Version::HTTP_11;
+    Ok(())
 }
 
 /// The upstream connections of one worker: HTTP/1 connections kept alive and reused, most
@@ -305,7 +366,7 @@ impl Pool {
             let reused_conn = if fresh_only { None } else { self.checkout() };
             let (mut conn, reused) = match reused_conn {
                 Some(c) => (c, true),
-                None => (self.connect().await?, false),
+                None => (self.connect(false).await?, false),
             };
             if reused && !conn.is_ready() {
                 // A connection goes back into the pool when its response ends, which can be
@@ -385,7 +446,9 @@ impl Pool {
         });
     }
 
-    async fn connect(&self) -> Result<SendRequest<Body>, String> {
+    /// A new connection; one for a WebSocket `upgrade` hands its connection over to
+    /// [`hyper::upgrade::on`] after a 101.
+    async fn connect(&self, upgrade: bool) -> Result<SendRequest<Body>, String> {
         let tcp = self
             .connector
             .clone()
@@ -393,7 +456,7 @@ impl Pool {
             .await
             .map_err(|e| cause(&e))?;
         let Some(tls) = &self.tls else {
-            return handshake(tcp).await;
+            return handshake(tcp, upgrade).await;
         };
         let connecting = tls
             .connector
@@ -401,14 +464,14 @@ impl Pool {
         match tokio::time::timeout(CONNECT_TIMEOUT, connecting).await {
             Err(_) => Err("TLS handshake with the upstream timed out".into()),
             Ok(Err(e)) => Err(format!("TLS handshake with the upstream: {}", cause(&e))),
-            Ok(Ok(stream)) => handshake(TokioIo::new(stream)).await,
+            Ok(Ok(stream)) => handshake(TokioIo::new(stream), upgrade).await,
         }
     }
 }
 
 /// Starts HTTP/1 on a new upstream connection, plain or TLS (generic, so neither pays for the
-/// other), and spawns its driver.
-async fn handshake<T>(io: T) -> Result<SendRequest<Body>, String>
+/// other), and spawns its driver; for an `upgrade`, one that gives the connection up after a 101.
+async fn handshake<T>(io: T, upgrade: bool) -> Result<SendRequest<Body>, String>
 where
     T: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
 {
@@ -416,7 +479,12 @@ where
         .await
         .map_err(|e| cause(&e))?;
     tokio::spawn(async move {
-        if let Err(e) = driver.await {
+        let ended = if upgrade {
+            driver.with_upgrades().await
+        } else {
+            driver.await
+        };
+        if let Err(e) = ended {
             tracing::debug!(error = %e, "upstream connection ended");
         }
     });

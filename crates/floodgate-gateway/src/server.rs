@@ -19,6 +19,7 @@ use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::app::{AppState, run};
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
+use crate::realtime::LiveSessions;
 use crate::store::{self, GatewayStore};
 use crate::tally::Tally;
 
@@ -100,6 +101,8 @@ pub fn serve(config: &Config) -> Result<(), String> {
         std::net::TcpListener::bind(config.listen)
             .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
     }
+    // `[realtime] max_connections` holds for the process: every worker counts on this one.
+    let live_sessions = LiveSessions::new();
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
@@ -116,6 +119,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             config: config.clone(),
             store: shared.clone(),
             tally: Arc::clone(&tally),
+            live_sessions: live_sessions.clone(),
             stop: stop_rx.clone(),
             ready: ready_tx.clone(),
             done: done_tx.clone(),
@@ -217,6 +221,8 @@ struct Worker {
     store: Option<GatewayStore>,
     /// The process's refusal tally; the worker counts into counters of its own.
     tally: Arc<Tally>,
+    /// The process's realtime sessions.
+    live_sessions: LiveSessions,
     stop: watch::Receiver<bool>,
     ready: mpsc::Sender<Result<SocketAddr, String>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
@@ -240,6 +246,7 @@ impl Worker {
             config,
             store,
             tally,
+            live_sessions,
             mut stop,
             ready,
             done,
@@ -269,7 +276,7 @@ impl Worker {
             };
             // Each worker has its own upstream client (and connection pool): no cross-thread
             // hand-offs on the hot path.
-            let state = match AppState::with_tally(&config, store, &tally) {
+            let state = match AppState::for_worker(&config, store, &tally, live_sessions) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = ready.send(Err(e));

@@ -90,10 +90,11 @@ async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
 }
 
 #[tokio::test]
-async fn a_websocket_upgrade_is_refused_plainly_and_charges_nothing() {
+async fn a_websocket_upgrade_off_the_realtime_path_is_refused_plainly_and_charges_nothing() {
     let up = fake_upstream().await;
     let gw = gateway(FIVE_A_MINUTE, &up.url()).await;
-    let mut req = gw.request("GET", "/v1/realtime?model=gpt-realtime", Some("sk-k"), "");
+    // (`/v1/realtime` is proxied: tests/realtime.rs.)
+    let mut req = gw.request("GET", "/v1/responses", Some("sk-k"), "");
     let h = req.headers_mut();
     h.insert("connection", "Upgrade".parse().unwrap());
     h.insert("upgrade", "websocket".parse().unwrap());

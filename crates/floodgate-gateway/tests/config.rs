@@ -39,6 +39,18 @@ const CASES: &[(&str, usize, &str)] = &[
     ("rate-limit-for-unknown-key.toml", 8, "rate_limits[0].id"),
     ("rate-limit-not-a-table.toml", 6, "rate_limit"),
     ("redis-without-url.toml", 2, "store.url"),
+    (
+        "realtime-zero-max-connections.toml",
+        5,
+        "realtime.max_connections",
+    ),
+    (
+        "realtime-negative-max-connections.toml",
+        6,
+        "realtime.max_connections",
+    ),
+    ("realtime-drain-too-long.toml", 2, "realtime.drain_sec"),
+    ("realtime-unknown-field.toml", 5, "max_sessions"),
     ("rpm-wrong-type.toml", 7, "rpm"),
     ("secret-and-hash.toml", 6, "keys[0].secret"),
     ("secret-with-a-space.toml", 6, "keys[0].secret"),

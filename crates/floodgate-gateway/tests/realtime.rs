@@ -1,0 +1,1188 @@
+//! Realtime API sessions: `GET /v1/realtime` upgraded to a WebSocket through the gateway to a
+//! fake upstream (hyper with upgrades, frames written and read by hand below): bytes both ways
+//! unchanged, the `max_connections` cap, admission, tokens from `response.done`, the drain.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, Response, StatusCode};
+use common::*;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// RFC 6455's sample handshake: this key is answered with this accept.
+const WS_KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";
+const WS_ACCEPT: &str = "s3pPLMBiTxaQ9kYGzzhZRbK+xOo=";
+
+const TEXT: u8 = 1;
+const BINARY: u8 = 2;
+const CLOSE: u8 = 8;
+const PING: u8 = 9;
+const PONG: u8 = 10;
+
+// ---------------------------------------------------------------------------------------------
+// Frames.
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Frame {
+    fin: bool,
+    opcode: u8,
+    payload: Vec<u8>,
+}
+
+/// One side of a WebSocket: a client masks what it sends (RFC 6455, 5.3), a server does not.
+struct Ws<S> {
+    io: S,
+    masked: bool,
+}
+
+impl<S: AsyncRead + AsyncWrite + Unpin> Ws<S> {
+    async fn send_frame(&mut self, fin: bool, opcode: u8, payload: &[u8]) {
+        let mut out = vec![(u8::from(fin) << 7) | opcode];
+        let m = if self.masked { 0x80 } else { 0 };
+        match payload.len() {
+            n if n < 126 => out.push(m | n as u8),
+            n if n <= 0xffff => {
+                out.push(m | 126);
+                out.extend_from_slice(&(n as u16).to_be_bytes());
+            }
+            n => {
+                out.push(m | 127);
+                out.extend_from_slice(&(n as u64).to_be_bytes());
+            }
+        }
+        if self.masked {
+            let key = [0x37, 0xfa, 0x21, 0x3d];
+            out.extend_from_slice(&key);
+            out.extend(payload.iter().enumerate().map(|(i, b)| b ^ key[i % 4]));
+        } else {
+            out.extend_from_slice(payload);
+        }
+        self.io.write_all(&out).await.unwrap();
+        self.io.flush().await.unwrap();
+    }
+
+    async fn send(&mut self, opcode: u8, payload: &[u8]) {
+        self.send_frame(true, opcode, payload).await;
+    }
+
+    /// The next frame; `None` when the connection ends.
+    async fn frame(&mut self) -> Option<Frame> {
+        let mut head = [0u8; 2];
+        self.io.read_exact(&mut head).await.ok()?;
+        let len = match head[1] & 0x7f {
+            126 => u64::from(self.io.read_u16().await.ok()?),
+            127 => self.io.read_u64().await.ok()?,
+            n => u64::from(n),
+        };
+        let mask = if head[1] & 0x80 != 0 {
+            let mut k = [0u8; 4];
+            self.io.read_exact(&mut k).await.ok()?;
+            Some(k)
+        } else {
+            None
+        };
+        let mut payload = vec![0u8; len as usize];
+        self.io.read_exact(&mut payload).await.ok()?;
+        if let Some(k) = mask {
+            for (i, b) in payload.iter_mut().enumerate() {
+                *b ^= k[i % 4];
+            }
+        }
+        Some(Frame {
+            fin: head[0] & 0x80 != 0,
+            opcode: head[0] & 0x0f,
+            payload,
+        })
+    }
+
+    /// The next data message, fragments joined, with the frames it came in (control frames
+    /// between them included); a close frame is returned as a message of its own.
+    async fn message(&mut self) -> Option<(u8, Vec<u8>, Vec<Frame>)> {
+        let mut frames = Vec::new();
+        let mut opcode = None;
+        let mut data = Vec::new();
+        loop {
+            let f = self.frame().await?;
+            frames.push(f.clone());
+            match f.opcode {
+                CLOSE if opcode.is_none() => return Some((CLOSE, f.payload, frames)),
+                PING | PONG | CLOSE => continue,
+                0 => {}
+                op => opcode = Some(op),
+            }
+            data.extend_from_slice(&f.payload);
+            if f.fin {
+                return Some((opcode.unwrap_or(0), data, frames));
+            }
+        }
+    }
+
+    /// Whether the peer closes the connection within `within` (frames before that are skipped).
+    async fn closed_within(&mut self, within: Duration) -> bool {
+        tokio::time::timeout(within, async { while self.frame().await.is_some() {} })
+            .await
+            .is_ok()
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fake upstream.
+
+/// A `response.done` server event with `total_tokens`; `pad` bytes of output text make it large.
+fn response_done(tokens: u64, pad: usize) -> String {
+    json!({
+        "type": "response.done",
+        "event_id": "event_1",
+        "response": {
+            "object": "realtime.response",
+            "status": "completed",
+            "output": [{"type": "message", "content": [{"type": "text", "text": "x".repeat(pad)}]}],
+            "usage": {"total_tokens": tokens, "input_tokens": tokens / 2, "output_tokens": tokens - tokens / 2},
+        },
+    })
+    .to_string()
+}
+
+/// What the fake upstream saw: each request's URI and headers, and the payload of each close
+/// frame it got.
+#[derive(Clone, Default)]
+struct Seen(
+    Arc<Mutex<Vec<(String, HeaderMap)>>>,
+    Arc<Mutex<Vec<Vec<u8>>>>,
+);
+
+impl Seen {
+    fn closes(&self) -> Vec<Vec<u8>> {
+        self.1.lock().unwrap().clone()
+    }
+    fn count(&self) -> usize {
+        self.0.lock().unwrap().len()
+    }
+    fn last(&self) -> (String, HeaderMap) {
+        self.0.lock().unwrap().last().cloned().unwrap()
+    }
+}
+
+struct WsUpstream {
+    addr: SocketAddr,
+    seen: Seen,
+}
+
+impl WsUpstream {
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+    /// The https URL by host name (the test certificate's `localhost`).
+    fn https_url(&self) -> String {
+        format!("https://localhost:{}", self.addr.port())
+    }
+}
+
+/// A Realtime-like upstream: answers a WebSocket upgrade with 101 (or, for `?model=refuse`,
+/// 403), then per text message from the client: `usage:N` sends a `response.done` with `N`
+/// tokens in one frame, `usage-fragmented:N` the same in three fragments with a ping between
+/// them, `usage-big:N` one over the gateway's metering bound, `bye` a close frame and the end;
+/// anything else (text or binary) is echoed. A close frame is answered with one and the end.
+/// Plain requests get `200 {"object": "list"}`.
+async fn ws_upstream() -> WsUpstream {
+    ws_upstream_on(None).await
+}
+
+/// The same over TLS, with the test-only certificate of `tests/tls/` (for `localhost`).
+async fn ws_upstream_tls() -> WsUpstream {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+
+    let certs = CertificateDer::pem_file_iter(tls_fixture("server.pem"))
+        .unwrap()
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = PrivateKeyDer::from_pem_file(tls_fixture("server.key")).unwrap();
+    let tls = rustls::ServerConfig::builder_with_provider(Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(certs, key)
+    .unwrap();
+    ws_upstream_on(Some(tokio_rustls::TlsAcceptor::from(Arc::new(tls)))).await
+}
+
+async fn ws_upstream_on(tls: Option<tokio_rustls::TlsAcceptor>) -> WsUpstream {
+    let seen = Seen::default();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let recorded = seen.clone();
+    tokio::spawn(async move {
+        loop {
+            let (tcp, _) = listener.accept().await.unwrap();
+            let (seen, tls) = (recorded.clone(), tls.clone());
+            tokio::spawn(async move {
+                match tls {
+                    None => serve_upstream(TokioIo::new(tcp), seen).await,
+                    Some(acceptor) => {
+                        if let Ok(stream) = acceptor.accept(tcp).await {
+                            serve_upstream(TokioIo::new(stream), seen).await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    WsUpstream { addr, seen }
+}
+
+async fn serve_upstream<I>(io: I, seen: Seen)
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+        let seen = seen.clone();
+        async move { Ok::<_, Infallible>(upstream_answer(seen, req)) }
+    });
+    let _ = hyper::server::conn::http1::Builder::new()
+        .serve_connection(io, service)
+        .with_upgrades()
+        .await;
+}
+
+fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
+    seen.0
+        .lock()
+        .unwrap()
+        .push((req.uri().to_string(), req.headers().clone()));
+    if !req.headers().contains_key("upgrade") {
+        return Response::builder()
+            .header("content-type", "application/json")
+            .body(Body::from(
+                json!({"object": "list", "data": []}).to_string(),
+            ))
+            .unwrap();
+    }
+    if req
+        .uri()
+        .query()
+        .is_some_and(|q| q.contains("model=refuse"))
+    {
+        return Response::builder()
+            .status(StatusCode::FORBIDDEN)
+            .header("content-type", "application/json")
+            .header("x-ratelimit-remaining-requests", "999")
+            .body(Body::from(r#"{"error":{"code":"model_not_found"}}"#))
+            .unwrap();
+    }
+    let protocol_offered = req
+        .headers()
+        .get("sec-websocket-protocol")
+        .is_some_and(|p| p.to_str().unwrap().contains("realtime"));
+    let on_upgrade = hyper::upgrade::on(&mut req);
+    tokio::spawn(async move {
+        let io = TokioIo::new(on_upgrade.await.unwrap());
+        upstream_session(Ws { io, masked: false }, seen).await;
+    });
+    let mut resp = Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-accept", WS_ACCEPT)
+        .header("x-upstream-session", "sess_1");
+    if protocol_offered {
+        resp = resp.header("sec-websocket-protocol", "realtime");
+    }
+    resp.body(Body::empty()).unwrap()
+}
+
+async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen: Seen) {
+    while let Some((opcode, data, _)) = ws.message().await {
+        if opcode == CLOSE {
+            seen.1.lock().unwrap().push(data.clone());
+            ws.send(CLOSE, &data).await;
+            return;
+        }
+        let text = String::from_utf8_lossy(&data).into_owned();
+        let arg = |prefix: &str| {
+            text.strip_prefix(prefix)
+                .and_then(|n| n.parse::<u64>().ok())
+        };
+        if let Some(n) = arg("usage:") {
+            ws.send(TEXT, response_done(n, 0).as_bytes()).await;
+        } else if let Some(n) = arg("usage-fragmented:") {
+            let done = response_done(n, 300);
+            let (a, rest) = done.as_bytes().split_at(10);
+            let (b, c) = rest.split_at(200);
+            ws.send_frame(false, TEXT, a).await;
+            ws.send(PING, b"are you there").await;
+            ws.send_frame(false, 0, b).await;
+            ws.send_frame(true, 0, c).await;
+        } else if let Some(n) = arg("usage-big:") {
+            let done = response_done(n, 1024 * 1024 + 10);
+            ws.send(TEXT, done.as_bytes()).await;
+        } else if text == "bye" {
+            ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+            return;
+        } else {
+            ws.send(opcode, &data).await;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The caller.
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+    ws: Option<Ws<TokioIo<hyper::upgrade::Upgraded>>>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+    fn code(&self) -> String {
+        let v: serde_json::Value = serde_json::from_str(&self.body).unwrap();
+        v["error"]["code"].as_str().unwrap_or_default().to_owned()
+    }
+    fn ws(&mut self) -> &mut Ws<TokioIo<hyper::upgrade::Upgraded>> {
+        self.ws.as_mut().expect("upgraded")
+    }
+}
+
+/// Opens `/v1/realtime?model=gpt-realtime` on `gw` with `Authorization: Bearer <key>` (if any)
+/// and the extra `headers`.
+async fn open(gw: &Gateway, key: Option<&str>, headers: &[(&str, &str)]) -> Answer {
+    open_path(gw, "/v1/realtime?model=gpt-realtime", key, headers).await
+}
+
+async fn open_path(
+    gw: &Gateway,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Answer {
+    open_at(gw.addr, path, key, headers).await
+}
+
+async fn open_at(
+    addr: SocketAddr,
+    path: &str,
+    key: Option<&str>,
+    headers: &[(&str, &str)],
+) -> Answer {
+    let tcp = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn.with_upgrades());
+    let mut req = Request::builder()
+        .method("GET")
+        .uri(path)
+        .header("host", addr.to_string())
+        .header("connection", "Upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-version", "13")
+        .header("sec-websocket-key", WS_KEY);
+    if let Some(k) = key {
+        req = req.header("authorization", format!("Bearer {k}"));
+    }
+    let mut req = req.body(Body::empty()).unwrap();
+    for (n, v) in headers {
+        let name = axum::http::HeaderName::from_bytes(n.as_bytes()).unwrap();
+        req.headers_mut().insert(name, v.parse().unwrap());
+    }
+    let mut resp = sender.send_request(req).await.unwrap();
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        let upgraded = hyper::upgrade::on(&mut resp).await.unwrap();
+        return Answer {
+            status,
+            headers,
+            body: String::new(),
+            ws: Some(Ws {
+                io: TokioIo::new(upgraded),
+                masked: true,
+            }),
+        };
+    }
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    Answer {
+        status,
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+        ws: None,
+    }
+}
+
+/// A plain request by `key`: what its rate-limit headers say.
+async fn models(gw: &Gateway, key: &str) -> Reply {
+    gw.send(gw.request("GET", "/v1/models", Some(key), ""))
+        .await
+}
+
+/// Waits (up to 2 s) for the gateway's live session count to be `n`.
+async fn live_sessions_reach(gw: &Gateway, n: usize) {
+    let start = Instant::now();
+    while gw.state.live_sessions().count() != n {
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "live sessions: {} (waiting for {n})",
+            gw.state.live_sessions().count()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests.
+
+/// `CARGO_PKG_NAME` is set by cargo in every test process: an upstream key variable that is
+/// always there, whose value the test knows.
+const PLAIN: &str = r#"
+[upstream]
+base_url = "{upstream}"
+api_key_env = "CARGO_PKG_NAME"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 5 }
+"#;
+
+#[tokio::test]
+async fn a_session_carries_text_and_binary_both_ways_unchanged_and_closes() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let mut a = open(
+        &gw,
+        Some("sk-k"),
+        &[
+            ("sec-websocket-protocol", "realtime"),
+            ("sec-websocket-extensions", "permessage-deflate"),
+            ("openai-beta", "realtime=v1"),
+            ("x-floodgate-customer", "c1"),
+        ],
+    )
+    .await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    // The upstream's handshake answer, and the gateway's rate-limit headers.
+    assert_eq!(a.header("sec-websocket-accept"), Some(WS_ACCEPT));
+    assert_eq!(a.header("sec-websocket-protocol"), Some("realtime"));
+    assert_eq!(a.header("x-upstream-session"), Some("sess_1"));
+    assert_eq!(a.header("upgrade"), Some("websocket"));
+    assert_eq!(a.header("x-ratelimit-remaining-requests"), Some("4"));
+    assert_eq!(a.header("x-ratelimit-limit-requests"), Some("5"));
+
+    // What the upstream got: the path and query, its own key, the handshake; nothing of the
+    // gateway's key or customer header. (No token limit: extensions are left to negotiate.)
+    let (uri, h) = up.seen.last();
+    assert_eq!(uri, "/v1/realtime?model=gpt-realtime");
+    assert_eq!(h["authorization"], "Bearer floodgate-gateway");
+    assert_eq!(h["upgrade"], "websocket");
+    assert_eq!(h["sec-websocket-key"], WS_KEY);
+    assert_eq!(h["sec-websocket-version"], "13");
+    assert_eq!(h["openai-beta"], "realtime=v1");
+    assert_eq!(h["sec-websocket-extensions"], "permessage-deflate");
+    assert!(!h.contains_key("x-floodgate-customer"));
+    assert_eq!(h["host"], up.addr.to_string());
+
+    let ws = a.ws();
+    ws.send(TEXT, b"hello \xe2\x9c\x93").await;
+    let (op, data, _) = ws.message().await.unwrap();
+    assert_eq!(
+        (op, data.as_slice()),
+        (TEXT, b"hello \xe2\x9c\x93".as_slice())
+    );
+    let binary: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
+    ws.send(BINARY, &binary).await;
+    let (op, data, _) = ws.message().await.unwrap();
+    assert_eq!(op, BINARY);
+    assert!(data == binary, "70 000 binary bytes come back unchanged");
+    // A message the upstream sends in fragments reaches the caller in the same frames.
+    ws.send(TEXT, b"usage-fragmented:7").await;
+    let (op, data, frames) = ws.message().await.unwrap();
+    assert_eq!(op, TEXT);
+    assert_eq!(String::from_utf8(data).unwrap(), response_done(7, 300));
+    let kinds: Vec<(bool, u8)> = frames.iter().map(|f| (f.fin, f.opcode)).collect();
+    assert_eq!(kinds, [(false, TEXT), (true, PING), (false, 0), (true, 0)]);
+    assert_eq!(gw.state.live_sessions().count(), 1);
+
+    // The caller closes: the upstream answers the close, and the connection ends.
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    let (op, data, _) = ws.message().await.unwrap();
+    assert_eq!((op, data), (CLOSE, 1000u16.to_be_bytes().to_vec()));
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    // The session took one request, no more.
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("3"));
+}
+
+#[tokio::test]
+async fn either_side_closing_ends_the_session() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let ws = a.ws();
+    ws.send(TEXT, b"bye").await;
+    let (op, _, _) = ws.message().await.unwrap();
+    assert_eq!(op, CLOSE);
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+
+    // A caller that just goes away (no close frame): the upstream is told, and the session ends.
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    a.ws().send(TEXT, b"hi").await;
+    a.ws().message().await.unwrap();
+    assert_eq!(gw.state.live_sessions().count(), 1);
+    drop(a);
+    live_sessions_reach(&gw, 0).await;
+}
+
+#[tokio::test]
+async fn an_unknown_key_is_401_and_a_browser_key_in_a_subprotocol_is_taken() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    for key in [None, Some("sk-nobody")] {
+        let a = open(&gw, key, &[]).await;
+        assert_eq!(a.status, 401, "{}", a.body);
+        assert_eq!(a.code(), "invalid_api_key");
+    }
+    let a = open(
+        &gw,
+        None,
+        &[(
+            "sec-websocket-protocol",
+            "openai-insecure-api-key.sk-nobody",
+        )],
+    )
+    .await;
+    assert_eq!(a.status, 401);
+    assert_eq!(up.seen.count(), 0, "nothing reached the upstream");
+    assert_eq!(gw.state.live_sessions().count(), 0);
+
+    // What OpenAI's browser clients send: the key as a subprotocol entry, which the upstream
+    // never sees.
+    let mut a = open(
+        &gw,
+        None,
+        &[(
+            "sec-websocket-protocol",
+            "realtime, openai-insecure-api-key.sk-k, openai-beta.realtime-v1",
+        )],
+    )
+    .await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    assert_eq!(a.header("sec-websocket-protocol"), Some("realtime"));
+    // Nothing was charged before: this is the key's first request.
+    assert_eq!(a.header("x-ratelimit-remaining-requests"), Some("4"));
+    let (_, h) = up.seen.last();
+    assert_eq!(
+        h["sec-websocket-protocol"],
+        "realtime, openai-beta.realtime-v1"
+    );
+    assert_eq!(h["authorization"], "Bearer floodgate-gateway");
+    a.ws().send(TEXT, b"ping?").await;
+    assert_eq!(a.ws().message().await.unwrap().1, b"ping?");
+}
+
+#[tokio::test]
+async fn over_max_connections_is_refused_uncharged_and_a_slot_frees_when_a_session_ends() {
+    let up = ws_upstream().await;
+    let config = format!("{PLAIN}\n[realtime]\nmax_connections = 1\n");
+    let gw = gateway(&config, &up.url()).await;
+    let mut first = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(first.status, 101);
+    assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("4"));
+
+    let refused = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    assert_eq!(refused.code(), "too_many_connections");
+    assert_eq!(refused.header("retry-after"), Some("5"));
+    assert_eq!(refused.header("retry-after-ms"), Some("5000"));
+    assert_eq!(
+        up.seen.count(),
+        1,
+        "the refused upgrade never reached the upstream"
+    );
+    // Plain requests are not sessions: still served.
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("3"),
+        "the refused upgrade charged nothing"
+    );
+
+    first.ws().send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(first.ws().closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    let mut again = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(again.status, 101, "{}", again.body);
+    assert_eq!(again.header("x-ratelimit-remaining-requests"), Some("2"));
+    again.ws().send(TEXT, b"still here").await;
+    assert_eq!(again.ws().message().await.unwrap().1, b"still here");
+}
+
+#[tokio::test]
+async fn a_session_is_one_request_and_admission_refuses_the_next_upgrade() {
+    let up = ws_upstream().await;
+    let config = PLAIN.replace("requests = 5", "requests = 1");
+    let gw = gateway(&config, &up.url()).await;
+    let mut first = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(first.status, 101);
+    assert_eq!(first.header("x-ratelimit-remaining-requests"), Some("0"));
+    let second = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(second.status, 429, "{}", second.body);
+    assert_eq!(second.code(), "rate_limit_exceeded");
+    assert_eq!(second.header("x-ratelimit-limit-requests"), Some("1"));
+    assert_eq!(second.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert!(second.header("retry-after").is_some());
+    assert_eq!(up.seen.count(), 1);
+    // The refusal frees its slot at once, and the live session is untouched.
+    assert_eq!(gw.state.live_sessions().count(), 1);
+    first.ws().send(TEXT, b"on").await;
+    assert_eq!(first.ws().message().await.unwrap().1, b"on");
+}
+
+/// A key with a token limit; the session meter flushes every second.
+const METERED: &str = r#"
+[upstream]
+base_url = "{upstream}"
+[realtime]
+flush_sec = 1
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 100
+"#;
+
+#[tokio::test]
+async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_the_session() {
+    let up = ws_upstream().await;
+    let gw = gateway(&METERED.replace("tpm = 100", "tpm = 110"), &up.url()).await;
+    let mut a = open(
+        &gw,
+        Some("sk-k"),
+        &[("sec-websocket-extensions", "permessage-deflate")],
+    )
+    .await;
+    assert_eq!(a.status, 101);
+    let (_, h) = up.seen.last();
+    assert!(
+        !h.contains_key("sec-websocket-extensions"),
+        "metered frames must come uncompressed"
+    );
+    let ws = a.ws();
+    ws.send(TEXT, b"usage:30").await;
+    assert_eq!(
+        String::from_utf8(ws.message().await.unwrap().1).unwrap(),
+        response_done(30, 0)
+    );
+    ws.send(TEXT, b"usage-fragmented:40").await;
+    assert_eq!(
+        String::from_utf8(ws.message().await.unwrap().1).unwrap(),
+        response_done(40, 300)
+    );
+    // Not yet flushed: the window is untouched.
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("110"));
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("40"));
+    // The next flush has nothing new to charge: nothing is charged twice.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("40"));
+
+    // 45 more: the window is full; a normal request is refused, the session goes on.
+    ws.send(TEXT, b"usage:45").await;
+    ws.message().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("0"));
+    ws.send(TEXT, b"usage:5").await;
+    assert_eq!(
+        String::from_utf8(ws.message().await.unwrap().1).unwrap(),
+        response_done(5, 0)
+    );
+    ws.send(BINARY, b"\x01\x02").await;
+    assert_eq!(ws.message().await.unwrap().1, b"\x01\x02");
+    assert_eq!(gw.state.live_sessions().count(), 1);
+}
+
+#[tokio::test]
+async fn tokens_left_at_the_end_are_charged_once_and_large_messages_pass_unmetered() {
+    let up = ws_upstream().await;
+    // A flush interval longer than the test: only the session's end charges.
+    let config = METERED
+        .replace("flush_sec = 1", "flush_sec = 3600")
+        .replace("tpm = 100", "tpm = 1000");
+    let gw = gateway(&config, &up.url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let ws = a.ws();
+    ws.send(TEXT, b"usage:60").await;
+    ws.message().await.unwrap();
+    // Over the metering bound: forwarded whole, its tokens not counted.
+    ws.send(TEXT, b"usage-big:500").await;
+    let (op, data, _) = ws.message().await.unwrap();
+    assert_eq!(
+        (op, data.len()),
+        (TEXT, response_done(500, 1024 * 1024 + 10).len())
+    );
+    ws.send(TEXT, b"usage:50").await;
+    ws.message().await.unwrap();
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("1000"));
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("890"));
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        Some("890"),
+        "charged once"
+    );
+}
+
+#[tokio::test]
+async fn a_session_to_an_https_upstream_goes_over_tls_and_is_metered() {
+    let up = ws_upstream_tls().await;
+    // The test CA trusted through `ca_file`, in `[upstream]` (just before `[realtime]`).
+    let ca = format!(
+        "ca_file = \"{}\"\n[realtime]",
+        tls_fixture("ca.pem").display()
+    );
+    let config = METERED
+        .replace("[realtime]", &ca)
+        .replace("tpm = 100", "tpm = 1000");
+    let gw = gateway(&config, &up.https_url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    let (_, h) = up.seen.last();
+    assert_eq!(h["host"], format!("localhost:{}", up.addr.port()));
+    let ws = a.ws();
+    ws.send(TEXT, b"over tls").await;
+    assert_eq!(ws.message().await.unwrap().1, b"over tls");
+    ws.send(TEXT, b"usage:25").await;
+    ws.message().await.unwrap();
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("975"));
+}
+
+#[tokio::test]
+async fn an_upstream_refusal_passes_through_charged_and_a_dead_upstream_is_502() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let a = open_path(&gw, "/v1/realtime?model=refuse", Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 403, "{}", a.body);
+    assert_eq!(a.body, r#"{"error":{"code":"model_not_found"}}"#);
+    assert_eq!(a.header("x-ratelimit-remaining-requests"), Some("4"));
+    live_sessions_reach(&gw, 0).await;
+
+    let dead = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", dead.local_addr().unwrap());
+    drop(dead);
+    let gw = gateway(PLAIN, &url).await;
+    let a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 502, "{}", a.body);
+    assert_eq!(a.code(), "upstream_unavailable");
+    assert_eq!(a.header("x-ratelimit-remaining-requests"), Some("4"));
+    assert_eq!(gw.state.live_sessions().count(), 0);
+}
+
+#[tokio::test]
+async fn malformed_upgrades_charge_nothing() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let a = open(&gw, Some("sk-k"), &[("sec-websocket-version", "8")]).await;
+    assert_eq!(a.status, 400, "{}", a.body);
+    assert_eq!(a.code(), "invalid_request");
+    let tcp = TcpStream::connect(gw.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let resp = sender
+        .send_request(
+            Request::builder()
+                .uri("/v1/realtime")
+                .header("host", "x")
+                .header("connection", "upgrade")
+                .header("upgrade", "websocket")
+                .header("sec-websocket-version", "13")
+                .header("authorization", "Bearer sk-k")
+                .body(Body::empty())
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400, "no Sec-WebSocket-Key");
+    assert_eq!(up.seen.count(), 0);
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}
+
+#[tokio::test]
+async fn the_demo_upstream_answers_a_realtime_session_and_its_tokens_are_charged() {
+    let demo = r#"
+[upstream]
+demo = true
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 1000
+"#;
+    let gw = gateway(demo, "").await;
+    let mut a = open(&gw, Some("sk-k"), &[("sec-websocket-protocol", "realtime")]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    // The demo's handshake is a real one: RFC 6455's sample key gets its sample accept.
+    assert_eq!(a.header("sec-websocket-accept"), Some(WS_ACCEPT));
+    assert_eq!(a.header("sec-websocket-protocol"), Some("realtime"));
+    let ws = a.ws();
+    let event = |data: Vec<u8>| -> serde_json::Value { serde_json::from_slice(&data).unwrap() };
+    let created = event(ws.message().await.unwrap().1);
+    assert_eq!(created["type"], "session.created");
+    assert_eq!(created["session"]["model"], "gpt-realtime");
+    let item = json!({"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "Hello, demo!"}]}});
+    ws.send(TEXT, item.to_string().as_bytes()).await;
+    assert_eq!(
+        event(ws.message().await.unwrap().1)["type"],
+        "conversation.item.created"
+    );
+    ws.send(TEXT, br#"{"type":"response.create"}"#).await;
+    let mut text = String::new();
+    let usage = loop {
+        let e = event(ws.message().await.unwrap().1);
+        match e["type"].as_str().unwrap() {
+            "response.created" | "response.output_text.done" => {}
+            "response.output_text.delta" => text.push_str(e["delta"].as_str().unwrap()),
+            "response.done" => break e["response"]["usage"].clone(),
+            other => panic!("unexpected {other}: {e}"),
+        }
+    };
+    assert_eq!(text, floodgate_gateway::demo::REPLY);
+    let total = usage["total_tokens"].as_u64().unwrap();
+    assert_eq!(
+        total,
+        usage["input_tokens"].as_u64().unwrap() + usage["output_tokens"].as_u64().unwrap()
+    );
+    ws.send(TEXT, b"not json").await;
+    assert_eq!(event(ws.message().await.unwrap().1)["type"], "error");
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert_eq!(ws.message().await.unwrap().0, CLOSE);
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        Some((1000 - total).to_string().as_str())
+    );
+}
+
+#[tokio::test]
+async fn a_drain_waits_for_a_live_session() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let mut gw = gw;
+    gw.shutdown();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let server = gw.server.take().unwrap();
+    assert!(!server.is_finished(), "the drain waits for the session");
+    let ws = a.ws();
+    ws.send(TEXT, b"during the drain").await;
+    assert_eq!(ws.message().await.unwrap().1, b"during the drain");
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("the drain ends with the session")
+        .unwrap()
+        .unwrap();
+}
+
+#[tokio::test]
+async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charged() {
+    let up = ws_upstream().await;
+    let config = METERED
+        .replace("flush_sec = 1", "flush_sec = 3600\ndrain_sec = 1")
+        .replace("tpm = 100", "tpm = 1000");
+    let c = config_for(&config, &up.url());
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let mut gw = gateway_on(&c, store.clone()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    a.ws().send(TEXT, b"usage:70").await;
+    a.ws().message().await.unwrap();
+    let start = Instant::now();
+    gw.shutdown();
+    let server = gw.server.take().unwrap();
+    // A close frame, 1001 (going away), then the end of the connection.
+    let close = tokio::time::timeout(Duration::from_secs(3), a.ws().frame())
+        .await
+        .expect("closed by the drain")
+        .expect("a close frame first");
+    assert_eq!(
+        (close.opcode, close.payload),
+        (CLOSE, 1001u16.to_be_bytes().to_vec())
+    );
+    assert!(a.ws().closed_within(Duration::from_secs(1)).await);
+    let closed_after = start.elapsed();
+    assert!(
+        closed_after >= Duration::from_millis(900),
+        "{closed_after:?}: sessions get drain_sec"
+    );
+    tokio::time::timeout(Duration::from_secs(2), server)
+        .await
+        .expect("the drain ends once the sessions are closed")
+        .unwrap()
+        .unwrap();
+    // The upstream was told too (masked, as a client's frames are).
+    let told = Instant::now();
+    while up.seen.closes().is_empty() && told.elapsed() < Duration::from_secs(2) {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(up.seen.closes(), [1001u16.to_be_bytes().to_vec()]);
+    // The session's tokens were charged before `run` returned.
+    let after = gateway_on(&c, store).await;
+    let r = models(&after, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("930"));
+}
+
+fn config_for(text: &str, upstream: &str) -> floodgate_gateway::Config {
+    common::config(text, upstream)
+}
+
+/// The `floodgate` binary on a config of its own, its stderr kept; killed when dropped.
+struct Binary {
+    child: std::process::Child,
+    path: std::path::PathBuf,
+}
+
+impl Binary {
+    fn start(config: &str) -> Binary {
+        let path =
+            std::env::temp_dir().join(format!("floodgate-realtime-{}.toml", std::process::id()));
+        std::fs::write(&path, config).unwrap();
+        let child = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .args(["serve", "--config"])
+            .arg(&path)
+            .env_remove("FLOODGATE_REDIS_URL")
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        Binary { child, path }
+    }
+
+    async fn exited(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(s) = self.child.try_wait().unwrap() {
+                return Some(s);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
+    fn stderr(&mut self) -> String {
+        let mut err = String::new();
+        std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
+        err
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// The binary with two workers: the cap holds across them, SIGTERM closes the live session at
+/// `drain_sec` and exits 0, and the log has the session's request line and end line, never the
+/// key sent as a subprotocol.
+#[cfg(unix)]
+#[tokio::test]
+async fn the_binary_caps_sessions_across_workers_logs_them_and_closes_them_on_sigterm() {
+    let up = ws_upstream().await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut bin = Binary::start(&format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\nbase_url = \"{}\"\n\
+         [realtime]\nmax_connections = 1\ndrain_sec = 1\n\
+         [[keys]]\nid = \"k\"\nsecret = \"sk-secret-k\"\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 1000\n",
+        up.url()
+    ));
+    let addr: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let browser_key = [(
+        "sec-websocket-protocol",
+        "realtime, openai-insecure-api-key.sk-secret-k",
+    )];
+    let mut a = open_at(addr, "/v1/realtime?model=m", None, &browser_key).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    a.ws().send(TEXT, b"usage:25").await;
+    a.ws().message().await.unwrap();
+    // New connections land on either worker: every one is refused while the session lives.
+    for _ in 0..6 {
+        let b = open_at(addr, "/v1/realtime?model=m", Some("sk-secret-k"), &[]).await;
+        assert_eq!(b.status, 429, "{}", b.body);
+        assert_eq!(b.code(), "too_many_connections");
+    }
+    let pid = bin.child.id().to_string();
+    let killed = std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    assert!(
+        a.ws().closed_within(Duration::from_secs(5)).await,
+        "the drain closes the session"
+    );
+    let status = bin.exited(Duration::from_secs(10)).await.expect("exits");
+    assert!(status.success(), "{status:?}");
+    let log = bin.stderr();
+    assert!(!log.contains("sk-secret-k"), "{log}");
+    let upgrade = log
+        .lines()
+        .find(|l| l.contains("status=101"))
+        .unwrap_or_else(|| panic!("no request line for the upgrade: {log}"));
+    assert!(
+        upgrade.contains("key=k") && upgrade.contains("admitted"),
+        "{upgrade}"
+    );
+    let ended = log
+        .lines()
+        .find(|l| l.contains("realtime session ended"))
+        .unwrap_or_else(|| panic!("no end line: {log}"));
+    assert!(
+        ended.contains("key=k") && ended.contains("tokens=25") && ended.contains("shutdown"),
+        "{ended}"
+    );
+    assert_eq!(
+        log.matches("too_many_connections").count(),
+        6,
+        "one line per refusal: {log}"
+    );
+}
+
+/// Budgets hold for sessions too: a session's `response.done` usage is priced by the model its
+/// URL names and spent against the key's budget; a spent budget refuses the next upgrade
+/// (`insufficient_quota`). Both kinds of 429 a session can get are counted in the refusal
+/// tally: the process's cap against the gateway, the budget against the key.
+#[tokio::test]
+async fn sessions_spend_against_budgets_and_their_refusals_are_tallied() {
+    let up = ws_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[realtime]
+max_connections = 1
+[alerts]
+secret = "sk-admin"
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[prices]]
+model = "gpt-realtime"
+input_per_million = 1000000
+output_per_million = 1000000
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 10
+"#,
+        &up.url(),
+    )
+    .await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let full = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(
+        (full.status.as_u16(), full.code()),
+        (429, "too_many_connections".into())
+    );
+    // 20 tokens of gpt-realtime at $1 a token: twice the day's $10.
+    let ws = a.ws();
+    ws.send(TEXT, b"usage:20").await;
+    ws.message().await.unwrap();
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    let spent = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(
+        (spent.status.as_u16(), spent.code()),
+        (429, "budget_exceeded".into()),
+        "{}",
+        spent.body
+    );
+    let alerts = gw
+        .send(gw.request("GET", "/alerts", Some("sk-admin"), ""))
+        .await
+        .json();
+    let counts: Vec<(String, u64)> = alerts["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            (
+                a["subject"].as_str().unwrap().to_owned(),
+                a["count"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        counts,
+        [("gateway".into(), 1), ("key".into(), 1)],
+        "{alerts}"
+    );
+}
