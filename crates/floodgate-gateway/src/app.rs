@@ -23,7 +23,7 @@ use sha2::{Digest, Sha256};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use crate::auth::{CUSTOMER_HEADER, KeyEntry, Keys, ResolvedChain};
+use crate::auth::{KeyEntry, Keys, ResolvedChain};
 use crate::budgets::Prices;
 use crate::config::Config;
 use crate::error::AppError;
@@ -431,17 +431,11 @@ async fn proxy(state: AppState, req: Request) -> Response {
         log_local(Some(&key.id), &req, start, err.status(), "bad_request");
         return err.into_response();
     }
-    let customer = req
-        .headers()
-        .get(CUSTOMER_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|c| !c.is_empty());
     let ResolvedChain {
         chain,
         headers: fixed,
         budgets,
-    } = state.keys().chain_for(&key, customer);
+    } = state.keys().chain_for_request(&key, req.headers());
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let metered = budgets.is_some() || chain.has_reactive();

@@ -200,6 +200,17 @@ impl Keys {
         self.lookup(secret)
     }
 
+    /// The chain of a request by `key` with `headers`: for the end customer its
+    /// `X-Floodgate-Customer` header names, if any (see [`Keys::chain_for`]).
+    pub fn chain_for_request(&self, key: &KeyEntry, headers: &HeaderMap) -> ResolvedChain {
+        let customer = headers
+            .get(CUSTOMER_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|c| !c.is_empty());
+        self.chain_for(key, customer)
+    }
+
     /// The chain of a request by `key` for end customer `customer`: the key's chain, with the
     /// customer's limits and budgets (if the config has any for it) between the org's and the
     /// gateway's.

@@ -868,56 +868,14 @@ impl Validator<'_> {
             let span = r.span();
             let r = r.into_inner();
             let field = |f: &str| format!("rate_limits[{i}].{f}");
-            let kind = ScopeKind::parse(r.scope.get_ref()).ok_or_else(|| {
-                self.error(
-                    r.scope.span(),
-                    field("scope"),
-                    format!(
-                        "unknown scope `{}`: expected key, project, team, business_unit, org, customer or gateway",
-                        r.scope.get_ref()
-                    ),
-                )
-            })?;
-            let id_span = r.id.as_ref().map_or(span.clone(), |id| id.span());
-            let id = match (kind, r.id) {
-                (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
-                (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
-                    return Err(self.error(
-                        id.span(),
-                        field("id"),
-                        "the gateway scope has no id (omit it, or write \"gateway\")",
-                    ));
-                }
-                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.get_ref().trim().to_owned(),
-                (_, Some(id)) => {
-                    return Err(self.error(id.span(), field("id"), "must not be empty"));
-                }
-                (_, None) => {
-                    return Err(self.error(
-                        span,
-                        field("id"),
-                        format!("a `{kind}` rate limit needs the id of the {kind} it limits"),
-                    ));
-                }
-            };
-            // The header that names a customer carries visible ASCII (and spaces) only: a limit
-            // on any other id could never apply.
-            if kind == ScopeKind::Customer && !id.bytes().all(|b| (b' '..=b'~').contains(&b)) {
-                return Err(self.error(
-                    id_span,
-                    field("id"),
-                    format!(
-                        "a customer id is visible ASCII (the X-Floodgate-Customer header carries no other): no request could name `{id}`"
-                    ),
-                ));
-            }
-            if kind == ScopeKind::Key && !ids.contains_key(&id) {
-                return Err(self.error(
-                    span,
-                    field("id"),
-                    format!("no [[keys]] entry has id `{id}`"),
-                ));
-            }
+            let (kind, id) = self.scope_target(
+                &r.scope,
+                r.id,
+                span.clone(),
+                &format!("rate_limits[{i}]."),
+                "rate limit needs the id of the {kind} it limits",
+                &ids,
+            )?;
             if r.rpm.is_none() && r.tpm.is_none() {
                 return Err(self.error(span, field("rpm"), "set `rpm`, `tpm` or both"));
             }
@@ -1051,6 +1009,70 @@ impl Validator<'_> {
         Ok(alerts)
     }
 
+    /// The scope and id a `[[rate_limits]]` or `[[budgets]]` entry (at `span`, fields under
+    /// `prefix`) names: a known scope kind; an id, trimmed, that the gateway scope may omit and
+    /// every other needs (`needs`, with `{kind}` for the kind, says so); a customer id that a
+    /// header can carry; a key id that `[[keys]]` has.
+    fn scope_target(
+        &self,
+        scope: &Spanned<String>,
+        id: Option<Spanned<String>>,
+        span: Range<usize>,
+        prefix: &str,
+        needs: &str,
+        keys: &HashMap<String, usize>,
+    ) -> Result<(ScopeKind, String), ConfigError> {
+        let field = |f: &str| format!("{prefix}{f}");
+        let kind = ScopeKind::parse(scope.get_ref().trim()).ok_or_else(|| {
+            self.error(
+                scope.span(),
+                field("scope"),
+                format!(
+                    "unknown scope `{}`: expected key, project, team, business_unit, org, customer or gateway",
+                    scope.get_ref()
+                ),
+            )
+        })?;
+        let id_span = id.as_ref().map_or(span.clone(), |id| id.span());
+        let id = match (kind, id) {
+            (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
+            (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
+                return Err(self.error(
+                    id.span(),
+                    field("id"),
+                    "the gateway scope has no id (omit it, or write \"gateway\")",
+                ));
+            }
+            (_, Some(id)) if !id.get_ref().trim().is_empty() => id.get_ref().trim().to_owned(),
+            (_, Some(id)) => {
+                return Err(self.error(id.span(), field("id"), "must not be empty"));
+            }
+            (_, None) => {
+                let needs = needs.replace("{kind}", kind.as_str());
+                return Err(self.error(span, field("id"), format!("a `{kind}` {needs}")));
+            }
+        };
+        // The header that names a customer carries visible ASCII (and spaces) only: an entry
+        // on any other id could never apply.
+        if kind == ScopeKind::Customer && !id.bytes().all(|b| (b' '..=b'~').contains(&b)) {
+            return Err(self.error(
+                id_span,
+                field("id"),
+                format!(
+                    "a customer id is visible ASCII (the X-Floodgate-Customer header carries no other): no request could name `{id}`"
+                ),
+            ));
+        }
+        if kind == ScopeKind::Key && !keys.contains_key(&id) {
+            return Err(self.error(
+                id_span,
+                field("id"),
+                format!("no [[keys]] entry has id `{id}`"),
+            ));
+        }
+        Ok((kind, id))
+    }
+
     /// The SHA-256 of a bearer secret given as `secret` or as `secret_sha256` (`None`: neither);
     /// `prefix` is the fields' path (`keys[0].`).
     fn secret(
@@ -1155,54 +1177,14 @@ impl Validator<'_> {
             let span = b.span();
             let b = b.into_inner();
             let field = |f: &str| format!("budgets[{i}].{f}");
-            let kind = ScopeKind::parse(b.scope.get_ref().trim()).ok_or_else(|| {
-                self.error(
-                    b.scope.span(),
-                    field("scope"),
-                    format!(
-                        "unknown scope `{}`: expected key, project, team, business_unit, org, customer or gateway",
-                        b.scope.get_ref()
-                    ),
-                )
-            })?;
-            let id_span = b.id.as_ref().map_or(span.clone(), |id| id.span());
-            let id = match (kind, b.id) {
-                (ScopeKind::Gateway, None) => GATEWAY_ID.to_owned(),
-                (ScopeKind::Gateway, Some(id)) if id.get_ref() != GATEWAY_ID => {
-                    return Err(self.error(
-                        id.span(),
-                        field("id"),
-                        "the gateway scope has no id (omit it, or write \"gateway\")",
-                    ));
-                }
-                (_, Some(id)) if !id.get_ref().trim().is_empty() => id.get_ref().trim().to_owned(),
-                (_, Some(id)) => {
-                    return Err(self.error(id.span(), field("id"), "must not be empty"));
-                }
-                (_, None) => {
-                    return Err(self.error(
-                        span,
-                        field("id"),
-                        format!("a `{kind}` budget needs the id of the {kind} it caps"),
-                    ));
-                }
-            };
-            if kind == ScopeKind::Customer && !id.bytes().all(|b| (b' '..=b'~').contains(&b)) {
-                return Err(self.error(
-                    id_span,
-                    field("id"),
-                    format!(
-                        "a customer id is visible ASCII (the X-Floodgate-Customer header carries no other): no request could name `{id}`"
-                    ),
-                ));
-            }
-            if kind == ScopeKind::Key && !keys.contains_key(&id) {
-                return Err(self.error(
-                    id_span,
-                    field("id"),
-                    format!("no [[keys]] entry has id `{id}`"),
-                ));
-            }
+            let (kind, id) = self.scope_target(
+                &b.scope,
+                b.id,
+                span,
+                &format!("budgets[{i}]."),
+                "budget needs the id of the {kind} it caps",
+                keys,
+            )?;
             let period = Period::parse(b.period.get_ref().trim()).ok_or_else(|| {
                 self.error(
                     b.period.span(),

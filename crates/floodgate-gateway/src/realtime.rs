@@ -54,7 +54,7 @@ use tokio::sync::watch;
 use crate::app::{
     AppState, CallerGone, count_refusal, latency_ms, log_local, refuse, refuse_budget,
 };
-use crate::auth::{CUSTOMER_HEADER, KeyEntry, PROTOCOL_KEY_PREFIX, ResolvedChain};
+use crate::auth::{KeyEntry, PROTOCOL_KEY_PREFIX, ResolvedChain};
 use crate::budgets::{Prices, spend_later, spend_now};
 use crate::config::RealtimeConfig;
 use crate::error::AppError;
@@ -252,17 +252,11 @@ pub(crate) async fn open(
         );
         return AppError::BadRequest(why.into()).into_response();
     }
-    let customer = req
-        .headers()
-        .get(CUSTOMER_HEADER)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|c| !c.is_empty());
     let ResolvedChain {
         chain,
         headers: fixed,
         budgets,
-    } = state.keys().chain_for(&key, customer);
+    } = state.keys().chain_for_request(&key, req.headers());
     let sessions = state.sessions();
     // The cap first: a refusal for a full process charges nothing.
     let Some(slot) = sessions.live().take(sessions.max) else {

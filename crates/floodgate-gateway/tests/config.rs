@@ -36,7 +36,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("neither-rpm-nor-tpm.toml", 4, "rate_limits[0].rpm"),
     ("no-secret.toml", 4, "keys[0].secret"),
     ("no-upstream-target.toml", 1, "upstream.base_url"),
-    ("rate-limit-for-unknown-key.toml", 8, "rate_limits[0].id"),
+    ("rate-limit-for-unknown-key.toml", 10, "rate_limits[0].id"),
     ("rate-limit-not-a-table.toml", 6, "rate_limit"),
     ("redis-without-url.toml", 2, "store.url"),
     (
