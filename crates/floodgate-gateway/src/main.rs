@@ -1,6 +1,7 @@
 //! The `floodgate` binary: `floodgate serve --config FILE` and `floodgate check-config FILE`.
 
-use std::path::PathBuf;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -58,9 +59,23 @@ fn check_config(file: &PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!("{}: OK", file.display());
-    println!("listen: {}", config.listen);
-    println!("header timeout: {}s", config.header_timeout.as_secs());
+    match report(&mut std::io::stdout().lock(), file, &config) {
+        Ok(()) => ExitCode::SUCCESS,
+        // A reader that stopped early (`check-config FILE | head`) is not an error.
+        Err(e) if e.kind() == io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: writing the report: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Writes what a valid config resolves to: store, upstream, every key's chain and budgets
+/// (never a secret).
+fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> {
+    writeln!(out, "{}: OK", file.display())?;
+    writeln!(out, "listen: {}", config.listen)?;
+    writeln!(out, "header timeout: {}s", config.header_timeout.as_secs())?;
     let on_error = match config.store.on_error {
         OnError::Open => "open",
         OnError::Closed => "closed",
@@ -70,14 +85,16 @@ fn check_config(file: &PathBuf) -> ExitCode {
         Backend::Redis => "redis",
     };
     match &config.store.url {
-        Some(_) => println!("store: {backend} (url set, on_error = {on_error})"),
-        None => println!("store: {backend} (on_error = {on_error})"),
+        Some(_) => writeln!(out, "store: {backend} (url set, on_error = {on_error})")?,
+        None => writeln!(out, "store: {backend} (on_error = {on_error})")?,
     }
     if let Some(warning) = config.store.ignored_url_warning() {
-        println!("warning: {warning}");
+        writeln!(out, "warning: {warning}")?;
     }
     match &config.upstream.target {
-        UpstreamTarget::Demo => println!("upstream: built-in DEMO (fixed replies, not a model)"),
+        UpstreamTarget::Demo => {
+            writeln!(out, "upstream: built-in DEMO (fixed replies, not a model)")?
+        }
         UpstreamTarget::Http {
             base_url,
             api_key_env,
@@ -93,48 +110,52 @@ fn check_config(file: &PathBuf) -> ExitCode {
                     None => format!("API key from ${var} (NOT SET: serve will refuse to start)"),
                 },
             };
-            println!(
+            writeln!(
+                out,
                 "upstream: {base_url} ({key}, timeout {}s)",
                 config.upstream.timeout.as_secs()
-            );
+            )?;
             if let Some(path) = ca_file {
-                println!(
+                writeln!(
+                    out,
                     "upstream CA file: {} (trusted besides the system's CAs)",
                     path.display()
-                );
+                )?;
             }
         }
     }
-    println!(
+    writeln!(
+        out,
         "realtime: at most {} live sessions in this process, tokens charged every {}s, {}s to finish on shutdown",
         config.realtime.max_connections,
         config.realtime.flush.as_secs(),
         config.realtime.drain.as_secs()
-    );
+    )?;
     let gateway = config.scope_limits(ScopeKind::Gateway, GATEWAY_ID);
     if gateway.is_empty() {
-        println!("gateway: unlimited");
+        writeln!(out, "gateway: unlimited")?;
     } else {
         let list: Vec<String> = gateway.iter().map(ToString::to_string).collect();
-        println!("gateway: {}", list.join(", "));
+        writeln!(out, "gateway: {}", list.join(", "))?;
     }
     let gateway_budgets = config.scope_budgets(ScopeKind::Gateway, GATEWAY_ID);
     for b in gateway_budgets {
-        println!("gateway budget: {b}");
+        writeln!(out, "gateway budget: {b}")?;
     }
     let prices = Prices::new(&config.prices);
     if !config.prices.is_empty() {
-        println!("prices (USD per million tokens, input / output):");
+        writeln!(out, "prices (USD per million tokens, input / output):")?;
         for (model, p) in prices.list() {
-            println!(
+            writeln!(
+                out,
                 "    {model:<30} {} / {}",
                 per_million(p.input_pico),
                 per_million(p.output_pico)
-            );
+            )?;
         }
     }
-    let keys = Keys::from_config(&config);
-    println!("keys: {}", config.keys.len());
+    let keys = Keys::from_config(config);
+    writeln!(out, "keys: {}", config.keys.len())?;
     for k in &config.keys {
         let mut attrs = Vec::new();
         for (name, v) in [
@@ -147,16 +168,16 @@ fn check_config(file: &PathBuf) -> ExitCode {
                 attrs.push(format!("{name}={v}"));
             }
         }
-        println!("  key {} [{}]", k.id, attrs.join(" "));
+        writeln!(out, "  key {} [{}]", k.id, attrs.join(" "))?;
         let mut any = false;
         for (kind, id) in k.scopes() {
             for l in config.scope_limits(kind, id) {
-                println!("    {:<13} {id:<16} {l}", kind.as_str());
+                writeln!(out, "    {:<13} {id:<16} {l}", kind.as_str())?;
                 any = true;
             }
         }
         for l in gateway {
-            println!("    {:<13} {:<16} {l}", "gateway", "-");
+            writeln!(out, "    {:<13} {:<16} {l}", "gateway", "-")?;
             any = true;
         }
         let budgeted = !gateway_budgets.is_empty()
@@ -164,34 +185,38 @@ fn check_config(file: &PathBuf) -> ExitCode {
                 .into_iter()
                 .any(|(kind, id)| !config.scope_budgets(kind, id).is_empty());
         if !any {
-            println!(
+            writeln!(
+                out,
                 "    {}",
                 if budgeted {
                     "(no rate limits)"
                 } else {
                     "(unlimited)"
                 }
-            );
+            )?;
         }
         for (kind, id) in k.scopes() {
             for b in config.scope_budgets(kind, id) {
-                println!("    {:<13} {id:<16} budget {b}", kind.as_str());
+                writeln!(out, "    {:<13} {id:<16} budget {b}", kind.as_str())?;
             }
         }
         for b in gateway_budgets {
-            println!("    {:<13} {:<16} budget {b}", "gateway", "-");
+            writeln!(out, "    {:<13} {:<16} budget {b}", "gateway", "-")?;
         }
     }
     let mut customers: Vec<_> = keys.customers().collect();
     customers.sort_by_key(|(c, _)| *c);
     if !customers.is_empty() {
-        println!("customers (added to a chain by the X-Floodgate-Customer header):");
+        writeln!(
+            out,
+            "customers (added to a chain by the X-Floodgate-Customer header):"
+        )?;
         for (c, _) in customers {
             for l in config.scope_limits(ScopeKind::Customer, c) {
-                println!("    {:<13} {c:<16} {l}", "customer");
+                writeln!(out, "    {:<13} {c:<16} {l}", "customer")?;
             }
             for b in config.scope_budgets(ScopeKind::Customer, c) {
-                println!("    {:<13} {c:<16} budget {b}", "customer");
+                writeln!(out, "    {:<13} {c:<16} budget {b}", "customer")?;
             }
         }
     }
@@ -205,15 +230,16 @@ fn check_config(file: &PathBuf) -> ExitCode {
     } else {
         "no /alerts (no secret)"
     };
-    println!(
+    writeln!(
+        out,
         "refusal tally: {kept}, flushed every {}s, {} days kept, {route}",
         alerts.flush_every.as_secs(),
         alerts.retention_days
-    );
+    )?;
     for warning in config.unused_limit_warnings() {
-        println!("warning: {warning}");
+        writeln!(out, "warning: {warning}")?;
     }
-    ExitCode::SUCCESS
+    out.flush()
 }
 
 fn serve(path: &PathBuf) -> ExitCode {

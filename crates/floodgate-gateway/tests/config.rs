@@ -190,6 +190,24 @@ fn check_config_exits_non_zero_and_says_where() {
 }
 
 #[test]
+fn check_config_into_a_closed_pipe_ends_quietly() {
+    // `check-config FILE | head` closes the pipe early: the report stops there, without a panic.
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .arg("check-config")
+        .arg(root.join("examples/quickstart.toml"))
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {stderr}", out.status);
+    assert!(stderr.is_empty(), "{stderr}");
+}
+
+#[test]
 fn check_config_prints_chains_but_never_secrets() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let mut examples: Vec<PathBuf> = std::fs::read_dir(root.join("examples"))
