@@ -131,11 +131,11 @@ enum Keep {
     Redis(Box<RedisTally>),
 }
 
-/// The tally's own Redis connection (not the store's: its admission batches stay as they are).
+/// The tally's own Redis client (not the store's connection: its admission batches stay as
+/// they are).
 #[derive(Debug)]
 struct RedisTally {
     client: redis::Client,
-    conn: tokio::sync::Mutex<Option<redis::aio::MultiplexedConnection>>,
     /// The key of a day's hash, without the day: `{prefix}{floodgate}:tally:`.
     key: String,
 }
@@ -144,30 +144,29 @@ struct RedisTally {
 const REDIS_TIMEOUT: Duration = Duration::from_secs(2);
 
 impl RedisTally {
+    /// Runs `pipe` on a connection of its own. A connection's driver runs on the runtime that
+    /// opened it: one kept between calls would be dead once that runtime stops (a worker's, after
+    /// `/alerts` opened it there), and the final flush at shutdown, on another runtime, would
+    /// time out and lose what it carried. A flush a minute and an admin's reads are few: each
+    /// opens its own.
     async fn call<T: redis::FromRedisValue>(&self, pipe: &redis::Pipeline) -> Result<T, String> {
-        let mut conn = self.conn.lock().await;
+        // No response timeout of the client's own (its default is 0.5 s): a write that Redis
+        // applied but answered late would be taken for a failure and sent again at the next
+        // flush, counted twice. REDIS_TIMEOUT bounds the whole call instead.
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(REDIS_TIMEOUT))
+            .set_response_timeout(None);
         let attempt = async {
-            if conn.is_none() {
-                *conn = Some(
-                    self.client
-                        .get_multiplexed_async_connection()
-                        .await
-                        .map_err(|e| e.to_string())?,
-                );
-            }
-            match conn.as_mut() {
-                Some(c) => pipe.query_async(c).await.map_err(|e| e.to_string()),
-                None => Err("not connected".to_owned()),
-            }
+            let mut conn = self
+                .client
+                .get_multiplexed_async_connection_with_config(&config)
+                .await
+                .map_err(|e| e.to_string())?;
+            pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
         };
-        let result = tokio::time::timeout(REDIS_TIMEOUT, attempt)
+        tokio::time::timeout(REDIS_TIMEOUT, attempt)
             .await
-            .unwrap_or_else(|_| Err(format!("timed out after {REDIS_TIMEOUT:?}")));
-        if result.is_err() {
-            // A new connection next time.
-            *conn = None;
-        }
-        result
+            .unwrap_or_else(|_| Err(format!("timed out after {REDIS_TIMEOUT:?}")))
     }
 }
 
@@ -193,7 +192,6 @@ impl Tally {
                 let prefix = config.store.prefix.as_deref().unwrap_or("fg:");
                 let keep = Keep::Redis(Box::new(RedisTally {
                     client,
-                    conn: tokio::sync::Mutex::new(None),
                     key: format!("{prefix}{{floodgate}}:tally:"),
                 }));
                 (keep, Days::new())

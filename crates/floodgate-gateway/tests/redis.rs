@@ -472,3 +472,51 @@ rate_limit = {{ requests = 1, window_sec = 60 }}
     a.1.flush().await;
     assert_eq!(count(&b.0).await, 3);
 }
+
+/// The shutdown's flush runs on the background runtime after every worker has stopped. A
+/// `/alerts` read on a worker used to open the tally's one Redis connection there, its driver
+/// on that worker's event loop: once the worker stopped, the final flush timed out on the dead
+/// connection and the refusals counted since the last flush were lost.
+#[test]
+fn the_final_flush_reaches_redis_after_the_worker_that_read_the_alerts_stopped() {
+    use floodgate_gateway::tally::{Subject, Tally};
+    let Some(url) = redis_url() else { return };
+    let text = format!(
+        r#"
+[store]
+backend = "redis"
+url = "{url}"
+prefix = "fg-tally-{}:"
+[upstream]
+base_url = "{{upstream}}"
+[alerts]
+secret = "sk-admin"
+[[keys]]
+id = "k"
+secret = "sk-k"
+"#,
+        unique()
+    );
+    let c = config(&text, "http://127.0.0.1:1");
+    let tally = Tally::open(&c).unwrap();
+    let counters = tally.worker();
+    let worker = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    assert!(worker.block_on(tally.alerts()).unwrap().is_empty());
+    counters.refused(Subject::Key(0));
+    drop(worker);
+    let background = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    background.block_on(tally.flush());
+    // Another replica's tally reads what reached Redis.
+    let alerts = background
+        .block_on(Tally::open(&c).unwrap().alerts())
+        .unwrap();
+    assert_eq!(alerts.len(), 1, "{alerts:?}");
+    assert_eq!((alerts[0].key.as_deref(), alerts[0].count), (Some("k"), 1));
+}
