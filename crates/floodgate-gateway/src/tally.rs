@@ -31,8 +31,9 @@ const GATEWAY_SUBJECT: &str = "gateway";
 /// The version of the tally file's format.
 const FILE_VERSION: u32 = 1;
 
-/// Who a refusal throttled: the whole gateway (its own limit refused), or one caller's key (any
-/// other scope of its chain refused).
+/// Who a refusal throttled: the whole gateway (a gateway-wide limit refused: the gateway scope's
+/// rate limit or budget, or the realtime session cap), or one caller's key (any other scope of
+/// its chain refused).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Subject {
     /// The gateway scope refused.
@@ -125,8 +126,13 @@ pub struct Tally {
 enum Keep {
     /// In memory only: a restart loses it.
     Memory,
-    /// In a JSON file, read back at start.
-    File(PathBuf),
+    /// In a JSON file, read back at start; `lock` is `<path>.lock`, held while the tally lives.
+    File {
+        /// The tally file.
+        path: PathBuf,
+        /// Held (an exclusive lock) so that no other process writes the same file.
+        _lock: std::fs::File,
+    },
     /// In Redis, one hash per day shared by every replica on that Redis.
     Redis(Box<RedisTally>),
 }
@@ -196,7 +202,19 @@ impl Tally {
                 }));
                 (keep, Days::new())
             }
-            (_, _, Some(path)) => (Keep::File(path.clone()), read_file(path)?),
+            (_, _, Some(path)) => {
+                // Locked before it is read: a process still draining (a restart) writes its
+                // last counts first, and this one reads them.
+                let lock = take_lock(path, LOCK_WAIT)?;
+                let days = read_file(path)?;
+                (
+                    Keep::File {
+                        path: path.clone(),
+                        _lock: lock,
+                    },
+                    days,
+                )
+            }
             _ => (Keep::Memory, Days::new()),
         };
         Ok(Tally::with(config, keep, days))
@@ -271,7 +289,7 @@ impl Tally {
     async fn save(&self) {
         match &self.keep {
             Keep::Memory => {}
-            Keep::File(path) => {
+            Keep::File { path, .. } => {
                 let mut aggregate = lock(&self.aggregate);
                 if aggregate.unsaved {
                     match write_file(path, &aggregate.days) {
@@ -424,7 +442,7 @@ fn alert(day: &str, subject: &str, count: u64) -> Alert {
             subject: "gateway",
             key: None,
             count,
-            message: format!("the gateway's own limit refused {count} {requests} (429) on {day}"),
+            message: format!("gateway-wide limits refused {count} {requests} (429) on {day}"),
         },
     }
 }
@@ -473,18 +491,87 @@ fn read_file(path: &Path) -> Result<Days, String> {
     Ok(file.days)
 }
 
-/// Writes `days` to a new file beside `path` and renames it over `path`: a crash mid-write
-/// leaves the old tally whole.
+/// How long a start waits for another process's lock on the tally file: a gateway restarted
+/// on the same host may start while the one before it drains (up to the drain timeout) and
+/// writes its final flush.
+const LOCK_WAIT: Duration = Duration::from_secs(crate::server::DRAIN_TIMEOUT.as_secs() + 5);
+
+/// `path` with `suffix` added to its file name.
+fn beside(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.as_os_str().to_owned();
+    name.push(suffix);
+    PathBuf::from(name)
+}
+
+/// Takes an exclusive lock on `<path>.lock` (created if missing, which also proves the directory
+/// writable before anything is counted), waiting up to `wait` for another process to let it go.
+/// Two processes writing one tally file would each overwrite the other's counts.
+fn take_lock(path: &Path, wait: Duration) -> Result<std::fs::File, String> {
+    let lock_path = beside(path, ".lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lock_path)
+        .map_err(|e| {
+            format!(
+                "cannot create the refusal tally's lock {}: {e}",
+                lock_path.display()
+            )
+        })?;
+    let deadline = std::time::Instant::now() + wait;
+    let mut logged = false;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                if !std::mem::replace(&mut logged, true) {
+                    tracing::warn!(
+                        lock = %lock_path.display(),
+                        "another process holds the refusal tally; waiting for it to stop"
+                    );
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(format!(
+                    "another process keeps its refusal tally in {} (its lock {} stayed taken for {} s); give each gateway its own [alerts] path",
+                    path.display(),
+                    lock_path.display(),
+                    wait.as_secs()
+                ));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(format!("cannot lock {}: {e}", lock_path.display()));
+            }
+        }
+    }
+}
+
+/// Writes `days` to a new file beside `path`, syncs it and renames it over `path` (then syncs
+/// the directory): a crash or a power cut mid-write leaves the old tally whole, and a written
+/// one survives.
 fn write_file(path: &Path, days: &Days) -> std::io::Result<()> {
+    use std::io::Write;
     let file = TallyFile {
         version: FILE_VERSION,
         days: days.clone(),
     };
     let text = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    let tmp = beside(path, ".tmp");
+    let mut out = std::fs::File::create(&tmp)?;
+    out.write_all(&text)?;
+    out.sync_all()?;
+    drop(out);
+    std::fs::rename(&tmp, path)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        // The rename is durable once the directory is: a failure here leaves the new tally in
+        // place, so it is not one.
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -563,11 +650,13 @@ mod tests {
         let first = Tally::open(&c).unwrap();
         first.worker().refused(Subject::Key(0));
         flush_on(&first, day("2026-12-01")).await;
+        drop(first);
         let second = Tally::open(&c).unwrap();
         second.worker().refused(Subject::Key(0));
         flush_on(&second, day("2026-12-01")).await;
         assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 2);
 
+        drop(second);
         std::fs::write(&path, "{\"version\": 1, \"days\": {\"yesterday\": {}}}").unwrap();
         let e = Tally::open(&c).unwrap_err();
         assert!(e.contains("tally.json") && e.contains("`yesterday`"), "{e}");
@@ -575,6 +664,28 @@ mod tests {
         let e = Tally::open(&c).unwrap_err();
         assert!(e.contains("not a floodgate tally"), "{e}");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "not json");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn one_process_at_a_time_keeps_a_tally_file() {
+        let dir = std::env::temp_dir().join(format!("floodgate-lock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tally.json");
+        let c = config(Some(path.clone()), 90);
+        let first = Tally::open(&c).unwrap();
+        let e = take_lock(&path, Duration::from_millis(300)).unwrap_err();
+        assert!(
+            e.contains("another process keeps its refusal tally in") && e.contains("tally.json"),
+            "{e}"
+        );
+        // The one before it stops (its last flush written): the next one starts.
+        first.worker().refused(Subject::Key(0));
+        flush_on(&first, day("2026-12-01")).await;
+        drop(first);
+        let second = Tally::open(&c).unwrap();
+        assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 1);
+        drop(second);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -1,5 +1,5 @@
 //! The refusal tally: every 429 is counted against the key it throttled, or against the gateway
-//! when the gateway's own limit refused, and `GET /alerts` shows the counts as `rate_limit`
+//! when a gateway-wide limit refused, and `GET /alerts` shows the counts as `rate_limit`
 //! alerts to the bearer of the `[alerts]` secret.
 
 mod common;
@@ -71,7 +71,7 @@ async fn refusals_are_tallied_per_key_and_for_the_gateway() {
             },
             {
                 "type": "rate_limit", "day": day, "subject": "gateway", "count": 1,
-                "message": format!("the gateway's own limit refused 1 request (429) on {day}"),
+                "message": format!("gateway-wide limits refused 1 request (429) on {day}"),
             },
         ]})
     );
