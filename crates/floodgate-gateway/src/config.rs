@@ -375,7 +375,19 @@ impl Config {
                     }),
             )
             .chain(self.budget_price_warning())
+            .chain(self.memory_budget_warning())
             .collect()
+    }
+
+    /// A warning when budgets are kept on the memory store: its spend lives in the process and
+    /// starts from zero at every restart, so a day's or a month's cap can be spent again after
+    /// each deploy.
+    pub fn memory_budget_warning(&self) -> Option<String> {
+        (!self.budgets.is_empty() && self.store.backend == Backend::Memory).then(|| {
+            "budgets are kept on the memory store: their spend starts from zero at every \
+             restart; use the redis store to keep it across restarts"
+                .to_owned()
+        })
     }
 
     /// A warning when budgets exist but no `*` price does: responses of models the table does
