@@ -12,7 +12,11 @@
 //!   the stream it asked for.
 //!
 //! Tokens are recorded in a spawned task when the body is dropped (finished, or abandoned by the
-//! caller), exactly once; so is the response's spend, for a chain with budgets (priced from the
+//! caller), exactly once. A caller that leaves once its answer is complete but before the usage
+//! has passed (a stream whose choice has its `finish_reason`, the usage chunk still to come; a
+//! JSON body not all read) leaves the gateway reading the rest from the upstream for up to
+//! [`LINGER`] and [`LINGER_BYTES`], so that the usage is still charged; a stream abandoned
+//! mid-answer is cut at once, so the upstream stops generating; so is the response's spend, for a chain with budgets (priced from the
 //! input and output tokens and the model the response names, else the one the request named). Metering never delays or cuts a response: a full token window only
 //! refuses later requests.
 
@@ -36,6 +40,13 @@ use crate::store::GatewayStore;
 /// Most bytes of a JSON response kept to read its `usage`; past this the response is forwarded
 /// unmetered (and a warning logged).
 const MAX_JSON_METERED: usize = 16 * 1024 * 1024;
+
+/// How long the gateway goes on reading a finished answer's rest, for its usage, after the
+/// caller left.
+pub const LINGER: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// How many bytes it reads then, at most.
+pub const LINGER_BYTES: usize = 1024 * 1024;
 
 #[derive(Deserialize)]
 struct Usage {
@@ -316,7 +327,7 @@ pub enum Meter {
 }
 
 /// What is logged when a request's response is done.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct RequestLog {
     /// The key's id.
     pub key: Arc<str>,
@@ -427,6 +438,8 @@ pub struct MeteredBody {
     inner: Body,
     mode: Mode,
     finished: bool,
+    /// Read on after the caller left (see [`LINGER`]); dropped, it charges what it read.
+    lingering: bool,
     tokens: Option<u64>,
     usage: Option<TokenUsage>,
     model: Option<String>,
@@ -468,6 +481,7 @@ impl MeteredBody {
             inner,
             mode,
             finished: false,
+            lingering: false,
             tokens: None,
             usage: None,
             model: None,
@@ -500,8 +514,66 @@ impl MeteredBody {
     }
 }
 
+impl MeteredBody {
+    /// Whether a body dropped now, before its end, has its usage still to come after an answer
+    /// that is complete: a stream whose choice has finished, with no usage read yet; a JSON
+    /// body of which only a part has passed (the upstream generated it whole already).
+    fn usage_still_to_come(&self) -> bool {
+        if self.finished || self.lingering || self.charge.is_none() {
+            return false;
+        }
+        match &self.mode {
+            Mode::Pass => false,
+            Mode::Json { chunks, .. } => {
+                !chunks.is_empty() && usage_and_model_from_json(&chunks.concat()).0.is_none()
+            }
+            Mode::Sse(f) => f.answered && f.usage.is_none(),
+        }
+    }
+
+    /// Hands what is left of this body (the upstream's rest, the meter, the charge, the log
+    /// line) to a new one that reads on without a caller.
+    fn take_rest(&mut self) -> MeteredBody {
+        MeteredBody {
+            inner: std::mem::replace(&mut self.inner, Body::empty()),
+            mode: std::mem::replace(&mut self.mode, Mode::Pass),
+            finished: false,
+            lingering: true,
+            tokens: self.tokens.take(),
+            usage: self.usage.take(),
+            model: self.model.take(),
+            charge: self.charge.take(),
+            spend: self.spend.take(),
+            log: self.log.clone(),
+        }
+    }
+}
+
+/// Reads `rest` to its end, for at most [`LINGER`] and [`LINGER_BYTES`], and drops it: what it
+/// read is charged.
+async fn linger(mut rest: MeteredBody) {
+    let read_on = async {
+        let mut read = 0;
+        while let Some(Ok(frame)) =
+            std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut rest), cx)).await
+        {
+            read += frame.data_ref().map_or(0, Bytes::len);
+            if read > LINGER_BYTES {
+                break;
+            }
+        }
+    };
+    let _ = tokio::time::timeout(LINGER, read_on).await;
+}
+
 impl Drop for MeteredBody {
     fn drop(&mut self) {
+        if self.usage_still_to_come()
+            && let Ok(runtime) = tokio::runtime::Handle::try_current()
+        {
+            runtime.spawn(linger(self.take_rest()));
+            return;
+        }
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole
         // (only its end still to come) parses; one cut short does not, and charges nothing.
         self.finish();
@@ -620,6 +692,9 @@ struct SseFilter {
     want_model: bool,
     /// The model named by the stream's chunks: the usage chunk's, else the first named.
     model: Option<String>,
+    /// Whether a chunk has given a choice its `finish_reason`: the answer is complete, and only
+    /// the usage chunk (and `[DONE]`) may follow.
+    answered: bool,
 }
 
 /// The length of the line terminator at `buf[i]`: CRLF, LF or CR (the event stream format allows
@@ -674,6 +749,7 @@ impl SseFilter {
             usage: None,
             want_model: false,
             model: None,
+            answered: false,
         }
     }
 
@@ -795,6 +871,9 @@ impl SseFilter {
 
     /// Reads an event's usage; says what to forward.
     fn inspect(&mut self, event: &[u8]) -> Action {
+        if !self.answered {
+            self.answered = has_finish_reason(event);
+        }
         if self.want_model && self.model.is_none() {
             // Until one chunk names it: the first chunk usually does, so this is one search.
             self.model = model_in(event);
@@ -867,6 +946,23 @@ impl UsageField {
 }
 
 const USAGE_KEY: &[u8] = b"\"usage\"";
+const FINISH_REASON_KEY: &[u8] = b"\"finish_reason\"";
+
+/// Whether `event` has a `"finish_reason"` whose value is a string (not `null`): a choice of the
+/// answer is complete.
+fn has_finish_reason(event: &[u8]) -> bool {
+    let mut from = 0;
+    while let Some(p) = find(&event[from..], FINISH_REASON_KEY) {
+        let key = from + p;
+        let colon = skip_space(event, key + FINISH_REASON_KEY.len());
+        if event.get(colon) == Some(&b':') && event.get(skip_space(event, colon + 1)) == Some(&b'"')
+        {
+            return true;
+        }
+        from = key + FINISH_REASON_KEY.len();
+    }
+    false
+}
 const MODEL_KEY: &[u8] = b"\"model\"";
 
 /// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
@@ -960,6 +1056,18 @@ fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_finished_choice_is_found_at_any_spacing_and_null_is_not_one() {
+        assert!(has_finish_reason(
+            br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#
+        ));
+        assert!(has_finish_reason(br#"data: {"finish_reason" : "length"}"#));
+        assert!(!has_finish_reason(br#"data: {"finish_reason":null}"#));
+        assert!(!has_finish_reason(
+            br#"data: {"delta":{"content":"say \"finish_reason\":\"stop\""},"finish_reason":null}"#
+        ));
+    }
 
     #[test]
     fn usage_from_bodies() {

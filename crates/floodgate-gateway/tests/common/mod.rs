@@ -80,7 +80,9 @@ fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
 
 /// Chat completions with `usage` (total `x-test-tokens`, default 50), as JSON or SSE, naming the
 /// model `x-test-model` (default `fake`; `-`: no model at all); for SSE
-/// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones; a JSON
+/// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones, and with
+/// `x-test-usage-delay-ms` that last chunk carries `"finish_reason": "stop"` and the usage chunk
+/// comes that long after it; a JSON
 /// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole.
 async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
     seen.hits.fetch_add(1, Ordering::SeqCst);
@@ -128,10 +130,17 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
     }
     let include_usage = req["stream_options"]["include_usage"] == json!(true);
     let delay = Duration::from_millis(header_u64(&headers, "x-test-last-delay-ms", 0));
+    let usage_delay = headers
+        .contains_key("x-test-usage-delay-ms")
+        .then(|| Duration::from_millis(header_u64(&headers, "x-test-usage-delay-ms", 0)));
     let chunk = |content: &str| {
+        let finish = match (content, usage_delay) {
+            ("!", Some(_)) => json!("stop"),
+            _ => Value::Null,
+        };
         let mut c = with_model(
             json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
-            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": null}]}),
+            "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]}),
         );
         if include_usage {
             c["usage"] = Value::Null;
@@ -147,7 +156,7 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
         let u = with_model(
             json!({"id": "x", "object": "chat.completion.chunk", "model": "fake", "choices": [], "usage": usage}),
         );
-        events.push((Duration::ZERO, format!("data: {u}\n\n")));
+        events.push((usage_delay.unwrap_or_default(), format!("data: {u}\n\n")));
     }
     events.push((Duration::ZERO, "data: [DONE]\n\n".into()));
     let stream = futures_util::stream::unfold(events.into_iter(), |mut it| async move {
