@@ -362,6 +362,9 @@ impl Pool {
     /// upstream is never sent twice. Errors are causes for the log.
     async fn send(self: &Arc<Self>, mut req: Request<Body>) -> Result<Response<Body>, String> {
         let mut fresh_only = false;
+        // Whether this request has waited out REUSE_READY_WAIT once: it does not wait on a second
+        // busy connection, so that several uploads in flight cost it one wait, not one each.
+        let mut waited = false;
         loop {
             let reused_conn = if fresh_only { None } else { self.checkout() };
             let (mut conn, reused) = match reused_conn {
@@ -373,11 +376,20 @@ impl Pool {
                 // before its request body has all gone out (an upstream that answers a large
                 // upload at once, say a 401, and reads no more). It is ready as soon as its
                 // driver has run, unless it is still sending that body, for as long as its
-                // caller trickles it: then it is left to finish (and close), and this request
-                // takes another connection.
+                // caller trickles it: then it is left to finish (and goes back into the pool
+                // once it has, see `park`), and this request takes another connection.
+                if waited {
+                    self.park(conn);
+                    continue;
+                }
                 match tokio::time::timeout(REUSE_READY_WAIT, conn.ready()).await {
                     Ok(Ok(())) => {}
-                    Ok(Err(_)) | Err(_) => continue,
+                    Ok(Err(_)) => continue,
+                    Err(_) => {
+                        waited = true;
+                        self.park(conn);
+                        continue;
+                    }
                 }
             } else if conn.ready().await.is_err() {
                 if reused {
@@ -416,6 +428,20 @@ impl Pool {
                 },
             }
         }
+    }
+
+    /// Leaves a connection that is still sending an earlier request's body to finish it, and
+    /// puts it back into the pool once it can carry another request, rather than close it after
+    /// its upload. (A connection that closes instead ends the wait.)
+    fn park(self: &Arc<Self>, mut conn: SendRequest<Body>) {
+        let pool = Arc::downgrade(self);
+        tokio::spawn(async move {
+            if conn.ready().await.is_ok()
+                && let Some(pool) = pool.upgrade()
+            {
+                pool.checkin(conn);
+            }
+        });
     }
 
     /// The most recently used idle connection that is still open and not idle for too long.

@@ -1,9 +1,12 @@
 //! Client connections: a caller that trickles its request head, or keeps a connection idle, is
 //! cut off after `[server] header_timeout_sec`; a prompt caller is served; a caller trickling an
-//! upload holds up no other caller's request.
+//! upload holds up no other caller's request, and the upstream connection it used is reused once
+//! the upload is done.
 
 mod common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -154,31 +157,43 @@ async fn early_answering_upstream() -> std::net::SocketAddr {
     addr
 }
 
-#[tokio::test]
-async fn an_upload_still_in_flight_does_not_hold_up_the_next_request() {
-    let up = early_answering_upstream().await;
-    let gw = gateway(
+/// A gateway on one worker (so that every request shares one upstream pool) in front of `up`.
+async fn one_worker_gateway(up: std::net::SocketAddr) -> Gateway {
+    gateway(
         "[server]\nworkers = 1\n[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n",
         &format!("http://{up}"),
     )
-    .await;
-    // A: a large upload, trickled; the upstream refuses it at once.
-    let mut a = TcpStream::connect(gw.addr).await.unwrap();
-    a.write_all(
-        b"POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\ncontent-length: 50000000\r\n\r\nfirst bytes",
-    )
     .await
-    .unwrap();
+}
+
+/// Starts an upload of `length` bytes (sending 1 000 of them) that the upstream answers with a
+/// 401 at once; returns the caller's connection, its body still to finish.
+async fn refused_upload(gw: &Gateway, length: usize) -> TcpStream {
+    let mut a = TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\ncontent-length: {length}\r\n\r\n"
+    );
+    a.write_all(head.as_bytes()).await.unwrap();
+    a.write_all(&[b'x'; 1000]).await.unwrap();
     let mut answer = [0u8; 64];
     let n = tokio::time::timeout(Duration::from_secs(5), a.read(&mut answer))
         .await
-        .expect("A was answered")
+        .expect("the upload was answered")
         .unwrap();
     assert!(
         String::from_utf8_lossy(&answer[..n]).starts_with("HTTP/1.1 401"),
         "{}",
         String::from_utf8_lossy(&answer[..n])
     );
+    a
+}
+
+#[tokio::test]
+async fn an_upload_still_in_flight_does_not_hold_up_the_next_request() {
+    let up = early_answering_upstream().await;
+    let gw = one_worker_gateway(up).await;
+    // A: a large upload, trickled; the upstream refuses it at once.
+    let a = refused_upload(&gw, 50_000_000).await;
     // B, on the same worker, while A's body is still being sent upstream.
     let started = Instant::now();
     let b = tokio::time::timeout(Duration::from_secs(5), async {
@@ -227,4 +242,85 @@ async fn an_upstream_length_beside_chunked_framing_does_not_cut_the_answer() {
         .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.text(), "{\"object\":\"list\"} ", "the whole body");
+}
+
+/// An upstream that answers an upload (`POST`) with a 401 as soon as its head is in and then
+/// reads its body to the end, and every other request with a 200 after 100 ms; counts the
+/// connections it accepted.
+async fn refusing_uploads_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let accepted = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&accepted);
+    tokio::spawn(async move {
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            counted.fetch_add(1, Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 8192];
+                // Body bytes of the current upload still to read.
+                let mut body_left = 0;
+                loop {
+                    let n = conn.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        return;
+                    }
+                    got.extend_from_slice(&buf[..n]);
+                    loop {
+                        if body_left > 0 {
+                            let take = body_left.min(got.len());
+                            got.drain(..take);
+                            body_left -= take;
+                            if body_left > 0 {
+                                break;
+                            }
+                        }
+                        let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                            break;
+                        };
+                        let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                        got.drain(..end + 4);
+                        if head.starts_with("post") {
+                            body_left = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse().ok())
+                                .unwrap_or(0);
+                            let refusal = b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n";
+                            let _ = conn.write_all(refusal).await;
+                        } else {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            let ok = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+                            let _ = conn.write_all(ok).await;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    (addr, accepted)
+}
+
+#[tokio::test]
+async fn a_connection_left_to_finish_an_upload_is_reused_after_it() {
+    let (up, accepted) = refusing_uploads_upstream().await;
+    let gw = one_worker_gateway(up).await;
+    // A: an upload, trickled; the upstream refuses it at once and reads on.
+    let mut a = refused_upload(&gw, 200_000).await;
+    // B, while A's body is still going: A's connection is busy, B takes a new one.
+    let models = || gw.request("GET", "/v1/models", Some("sk-k"), "");
+    assert_eq!(gw.send(models()).await.status, 200);
+    assert_eq!(accepted.load(Ordering::SeqCst), 2);
+    // A's upload ends: its connection can carry requests again.
+    a.write_all(&[b'x'; 199_000]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // C and D at once (each answered after 100 ms): both go on the two kept connections.
+    let (c, d) = tokio::join!(gw.send(models()), gw.send(models()));
+    assert_eq!((c.status.as_u16(), d.status.as_u16()), (200, 200));
+    assert_eq!(
+        accepted.load(Ordering::SeqCst),
+        2,
+        "A's connection was closed after its upload, not reused"
+    );
 }
