@@ -34,6 +34,9 @@ pub enum AppError {
         scope: ScopeKind,
         /// The budget's period.
         period: Period,
+        /// Another exceeded budget whose period ends later (it sets the wait): its scope's kind
+        /// and its period.
+        later: Option<(ScopeKind, Period)>,
         /// The wait until every exceeded budget's period ends.
         retry_after: Duration,
     },
@@ -124,14 +127,22 @@ impl AppError {
             AppError::BudgetExceeded {
                 scope,
                 period,
+                later,
                 retry_after,
             } => {
-                let period = match period {
+                let adjective = |period: &Period| match period {
                     Period::Day => "daily",
                     Period::Month => "monthly",
                 };
+                let too = match later {
+                    Some((kind, period)) => {
+                        format!(", and so is the {kind}'s {} cap", adjective(period))
+                    }
+                    None => String::new(),
+                };
                 let message = format!(
-                    "Budget exceeded for {scope}: its {period} spend cap (UTC) is reached. Please retry after {}s.",
+                    "Budget exceeded for {scope}: its {} spend cap (UTC) is reached{too}. Please retry after {}s.",
+                    adjective(period),
                     crate::headers::ceil_secs(*retry_after)
                 );
                 (message, "insufficient_quota", "budget_exceeded")

@@ -213,6 +213,40 @@ usd = 0.00005
 }
 
 #[tokio::test]
+async fn a_refusal_names_the_later_cap_that_sets_its_wait() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = format!(
+        r#"{}
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "month"
+usd = 0.00011
+"#,
+        tiny_budget()
+    );
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let model = "gpt-4o-mini";
+    for _ in 0..3 {
+        assert_eq!(chat_as(&gw, "sk-k", CHAT, model, 100).await.status, 200);
+    }
+    // Both the key's daily cap (first in the chain: named) and the org's monthly one are spent;
+    // the wait is the month's, and the message says why.
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 429);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert_eq!(
+        message,
+        format!(
+            "Budget exceeded for key: its daily spend cap (UTC) is reached, and so is the org's monthly cap. Please retry after {}s.",
+            100 + 30 * 86_400
+        )
+    );
+    assert_eq!(r.header("retry-after"), Some("2592100"));
+}
+
+#[tokio::test]
 async fn prices_match_exactly_by_dash_prefix_and_by_star_and_the_request_names_the_model() {
     let up = fake_upstream().await;
     let clock = FakeClock::new(BEFORE_MIDNIGHT);
