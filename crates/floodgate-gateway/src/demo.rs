@@ -209,12 +209,8 @@ fn realtime_upgrade(mut req: hyper::Request<Incoming>) -> Response {
         return error(StatusCode::BAD_REQUEST, "No Sec-WebSocket-Key.");
     };
     let accept = websocket_accept(key.as_bytes());
-    let model = req
-        .uri()
-        .query()
-        .and_then(|q| q.split('&').find_map(|p| p.strip_prefix("model=")))
-        .unwrap_or(MODEL)
-        .to_owned();
+    // Read as the gateway reads it (it refuses a query that could be read two ways).
+    let model = crate::realtime::query_model(req.uri()).unwrap_or_else(|| MODEL.to_owned());
     // Offered by OpenAI's browser clients: taken, as the Realtime API does.
     let realtime_protocol = req
         .headers()
@@ -274,8 +270,11 @@ struct ClientMessage {
     payload: Vec<u8>,
 }
 
-/// The next message (or control frame) from the client; `None` when the connection ends, or
-/// on a message over [`MAX_REALTIME_MESSAGE`] (after a close 1009).
+/// The next message from the client, or its close frame. A ping, before or between a
+/// message's fragments, is answered at once and the message read on; a pong is passed over.
+/// `None` when the connection ends, or on a frame that breaks the protocol: a message over
+/// [`MAX_REALTIME_MESSAGE`] (after a close 1009), a control frame over 125 bytes (after a close
+/// 1002).
 async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) -> Option<ClientMessage> {
     let mut message: Option<ClientMessage> = None;
     loop {
@@ -290,12 +289,21 @@ async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) -> Option<C
         if head[1] & 0x80 != 0 {
             io.read_exact(&mut mask).await.ok()?;
         }
+        let (fin, opcode) = (head[0] & 0x80 != 0, head[0] & 0x0f);
+        let control = opcode & 0x08 != 0;
         let held = message.as_ref().map_or(0, |m| m.payload.len());
-        let Some(len) = usize::try_from(len)
-            .ok()
-            .filter(|l| held + l <= MAX_REALTIME_MESSAGE)
-        else {
-            send_frame(io, 0x8, &1009u16.to_be_bytes()).await;
+        // A 64-bit length may be anything: checked, never added blindly.
+        let fits = usize::try_from(len).ok().filter(|&l| {
+            if control {
+                l <= 125
+            } else {
+                held.checked_add(l)
+                    .is_some_and(|total| total <= MAX_REALTIME_MESSAGE)
+            }
+        });
+        let Some(len) = fits else {
+            let status: u16 = if control { 1002 } else { 1009 };
+            send_frame(io, 0x8, &status.to_be_bytes()).await;
             return None;
         };
         let mut payload = vec![0u8; len];
@@ -303,10 +311,15 @@ async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) -> Option<C
         for (i, b) in payload.iter_mut().enumerate() {
             *b ^= mask[i % 4];
         }
-        let (fin, opcode) = (head[0] & 0x80 != 0, head[0] & 0x0f);
-        if opcode & 0x08 != 0 {
-            // Close, ping and pong may come between fragments: answered on their own.
-            return Some(ClientMessage { opcode, payload });
+        match opcode {
+            0x8 => return Some(ClientMessage { opcode, payload }),
+            // May come between fragments (RFC 6455, 5.4): the message so far is kept.
+            0x9 => {
+                send_frame(io, 0xA, &payload).await;
+                continue;
+            }
+            _ if control => continue,
+            _ => {}
         }
         match &mut message {
             Some(m) => m.payload.extend_from_slice(&payload),
@@ -338,13 +351,27 @@ async fn send_frame<S: AsyncWrite + Unpin>(io: &mut S, opcode: u8, payload: &[u8
     let _ = io.flush().await;
 }
 
+/// `event` as text with its `type` first, as the Realtime API sends its events (the gateway
+/// tells the events it meters by their first bytes).
+fn type_first(mut event: Value) -> String {
+    let Some(kind) = event.as_object_mut().and_then(|o| o.remove("type")) else {
+        return event.to_string();
+    };
+    // The other members, `{...}`: the type goes in after the brace.
+    let rest = event.to_string();
+    match rest.as_str() {
+        "{}" => format!("{{\"type\":{kind}}}"),
+        _ => format!("{{\"type\":{kind},{}", &rest[1..]),
+    }
+}
+
 /// One demo Realtime session: events answered until the client closes.
 async fn realtime_session<S: AsyncRead + AsyncWrite + Unpin>(mut io: S, model: String) {
     let mut events = 0u64;
     let mut send = async |io: &mut S, mut event: Value| {
         events += 1;
         event["event_id"] = json!(format!("event_demo_{events}"));
-        send_frame(io, 0x1, event.to_string().as_bytes()).await;
+        send_frame(io, 0x1, type_first(event).as_bytes()).await;
     };
     let session = json!({"id": "sess_demo", "object": "realtime.session", "model": model});
     send(
@@ -362,11 +389,6 @@ async fn realtime_session<S: AsyncRead + AsyncWrite + Unpin>(mut io: S, model: S
                 send_frame(&mut io, 0x8, &m.payload).await;
                 return;
             }
-            0x9 => {
-                send_frame(&mut io, 0xA, &m.payload).await;
-                continue;
-            }
-            0xA => continue,
             0x1 => serde_json::from_slice(&m.payload).unwrap_or(Value::Null),
             _ => Value::Null,
         };
@@ -464,5 +486,58 @@ mod tests {
         assert_eq!(base64(b"fo"), "Zm8=");
         assert_eq!(base64(b"foo"), "Zm9v");
         assert_eq!(base64(b"foobar"), "Zm9vYmFy");
+    }
+
+    /// A client's frame (masked) of at most 125 bytes.
+    fn client_frame(fin: bool, opcode: u8, payload: &[u8]) -> Vec<u8> {
+        let mask = [7, 1, 3, 5];
+        let mut out = vec![(u8::from(fin) << 7) | opcode, 0x80 | payload.len() as u8];
+        out.extend_from_slice(&mask);
+        out.extend(payload.iter().enumerate().map(|(i, b)| b ^ mask[i % 4]));
+        out
+    }
+
+    #[tokio::test]
+    async fn a_ping_between_fragments_is_answered_and_the_message_kept() {
+        let (mut client, mut server) = tokio::io::duplex(4096);
+        let mut sent = client_frame(false, 0x1, br#"{"type":"#);
+        sent.extend(client_frame(true, 0x9, b"hi"));
+        sent.extend(client_frame(true, 0xA, b""));
+        sent.extend(client_frame(true, 0x0, br#""response.create"}"#));
+        client.write_all(&sent).await.unwrap();
+        let m = read_message(&mut server).await.unwrap();
+        assert_eq!(
+            (m.opcode, m.payload.as_slice()),
+            (0x1, br#"{"type":"response.create"}"#.as_slice())
+        );
+        let mut pong = [0u8; 4];
+        client.read_exact(&mut pong).await.unwrap();
+        assert_eq!(pong, [0x8A, 2, b'h', b'i']);
+    }
+
+    #[tokio::test]
+    async fn a_length_past_any_bound_closes_the_session() {
+        let (mut client, mut server) = tokio::io::duplex(4096);
+        let mut sent = client_frame(false, 0x1, b"0123456789");
+        // A continuation as long as a 64-bit length can say: no room, and no sum, for it.
+        sent.extend([0x80, 0x80 | 127]);
+        sent.extend(u64::MAX.to_be_bytes());
+        sent.extend([0; 4]);
+        client.write_all(&sent).await.unwrap();
+        assert!(read_message(&mut server).await.is_none());
+        let mut close = [0u8; 4];
+        client.read_exact(&mut close).await.unwrap();
+        assert_eq!(close[..2], [0x88, 2]);
+        assert_eq!(u16::from_be_bytes([close[2], close[3]]), 1009);
+    }
+
+    #[test]
+    fn events_are_sent_type_first() {
+        let event =
+            json!({"type": "session.created", "event_id": "e_1", "session": {"model": "m"}});
+        let text = type_first(event.clone());
+        assert!(text.starts_with(r#"{"type":"session.created","#), "{text}");
+        assert_eq!(serde_json::from_str::<Value>(&text).unwrap(), event);
+        assert_eq!(type_first(json!({"type": "x"})), r#"{"type":"x"}"#);
     }
 }

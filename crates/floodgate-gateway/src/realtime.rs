@@ -6,11 +6,13 @@
 //! 1. authenticated like any request (`Authorization: Bearer`, or the subprotocol entry
 //!    `openai-insecure-api-key.<secret>` that browsers send, see
 //!    [`Keys::authenticate_websocket`](crate::auth::Keys::authenticate_websocket)), and checked
-//!    to be a well-formed WebSocket handshake (400 otherwise);
+//!    to be a well-formed WebSocket handshake over HTTP/1.1 whose query names `model` at most
+//!    once, by that very name (400 otherwise);
 //! 2. the process-local `[realtime] max_connections` cap (429 `too_many_connections`);
-//! 3. the same admission as any request: one request on the key's chain (429 with the
+//! 3. the chain's budgets, if any, read as for any request (429 `insufficient_quota`);
+//! 4. the same admission as any request: one request on the key's chain (429 with the
 //!    rate-limit headers when refused);
-//! 4. forwarded on an upstream connection of its own (with the demo upstream, an in-process
+//! 5. forwarded on an upstream connection of its own (with the demo upstream, an in-process
 //!    pipe to [`crate::demo::serve_realtime`]). The upstream's 101 is answered with a 101
 //!    that carries its handshake headers and the rate-limit headers; any other answer is passed
 //!    through like a proxied response.
@@ -18,20 +20,26 @@
 //! Then bytes are copied both ways unchanged, as they arrive, until the upstream closes its
 //! connection (a WebSocket server does so after the closing handshake; the caller's connection
 //! is then closed too), or the caller closes its own and the upstream follows (within 10 s), or
-//! either side fails.
+//! either side fails. When the caller's side fails, the upstream is told as by a half-close and
+//! read on (its bytes dropped) until it closes, within 10 s, so that a turn under way is
+//! metered.
 //!
-//! **Metering.** For a chain with token limits the frames from the upstream are read as they
-//! pass ([`FrameReader`]): each text message whose JSON `type` is `response.done` adds its
-//! `response.usage` to the session's meter, which charges the chain's token limits every
-//! `[realtime] flush_sec` and once more when the session ends. The upgrade request is forwarded
-//! without `Sec-WebSocket-Extensions`, so that no frame arrives compressed. Metering reads copies
-//! of the bytes after they have been forwarded: it never delays, changes or closes a session,
-//! and a full token window only refuses later requests and upgrades.
+//! **Metering.** For a chain with token limits or budgets the frames from the upstream are read
+//! as they pass ([`FrameReader`]): each text message whose JSON `type` is `response.done` adds
+//! its `response.usage` to the session's meter, which charges the chain's token limits (and
+//! spends against its budgets) every `[realtime] flush_sec` and once more when the session ends.
+//! Spend is priced by the model the upstream says it runs, `session.model` in its latest
+//! `session.created` or `session.updated` event, and before the first by the URL's `?model=`.
+//! Only messages whose first bytes may be those events are held. The upgrade request is
+//! forwarded without `Sec-WebSocket-Extensions`, so that no frame arrives compressed. Metering
+//! reads a copy of each piece as it is read, before it is forwarded: it never delays, changes or
+//! closes a session, and a full token window only refuses later requests and upgrades.
 //!
 //! **Shutdown.** A draining worker lets its live sessions go on for `[realtime] drain_sec`, then
 //! closes them: a close frame with status 1001 (going away) to each side where it fits between
 //! frames, both connections closed, their tokens charged.
 
+use std::borrow::Cow;
 use std::pin::pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -43,11 +51,12 @@ use axum::http::header::{
     CONNECTION, SEC_WEBSOCKET_EXTENSIONS, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL,
     SEC_WEBSOCKET_VERSION, UPGRADE,
 };
-use axum::http::{HeaderMap, HeaderValue, Method, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, Version};
 use axum::response::{IntoResponse, Response};
 use floodgate::{Budgets, Chain, Error as StoreError};
 use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
+use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
@@ -67,7 +76,8 @@ pub const PATH: &str = "/v1/realtime";
 
 /// Largest text message held to read its `type` and usage. A larger one (a `response.done`
 /// carrying a very long output) passes unmetered, with a warning. Audio travels in messages of
-/// a few tens of KiB; a turn's whole text output rarely approaches this.
+/// a few tens of KiB; a turn's whole text output rarely approaches this. Messages that are not
+/// metered events are never held, whatever their length.
 pub const MAX_METERED_MESSAGE: usize = 1024 * 1024;
 
 /// The buffer each direction of a session copies through.
@@ -181,11 +191,18 @@ pub(crate) fn is_realtime(path: &str) -> bool {
 }
 
 /// Why a WebSocket upgrade request cannot be forwarded as one, if it cannot: the upstream would
-/// refuse it, and it would have been charged.
-fn malformed(method: &Method, headers: &HeaderMap) -> Option<&'static str> {
-    if method != Method::GET {
+/// refuse it, the session could never start, or the gateway could price it by another model than
+/// the upstream runs; and it would have been charged.
+fn malformed<B>(req: &Request<B>) -> Option<&'static str> {
+    if req.method() != Method::GET {
         return Some("A WebSocket upgrade is a GET request.");
     }
+    // hyper upgrades HTTP/1.1 connections only: an HTTP/1.0 one would be answered 101 and then
+    // carry nothing.
+    if req.version() != Version::HTTP_11 {
+        return Some("A WebSocket upgrade is an HTTP/1.1 request.");
+    }
+    let headers = req.headers();
     let version = headers
         .get(SEC_WEBSOCKET_VERSION)
         .map(|v| v.as_bytes().trim_ascii());
@@ -204,7 +221,46 @@ fn malformed(method: &Method, headers: &HeaderMap) -> Option<&'static str> {
     if !key_ok {
         return Some("A WebSocket upgrade needs a `Sec-WebSocket-Key` (16 bytes in base64).");
     }
+    if ambiguous_model(req.uri()) {
+        return Some(
+            "The query names `model` more than once, or with a percent-encoded name: \
+             name it once, as `model=`.",
+        );
+    }
     None
+}
+
+/// The `name=value` pairs of a query, the name as written (`value` is empty without a `=`).
+fn query_pairs(uri: &Uri) -> impl Iterator<Item = (&str, &str)> {
+    uri.query()
+        .unwrap_or_default()
+        .split('&')
+        .map(|pair| pair.split_once('=').unwrap_or((pair, "")))
+}
+
+/// Whether a realtime URL's query names its model in a way that the gateway and the upstream
+/// could read differently: `model` twice (first or last wins?), or a name that decodes to
+/// `model` (`mod%65l`: decoded or not?). Until the upstream's session events name the model,
+/// the query's prices the session.
+fn ambiguous_model(uri: &Uri) -> bool {
+    let mut named = 0;
+    for (name, _) in query_pairs(uri) {
+        if name == "model" {
+            named += 1;
+        } else if *metering::percent_decoded(name.as_bytes()) == *b"model" {
+            return true;
+        }
+    }
+    named > 1
+}
+
+/// The `model` a realtime URL names in its query, percent-decoded (the first, for a query that
+/// [`malformed`] has not refused).
+pub(crate) fn query_model(uri: &Uri) -> Option<String> {
+    let value = query_pairs(uri).find_map(|(name, value)| (name == "model").then_some(value))?;
+    String::from_utf8(metering::percent_decoded(value.as_bytes()).into_owned())
+        .ok()
+        .filter(|m| !m.is_empty())
 }
 
 /// Prepares the caller's handshake headers for the upstream: the subprotocol entries that carry
@@ -242,7 +298,7 @@ pub(crate) async fn open(
     mut req: Request,
     start: Instant,
 ) -> Response {
-    if let Some(why) = malformed(req.method(), req.headers()) {
+    if let Some(why) = malformed(&req) {
         log_local(
             Some(&key.id),
             &req,
@@ -303,8 +359,8 @@ pub(crate) async fn open(
     } else {
         "unenforced"
     };
-    // The session's spend: priced by the model its URL names (`?model=`), as the Realtime API
-    // names it.
+    // The session's spend: priced by the model the upstream's session events name, and until
+    // one does, by the model its URL names (`?model=`, unambiguous: see `malformed`).
     let spend = budgets.map(|budgets| SessionSpend {
         budgets,
         prices: Arc::clone(state.prices()),
@@ -387,22 +443,12 @@ struct Session {
     _slot: Slot,
 }
 
-/// A session's budgets, the price table and the model that prices its responses.
+/// A session's budgets, the price table and the model its URL names.
 struct SessionSpend {
     budgets: Arc<Budgets>,
     prices: Arc<Prices>,
+    /// Prices the session's turns until the upstream's session events name its model.
     model: Option<String>,
-}
-
-/// The `model` a realtime URL names in its query, percent-decoded.
-fn query_model(uri: &axum::http::Uri) -> Option<String> {
-    let value = uri
-        .query()?
-        .split('&')
-        .find_map(|pair| pair.strip_prefix("model="))?;
-    String::from_utf8(metering::percent_decoded(value.as_bytes()).into_owned())
-        .ok()
-        .filter(|m| !m.is_empty())
 }
 
 /// Why a session ended.
@@ -443,29 +489,29 @@ impl Session {
                 return;
             }
         };
-        let (caller_in, mut caller_out) = tokio::io::split(TokioIo::new(caller));
-        let (upstream_in, mut upstream_out) = tokio::io::split(TokioIo::new(upstream));
+        let (mut caller_in, mut caller_out) = tokio::io::split(TokioIo::new(caller));
+        let (mut upstream_in, mut upstream_out) = tokio::io::split(TokioIo::new(upstream));
         let pending = AtomicU64::new(0);
         let pending_spend = AtomicU64::new(0);
         // The caller's frames are only followed, never held; the upstream's are read for
         // their tokens when metered.
         let mut to_upstream = Direction::new(None);
         let metered = self.chain.is_some() || self.spend.is_some();
-        let mut to_caller = Direction::new(metered.then(|| {
-            Meter {
-                pending: &pending,
-                pending_spend: &pending_spend,
-                price: self
-                    .spend
-                    .as_ref()
-                    .map(|s| (s.prices.as_ref(), s.model.as_deref())),
-                total: 0,
-                key: &self.key,
-            }
+        let mut to_caller = Direction::new(metered.then(|| Meter {
+            pending: &pending,
+            pending_spend: &pending_spend,
+            prices: self.spend.as_ref().map(|s| s.prices.as_ref()),
+            model: self.spend.as_ref().and_then(|s| s.model.clone()),
+            total: 0,
+            key: &self.key,
+            warned_unknown: false,
         }));
+        let mut caller_done = false;
+        // Set when the caller's side failed: the upstream is read until then.
+        let mut upstream_until = None;
         let end = {
-            let mut up = pin!(pump(caller_in, &mut upstream_out, &mut to_upstream));
-            let mut down = pin!(pump(upstream_in, &mut caller_out, &mut to_caller));
+            let mut up = pin!(pump(&mut caller_in, &mut upstream_out, &mut to_upstream));
+            let mut down = pin!(pump(&mut upstream_in, &mut caller_out, &mut to_caller));
             let mut flusher = pin!(flush_every(
                 self.flush,
                 (&pending, &pending_spend),
@@ -475,7 +521,6 @@ impl Session {
             ));
             let mut closing = pin!(closing(&mut self.close));
             let mut linger = pin!(tokio::time::sleep(HALF_CLOSED_LINGER));
-            let mut caller_done = false;
             loop {
                 tokio::select! {
                     r = &mut up, if !caller_done => match r {
@@ -486,13 +531,26 @@ impl Session {
                                 .as_mut()
                                 .reset(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
                         }
-                        Err(e) => break End::Failed(e),
+                        Err(Failure::Read(e)) => {
+                            upstream_until =
+                                Some(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
+                            break End::Failed(e);
+                        }
+                        Err(Failure::Write(e)) => break End::Failed(e),
                     },
                     // Everything the upstream sent has gone to the caller, then a half-close.
                     r = &mut down => match r {
                         Ok(()) if caller_done => break End::CallerClosed,
                         Ok(()) => break End::UpstreamClosed,
-                        Err(e) => break End::Failed(e),
+                        Err(Failure::Write(e)) => {
+                            upstream_until = Some(if caller_done {
+                                linger.deadline()
+                            } else {
+                                tokio::time::Instant::now() + HALF_CLOSED_LINGER
+                            });
+                            break End::Failed(e);
+                        }
+                        Err(Failure::Read(e)) => break End::Failed(e),
                     },
                     () = &mut flusher => {}
                     () = &mut closing => break End::Shutdown,
@@ -500,6 +558,23 @@ impl Session {
                 }
             }
         };
+        if let Some(until) = upstream_until {
+            // The caller is gone, the upstream may be amid a turn: it is told as by a
+            // half-close, and what it still sends (that turn's `response.done`) is metered and
+            // dropped, until it closes or its time is up.
+            let drain = async {
+                if !caller_done {
+                    let _ =
+                        tokio::time::timeout(Duration::from_secs(1), upstream_out.shutdown()).await;
+                }
+                let _ = pump(&mut upstream_in, &mut tokio::io::sink(), &mut to_caller).await;
+            };
+            tokio::select! {
+                () = drain => {}
+                () = tokio::time::sleep_until(until) => {}
+                () = closing(&mut self.close) => {}
+            }
+        }
         if let End::Shutdown = end {
             // A close frame each way (1001, going away) where it can go between frames: the
             // caller can tell a drain from a failure, and the upstream ends its session.
@@ -564,26 +639,38 @@ async fn flush_every(
     }
 }
 
+/// Which side of a copy failed.
+#[derive(Debug)]
+enum Failure {
+    /// Reading the side copied from.
+    Read(std::io::Error),
+    /// Writing the side copied to.
+    Write(std::io::Error),
+}
+
 /// Copies `from` to `to` until `from` ends (then `to` is shut down for writing); `dir` reads
-/// what went, after it went.
-async fn pump<R, W>(mut from: R, to: &mut W, dir: &mut Direction<'_>) -> std::io::Result<()>
+/// each piece as it was read, before it is written: tokens read are metered even if `to` fails.
+async fn pump<R, W>(from: &mut R, to: &mut W, dir: &mut Direction<'_>) -> Result<(), Failure>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
     let mut buf = vec![0u8; COPY_BUFFER];
     loop {
-        let n = from.read(&mut buf).await?;
+        let n = from.read(&mut buf).await.map_err(Failure::Read)?;
         if n == 0 {
             // The other side may still be sending (its close frame): only this direction ends.
             let _ = to.shutdown().await;
             return Ok(());
         }
-        dir.writing = true;
-        to.write_all(&buf[..n]).await?;
-        to.flush().await?;
-        dir.writing = false;
         dir.passed(&buf[..n]);
+        dir.writing = true;
+        let sent = async {
+            to.write_all(&buf[..n]).await?;
+            to.flush().await
+        };
+        sent.await.map_err(Failure::Write)?;
+        dir.writing = false;
     }
 }
 
@@ -650,7 +737,7 @@ impl<'a> Direction<'a> {
         !self.writing && self.frames.between_frames()
     }
 
-    /// `data` went through.
+    /// `data` was read, to go through.
     fn passed(&mut self, data: &[u8]) {
         match &mut self.meter {
             Some(meter) => meter.read(&mut self.frames, data),
@@ -663,22 +750,31 @@ impl<'a> Direction<'a> {
 struct Meter<'a> {
     pending: &'a AtomicU64,
     pending_spend: &'a AtomicU64,
-    /// The price table and the session's model, with budgets.
-    price: Option<(&'a Prices, Option<&'a str>)>,
+    /// The price table, with budgets.
+    prices: Option<&'a Prices>,
+    /// The model that prices the next turns: the upstream's `session.model` once a session
+    /// event has named it (the upstream's word on what it runs), until then the URL's.
+    model: Option<String>,
     /// Every token metered in the session, for its log line.
     total: u64,
     key: &'a str,
+    /// Whether a message too large to meter, whose type could not be told, has been warned
+    /// about: once a session is enough.
+    warned_unknown: bool,
 }
 
 impl Meter<'_> {
-    /// Reads `data` with `frames`, metering each `response.done`.
+    /// Reads `data` with `frames`: each session event names the model, each `response.done`
+    /// is metered.
     fn read(&mut self, frames: &mut FrameReader, data: &[u8]) {
         let Meter {
             pending,
             pending_spend,
-            price,
+            prices,
+            model,
             total,
             key,
+            warned_unknown,
         } = self;
         let add = |to: &AtomicU64, n: u64| {
             let _ = to.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| {
@@ -687,19 +783,27 @@ impl Meter<'_> {
         };
         frames.push(data, |message| match message {
             Message::Text(text) => {
-                if let Some(usage) = metering::response_done_usage(text) {
+                if let Some(named) = session_model(text) {
+                    *model = Some(named);
+                } else if let Some(usage) = metering::response_done_usage(text) {
                     *total = total.saturating_add(usage.total);
                     add(pending, usage.total);
-                    if let Some((prices, model)) = price {
-                        add(pending_spend, prices.spend(*model, &usage));
+                    if let Some(prices) = prices {
+                        add(pending_spend, prices.spend(model.as_deref(), &usage));
                     }
                 }
             }
-            Message::TooLarge => tracing::warn!(
-                key = %key,
-                max_bytes = MAX_METERED_MESSAGE,
-                "realtime message too large to meter: its tokens, if any, are not charged"
-            ),
+            // A message whose type could not be told may be anything: one warning a session.
+            Message::TooLarge { metered }
+                if metered || !std::mem::replace(warned_unknown, true) =>
+            {
+                tracing::warn!(
+                    key = %key,
+                    max_bytes = MAX_METERED_MESSAGE,
+                    "realtime message too large to meter: its tokens, if any, are not charged"
+                );
+            }
+            Message::TooLarge { .. } => {}
             Message::Compressed => tracing::warn!(
                 key = %key,
                 "compressed realtime message (unasked for): its tokens, if any, are not charged"
@@ -708,22 +812,49 @@ impl Meter<'_> {
     }
 }
 
+/// The model a `session.created` or `session.updated` server event names (`session.model`), if
+/// `message` is one and names it.
+fn session_model(message: &[u8]) -> Option<String> {
+    #[derive(Deserialize)]
+    struct SessionEvent<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: Cow<'a, str>,
+        session: Option<SessionFields>,
+    }
+    #[derive(Deserialize)]
+    struct SessionFields {
+        model: Option<String>,
+    }
+    let event: SessionEvent<'_> = serde_json::from_slice(message).ok()?;
+    if !matches!(&*event.kind, "session.created" | "session.updated") {
+        return None;
+    }
+    event.session?.model.filter(|m| !m.is_empty())
+}
+
 /// What [`FrameReader`] reports.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Message<'a> {
     /// A whole text message (its fragments joined, unmasked).
     Text(&'a [u8]),
-    /// A text message longer than [`MAX_METERED_MESSAGE`]: not held, not reported.
-    TooLarge,
+    /// A text message that may be metered, longer than [`MAX_METERED_MESSAGE`]: not held, not
+    /// reported.
+    TooLarge {
+        /// `true`: its `type` is one the meter reads; `false`: its type could not be told from
+        /// its first bytes.
+        metered: bool,
+    },
     /// A text message compressed by an extension (`RSV1` set): it cannot be read.
     Compressed,
 }
 
 /// Reads the WebSocket frames (RFC 6455, 5) of one direction of a session from the bytes as they
-/// come, in pieces of any size, and reports each text message. Fragmented messages are joined,
-/// control frames between their fragments skipped, 16- and 64-bit lengths read and masked frames
-/// unmasked; binary messages and control frames are skipped without being held. At most
-/// [`MAX_METERED_MESSAGE`] bytes of a message are held.
+/// come, in pieces of any size, and reports each text message that may be a metered server event
+/// (`response.done`, `session.created`, `session.updated`, told by its first bytes; one whose
+/// type they cannot tell is reported too). Fragmented messages are joined, control frames
+/// between their fragments skipped, 16- and 64-bit lengths read and masked frames unmasked;
+/// other text messages, binary messages and control frames are skipped without being held. At
+/// most [`MAX_METERED_MESSAGE`] bytes of a message are held.
 #[derive(Debug, Default)]
 pub struct FrameReader {
     /// Follows frames without holding any message (`false`: text messages are reported).
@@ -740,6 +871,8 @@ pub struct FrameReader {
     fin: bool,
     control: bool,
     state: MessageState,
+    /// What the held message's first bytes say of its type.
+    kind: Kind,
     text: Vec<u8>,
 }
 
@@ -752,6 +885,125 @@ enum MessageState {
     Collect,
     /// A message not held (binary, too large, compressed, or a stray continuation).
     Skip,
+}
+
+/// How many bytes of a text message are read to tell its `type`: room for it after short
+/// members such as `event_id`. A message that has not told by then is held whole and parsed.
+const TYPE_WITHIN: usize = 256;
+
+/// The server events the meter reads, by their `type`.
+const METERED_TYPES: [&[u8]; 3] = [b"response.done", b"session.created", b"session.updated"];
+
+/// What the first bytes of a text message say about its `type`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Kind {
+    /// More bytes are needed.
+    #[default]
+    Undecided,
+    /// A JSON object whose `type` is one the meter reads.
+    Metered(&'static [u8]),
+    /// Anything else: an object of another type, or not a JSON object at all.
+    Other,
+    /// Cannot be told from the first bytes (`type` after a nested value, or escaped).
+    Unknown,
+}
+
+/// What `prefix`, the first bytes of a text message, says of its JSON `type`. Server events come
+/// with `type` first (OpenAI's do); members before it with a string, number or literal value,
+/// and whitespace anywhere, are passed over.
+fn kind_of(prefix: &[u8]) -> Kind {
+    let p = prefix;
+    let skip_ws = |i: usize| {
+        i + p[i..]
+            .iter()
+            .take_while(|b| b.is_ascii_whitespace())
+            .count()
+    };
+    let mut i = skip_ws(0);
+    match p.get(i) {
+        None => return Kind::Undecided,
+        Some(b'{') => i += 1,
+        Some(_) => return Kind::Other,
+    }
+    loop {
+        i = skip_ws(i);
+        match p.get(i) {
+            None => return Kind::Undecided,
+            Some(b'"') => {}
+            // `}`: an object without a `type`; anything else is not JSON.
+            Some(_) => return Kind::Other,
+        }
+        let Some((name, escaped, end)) = json_string(p, i) else {
+            return Kind::Undecided;
+        };
+        if escaped {
+            return Kind::Unknown;
+        }
+        i = skip_ws(end);
+        match p.get(i) {
+            None => return Kind::Undecided,
+            Some(b':') => i = skip_ws(i + 1),
+            Some(_) => return Kind::Other,
+        }
+        if name == b"type" {
+            if p.get(i).is_some_and(|&b| b != b'"') {
+                return Kind::Other;
+            }
+            return match json_string(p, i) {
+                Some((_, true, _)) => Kind::Unknown,
+                Some((value, false, _)) => METERED_TYPES
+                    .into_iter()
+                    .find(|&t| t == value)
+                    .map_or(Kind::Other, Kind::Metered),
+                // A type cut short: another type if no metered one starts so.
+                None => {
+                    let partial = p.get(i + 1..).unwrap_or_default();
+                    let may_be = partial.contains(&b'\\')
+                        || METERED_TYPES.iter().any(|t| t.starts_with(partial));
+                    if may_be { Kind::Undecided } else { Kind::Other }
+                }
+            };
+        }
+        // Another member: its value passed over, if it is no object or array.
+        match p.get(i) {
+            None => return Kind::Undecided,
+            Some(b'{' | b'[') => return Kind::Unknown,
+            Some(b'"') => match json_string(p, i) {
+                Some((_, _, end)) => i = end,
+                None => return Kind::Undecided,
+            },
+            Some(_) => {
+                i += p[i..]
+                    .iter()
+                    .take_while(|&&b| b != b',' && b != b'}' && !b.is_ascii_whitespace())
+                    .count();
+            }
+        }
+        i = skip_ws(i);
+        match p.get(i) {
+            None => return Kind::Undecided,
+            Some(b',') => i += 1,
+            Some(_) => return Kind::Other,
+        }
+    }
+}
+
+/// The JSON string that starts (with its quote) at `at` of `p`: its raw contents, whether they
+/// hold an escape, and where it ends; `None` if `p` ends first.
+fn json_string(p: &[u8], at: usize) -> Option<(&[u8], bool, usize)> {
+    let mut escaped = false;
+    let mut i = at + 1;
+    while i < p.len() {
+        match p[i] {
+            b'\\' => {
+                escaped = true;
+                i += 2;
+            }
+            b'"' => return Some((&p[at + 1..i], escaped, i + 1)),
+            _ => i += 1,
+        }
+    }
+    None
 }
 
 /// The length of a frame header that starts with `head` (at least 2 bytes).
@@ -797,21 +1049,7 @@ impl FrameReader {
                 .min(data.len());
             let (chunk, rest) = data.split_at(n);
             if !self.control && self.state == MessageState::Collect {
-                if self.text.len() + n > MAX_METERED_MESSAGE {
-                    self.state = MessageState::Skip;
-                    self.text = Vec::new();
-                    on_message(Message::TooLarge);
-                } else {
-                    let start = self.text.len();
-                    self.text.extend_from_slice(chunk);
-                    if let Some(mask) = self.mask {
-                        for (i, b) in self.text[start..].iter_mut().enumerate() {
-                            // Only the position modulo 4 matters.
-                            let at = (self.payload_pos as usize).wrapping_add(i);
-                            *b ^= mask[at % 4];
-                        }
-                    }
-                }
+                self.collect(chunk, &mut on_message);
             }
             self.payload_pos += n as u64;
             self.payload_left -= n as u64;
@@ -868,10 +1106,61 @@ impl FrameReader {
             1 if !self.skip_text => {
                 self.text.clear();
                 self.state = MessageState::Collect;
+                self.kind = Kind::Undecided;
             }
             _ => {
                 self.text.clear();
                 self.state = MessageState::Skip;
+            }
+        }
+    }
+
+    /// Holds `chunk`, the next payload bytes of the text message being read, as long as the
+    /// message may be one the meter reads: its first bytes tell ([`kind_of`]), and a message of
+    /// another type is dropped then, whatever its length.
+    fn collect(&mut self, chunk: &[u8], on_message: &mut impl FnMut(Message<'_>)) {
+        let mut rest = chunk;
+        let mut pos = self.payload_pos;
+        if self.kind == Kind::Undecided {
+            let first = rest.len().min(TYPE_WITHIN.saturating_sub(self.text.len()));
+            let (head, tail) = rest.split_at(first);
+            self.hold(head, pos);
+            (rest, pos) = (tail, pos + first as u64);
+            self.kind = match kind_of(&self.text) {
+                Kind::Undecided if self.text.len() >= TYPE_WITHIN => Kind::Unknown,
+                kind => kind,
+            };
+            match self.kind {
+                Kind::Other => {
+                    self.state = MessageState::Skip;
+                    self.text.clear();
+                    return;
+                }
+                // All of `chunk` is held: the next bytes may tell.
+                Kind::Undecided => return,
+                Kind::Metered(_) | Kind::Unknown => {}
+            }
+        }
+        if self.text.len() + rest.len() > MAX_METERED_MESSAGE {
+            self.state = MessageState::Skip;
+            self.text = Vec::new();
+            on_message(Message::TooLarge {
+                metered: matches!(self.kind, Kind::Metered(_)),
+            });
+            return;
+        }
+        self.hold(rest, pos);
+    }
+
+    /// Appends `bytes`, payload bytes from position `pos` of the frame, to the message, unmasked.
+    fn hold(&mut self, bytes: &[u8], pos: u64) {
+        let start = self.text.len();
+        self.text.extend_from_slice(bytes);
+        if let Some(mask) = self.mask {
+            for (i, b) in self.text[start..].iter_mut().enumerate() {
+                // Only the position modulo 4 matters.
+                let at = (pos as usize).wrapping_add(i);
+                *b ^= mask[at % 4];
             }
         }
     }
@@ -931,7 +1220,8 @@ mod tests {
             r.push(chunk, |m| {
                 out.push(match m {
                     Message::Text(t) => String::from_utf8_lossy(t).into_owned(),
-                    Message::TooLarge => "<too large>".into(),
+                    Message::TooLarge { metered: true } => "<too large>".into(),
+                    Message::TooLarge { metered: false } => "<too large, type unknown>".into(),
                     Message::Compressed => "<compressed>".into(),
                 })
             });
@@ -939,16 +1229,89 @@ mod tests {
         out
     }
 
+    const DONE: &str = r#"{"type":"response.done","response":{}}"#;
+    const CREATED: &str = r#"{ "type" : "session.created", "session": {"model": "m"} }"#;
+
     #[test]
     fn text_messages_are_read_whatever_the_pieces() {
-        let mut s = frame(true, 1, b"hello", None);
+        let mut s = frame(true, 1, DONE.as_bytes(), None);
         s.extend(frame(true, 2, b"\x00\x01binary", None));
         s.extend(frame(true, 9, b"ping", None));
         s.extend(frame(true, 1, b"", None));
-        s.extend(frame(true, 1, b"world", None));
+        s.extend(frame(true, 1, b"not json", None));
+        s.extend(frame(true, 1, br#"{"type":"response.created"}"#, None));
+        s.extend(frame(true, 1, CREATED.as_bytes(), None));
         for piece in [1, 2, 3, 7, 1000] {
-            assert_eq!(read(&s, piece), ["hello", "", "world"], "pieces of {piece}");
+            assert_eq!(read(&s, piece), [DONE, "", CREATED], "pieces of {piece}");
         }
+    }
+
+    #[test]
+    fn the_first_bytes_tell_a_metered_type() {
+        let metered = Kind::Metered(b"response.done");
+        for (prefix, kind) in [
+            (r#"{"type":"response.done""#, metered),
+            ("\n { \"type\"\t:\r\n \"response.done\"", metered),
+            (
+                r#"{"event_id":"e_1","n":-1.5e3,"ok":true,"type":"response.done""#,
+                metered,
+            ),
+            (
+                r#"{"type":"session.updated""#,
+                Kind::Metered(b"session.updated"),
+            ),
+            (r#"{"type":"response.done.x""#, Kind::Other),
+            (r#"{"type":"conversation.item.cre"#, Kind::Other),
+            (r#"{"type":"response.do"#, Kind::Undecided),
+            (r#"{"event_id":"e_\"1"#, Kind::Undecided),
+            (r#"{"type""#, Kind::Undecided),
+            ("", Kind::Undecided),
+            ("hello", Kind::Other),
+            ("{}", Kind::Other),
+            (r#"{"type":7}"#, Kind::Other),
+            (
+                r#"{"event_id":"e_1","response":{},"type":"response.done"}"#,
+                Kind::Unknown,
+            ),
+            (r#"{"ty\u0070e":"response.done"}"#, Kind::Unknown),
+            (r#"{"type":"response\u002edone"}"#, Kind::Unknown),
+        ] {
+            assert_eq!(kind_of(prefix.as_bytes()), kind, "{prefix}");
+        }
+    }
+
+    #[test]
+    fn a_large_message_of_another_type_is_dropped_at_once_and_never_warned_about() {
+        // What a caller can make the upstream echo: over the bound, and not a metered event.
+        let echo = format!(
+            r#"{{"type":"conversation.item.created","item":{{"text":"{}"}}}}"#,
+            "x".repeat(MAX_METERED_MESSAGE)
+        );
+        let mut r = FrameReader::default();
+        let mut seen = Vec::new();
+        let f = frame(true, 1, echo.as_bytes(), None);
+        for chunk in f.chunks(COPY_BUFFER) {
+            r.push(chunk, |m| seen.push(format!("{m:?}")));
+            assert!(r.text.len() <= TYPE_WITHIN, "held: {}", r.text.len());
+        }
+        assert!(seen.is_empty(), "{seen:?}");
+        // A metered one as large is warned about; one whose type comes late, once per session.
+        let big_done = format!(
+            r#"{{"type":"response.done","pad":"{}"}}"#,
+            "x".repeat(MAX_METERED_MESSAGE)
+        );
+        assert_eq!(
+            read(&frame(true, 1, big_done.as_bytes(), None), COPY_BUFFER),
+            ["<too large>"]
+        );
+        let late = format!(
+            r#"{{"pad":{{"x":"{}"}},"type":"response.done"}}"#,
+            "x".repeat(MAX_METERED_MESSAGE)
+        );
+        assert_eq!(
+            read(&frame(true, 1, late.as_bytes(), None), COPY_BUFFER),
+            ["<too large, type unknown>"]
+        );
     }
 
     #[test]
@@ -960,37 +1323,50 @@ mod tests {
         s.extend(frame(true, 0, b".done\"}", None));
         s.extend(frame(false, 2, b"bin", None));
         s.extend(frame(true, 0, b"ary", None));
-        s.extend(frame(true, 1, b"next", None));
+        s.extend(frame(true, 1, DONE.as_bytes(), None));
         for piece in [1, 5, 1000] {
-            assert_eq!(read(&s, piece), ["{\"type\":\"response.done\"}", "next"]);
+            assert_eq!(read(&s, piece), ["{\"type\":\"response.done\"}", DONE]);
         }
     }
 
     #[test]
     fn long_lengths_and_masks() {
-        let medium = "m".repeat(300);
-        let long = "l".repeat(70_000);
+        let padded =
+            |c: &str, n: usize| format!(r#"{{"type":"response.done","x":"{}"}}"#, c.repeat(n));
+        let (medium, long) = (padded("m", 300), padded("l", 70_000));
         let mut s = frame(true, 1, medium.as_bytes(), None);
         s.extend(frame(true, 1, long.as_bytes(), None));
-        s.extend(frame(false, 1, b"mas", Some([1, 2, 3, 4])));
-        s.extend(frame(true, 0, b"ked", Some([9, 8, 7, 6])));
+        // Masked, and the type told across two fragments with their own masks.
+        s.extend(frame(false, 1, br#"{"type":"sess"#, Some([1, 2, 3, 4])));
+        s.extend(frame(true, 0, br#"ion.created"}"#, Some([9, 8, 7, 6])));
         for piece in [3, 4096, 1 << 20] {
             assert_eq!(
                 read(&s, piece),
-                [medium.clone(), long.clone(), "masked".into()]
+                [
+                    medium.clone(),
+                    long.clone(),
+                    r#"{"type":"session.created"}"#.into()
+                ]
             );
         }
     }
 
     #[test]
     fn a_message_too_large_is_skipped_and_the_next_is_read() {
-        let big = vec![b'x'; MAX_METERED_MESSAGE + 1];
-        let mut s = frame(false, 1, &big[..10], None);
-        s.extend(frame(true, 0, &big[10..], None));
-        s.extend(frame(true, 1, b"after", None));
-        assert_eq!(read(&s, 64 * 1024), ["<too large>", "after"]);
-        let exact = vec![b'y'; MAX_METERED_MESSAGE];
-        assert_eq!(read(&frame(true, 1, &exact, None), 1 << 16).len(), 1);
+        let sized = |len: usize| {
+            let head = r#"{"type":"response.done","x":""#;
+            format!("{head}{}\"}}", "x".repeat(len - head.len() - 2))
+        };
+        let big = sized(MAX_METERED_MESSAGE + 1);
+        let mut s = frame(false, 1, &big.as_bytes()[..10], None);
+        s.extend(frame(true, 0, &big.as_bytes()[10..], None));
+        s.extend(frame(true, 1, DONE.as_bytes(), None));
+        assert_eq!(read(&s, 64 * 1024), ["<too large>", DONE]);
+        let exact = sized(MAX_METERED_MESSAGE);
+        assert_eq!(
+            read(&frame(true, 1, exact.as_bytes(), None), 1 << 16).len(),
+            1
+        );
     }
 
     #[test]
@@ -1015,8 +1391,8 @@ mod tests {
     fn compressed_and_stray_frames_are_not_read() {
         let mut s = frame(true, 1 | 0x40, b"deflated", None);
         s.extend(frame(true, 0, b"stray", None));
-        s.extend(frame(true, 1, b"ok", None));
-        assert_eq!(read(&s, 2), ["<compressed>", "ok"]);
+        s.extend(frame(true, 1, DONE.as_bytes(), None));
+        assert_eq!(read(&s, 2), ["<compressed>", DONE]);
     }
 
     #[test]
@@ -1051,22 +1427,130 @@ mod tests {
 
     #[test]
     fn malformed_handshakes_are_told_apart() {
-        let mut h = HeaderMap::new();
-        h.insert(SEC_WEBSOCKET_VERSION, "13".parse().unwrap());
-        h.insert(
-            SEC_WEBSOCKET_KEY,
-            "dGhlIHNhbXBsZSBub25jZQ==".parse().unwrap(),
+        let upgrade = |method: Method, version: Version, uri: &str, ws_version, key| {
+            Request::builder()
+                .method(method)
+                .version(version)
+                .uri(uri)
+                .header(SEC_WEBSOCKET_VERSION, ws_version)
+                .header(SEC_WEBSOCKET_KEY, key)
+                .body(())
+                .unwrap()
+        };
+        let (get, http11, uri, key) = (
+            Method::GET,
+            Version::HTTP_11,
+            "/v1/realtime?model=m",
+            "dGhlIHNhbXBsZSBub25jZQ==",
         );
-        assert_eq!(malformed(&Method::GET, &h), None);
-        assert!(malformed(&Method::POST, &h).is_some());
-        h.insert(SEC_WEBSOCKET_KEY, "short".parse().unwrap());
-        assert!(malformed(&Method::GET, &h).is_some());
-        h.insert(
-            SEC_WEBSOCKET_KEY,
-            "dGhlIHNhbXBsZSBub25jZQ==".parse().unwrap(),
+        assert_eq!(
+            malformed(&upgrade(get.clone(), http11, uri, "13", key)),
+            None
         );
-        h.insert(SEC_WEBSOCKET_VERSION, "8".parse().unwrap());
-        assert!(malformed(&Method::GET, &h).is_some());
+        assert!(malformed(&upgrade(Method::POST, http11, uri, "13", key)).is_some());
+        assert!(malformed(&upgrade(get.clone(), Version::HTTP_10, uri, "13", key)).is_some());
+        assert!(malformed(&upgrade(get.clone(), http11, uri, "13", "short")).is_some());
+        assert!(malformed(&upgrade(get.clone(), http11, uri, "8", key)).is_some());
+        assert!(
+            malformed(&upgrade(
+                get,
+                http11,
+                "/v1/realtime?model=a&model=b",
+                "13",
+                key
+            ))
+            .is_some()
+        );
+    }
+
+    #[test]
+    fn a_model_named_twice_or_by_an_encoded_name_is_ambiguous() {
+        let uri = |q: &str| format!("/v1/realtime{q}").parse::<Uri>().unwrap();
+        for q in [
+            "",
+            "?model=gpt-realtime",
+            "?model=gpt%2Drealtime&x=1",
+            "?models=a&model=b",
+            "?mode=a",
+        ] {
+            assert!(!ambiguous_model(&uri(q)), "{q}");
+        }
+        for q in [
+            "?model=a&model=b",
+            "?mod%65l=gpt-realtime",
+            "?model=a&%6Dodel=b",
+            "?model&model=b",
+        ] {
+            assert!(ambiguous_model(&uri(q)), "{q}");
+        }
+        assert_eq!(
+            query_model(&uri("?x=1&model=gpt%2Drealtime")).as_deref(),
+            Some("gpt-realtime")
+        );
+        assert_eq!(query_model(&uri("?models=a")), None);
+        assert_eq!(query_model(&uri("?model=")), None);
+    }
+
+    #[test]
+    fn session_events_name_the_model() {
+        let model = |m: &str| session_model(m.as_bytes());
+        assert_eq!(model(CREATED).as_deref(), Some("m"));
+        assert_eq!(
+            model(r#"{"type":"session.updated","session":{"model":"gpt-realtime-2025-08-28"}}"#)
+                .as_deref(),
+            Some("gpt-realtime-2025-08-28")
+        );
+        assert_eq!(model(r#"{"type":"session.updated","session":{}}"#), None);
+        assert_eq!(
+            model(r#"{"type":"response.done","session":{"model":"x"}}"#),
+            None
+        );
+        assert_eq!(model(DONE), None);
+    }
+
+    /// A writer whose peer is gone.
+    struct Gone;
+
+    impl AsyncWrite for Gone {
+        fn poll_write(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    #[tokio::test]
+    async fn tokens_read_are_metered_though_the_write_fails() {
+        let (pending, pending_spend) = (AtomicU64::new(0), AtomicU64::new(0));
+        let mut dir = Direction::new(Some(Meter {
+            pending: &pending,
+            pending_spend: &pending_spend,
+            prices: None,
+            model: None,
+            total: 0,
+            key: "k",
+            warned_unknown: false,
+        }));
+        let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
+        let stream = frame(true, 1, done, None);
+        let r = pump(&mut stream.as_slice(), &mut Gone, &mut dir).await;
+        assert!(matches!(r, Err(Failure::Write(_))), "{r:?}");
+        assert_eq!(pending.load(Ordering::SeqCst), 9);
+        assert!(!dir.between_frames(), "the caller may have part of a frame");
     }
 
     #[test]

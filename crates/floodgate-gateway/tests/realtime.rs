@@ -191,7 +191,8 @@ impl WsUpstream {
 /// A Realtime-like upstream: answers a WebSocket upgrade with 101 (or, for `?model=refuse`,
 /// 403), then per text message from the client: `usage:N` sends a `response.done` with `N`
 /// tokens in one frame, `usage-fragmented:N` the same in three fragments with a ping between
-/// them, `usage-big:N` one over the gateway's metering bound, `bye` a close frame and the end;
+/// them, `usage-big:N` one over the gateway's metering bound, `usage-later:N` one after 300 ms,
+/// `session:M` a `session.updated` naming the model `M`, `bye` a close frame and the end;
 /// anything else (text or binary) is echoed. A close frame is answered with one and the end.
 /// Plain requests get `200 {"object": "list"}`.
 async fn ws_upstream() -> WsUpstream {
@@ -325,6 +326,12 @@ async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen
             ws.send(PING, b"are you there").await;
             ws.send_frame(false, 0, b).await;
             ws.send_frame(true, 0, c).await;
+        } else if let Some(n) = arg("usage-later:") {
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            ws.send(TEXT, response_done(n, 0).as_bytes()).await;
+        } else if let Some(model) = text.strip_prefix("session:") {
+            let updated = json!({"type": "session.updated", "session": {"model": model}});
+            ws.send(TEXT, updated.to_string().as_bytes()).await;
         } else if let Some(n) = arg("usage-big:") {
             let done = response_done(n, 1024 * 1024 + 10);
             ws.send(TEXT, done.as_bytes()).await;
@@ -1185,4 +1192,148 @@ usd = 10
         [("gateway".into(), 1), ("key".into(), 1)],
         "{alerts}"
     );
+}
+
+/// A key with a $10 daily budget, gpt-realtime at $1 a token and `cheap` at $1 a million.
+const PRICED: &str = r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 5 }
+[[prices]]
+model = "gpt-realtime"
+input_per_million = 1000000
+output_per_million = 1000000
+[[prices]]
+model = "cheap"
+input_per_million = 1
+output_per_million = 1
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 10
+"#;
+
+/// The URL names a cheap model, the upstream's session event another: the session's turns are
+/// priced by the upstream's word from that event on (the URL's model before it).
+#[tokio::test]
+async fn spend_is_priced_by_the_model_the_upstreams_session_events_name() {
+    let up = ws_upstream().await;
+    let gw = gateway(PRICED, &up.url()).await;
+    let mut a = open_path(&gw, "/v1/realtime?model=cheap", Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+    let ws = a.ws();
+    // Before any session event: the URL's model, 20 tokens of `cheap`.
+    ws.send(TEXT, b"usage:20").await;
+    ws.message().await.unwrap();
+    ws.send(TEXT, b"session:gpt-realtime-2025-08-28").await;
+    ws.message().await.unwrap();
+    // 20 tokens of what the upstream runs: $20, twice the day's $10.
+    ws.send(TEXT, b"usage:20").await;
+    ws.message().await.unwrap();
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(ws.closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let spent = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(
+        (spent.status.as_u16(), spent.code()),
+        (429, "budget_exceeded".into()),
+        "{}",
+        spent.body
+    );
+}
+
+/// A query that names `model` twice, or by a percent-encoded name, could be read one way by the
+/// gateway and another by the upstream: refused before anything is charged or sent.
+#[tokio::test]
+async fn an_ambiguous_model_in_the_query_is_refused_uncharged() {
+    let up = ws_upstream().await;
+    let gw = gateway(PRICED, &up.url()).await;
+    for path in [
+        "/v1/realtime?model=cheap&model=gpt-realtime",
+        "/v1/realtime?mod%65l=gpt-realtime",
+        "/v1/realtime?model=cheap&%6Dodel=gpt-realtime",
+    ] {
+        let a = open_path(&gw, path, Some("sk-k"), &[]).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.body);
+        assert_eq!(a.code(), "invalid_request", "{path}");
+    }
+    assert_eq!(up.seen.count(), 0, "nothing reached the upstream");
+    assert_eq!(gw.state.live_sessions().count(), 0);
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+    // An encoded value is no ambiguity.
+    let a = open_path(&gw, "/v1/realtime?model=gpt%2Drealtime", Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101, "{}", a.body);
+}
+
+/// A raw TCP connection to `addr` that has sent `request` and read the answer's head (status
+/// line and headers, nothing after).
+async fn raw_request(addr: SocketAddr, request: &str) -> (TcpStream, String) {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(request.as_bytes()).await.unwrap();
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        let b = tokio::time::timeout(Duration::from_secs(5), tcp.read_u8())
+            .await
+            .expect("an answer")
+            .expect("an answer's head");
+        head.push(b);
+    }
+    (tcp, String::from_utf8(head).unwrap())
+}
+
+/// An upgrade request for `/v1/realtime` over HTTP/1.`minor`, by key `sk-k`.
+fn raw_upgrade(minor: u8) -> String {
+    format!(
+        "GET /v1/realtime?model=gpt-realtime HTTP/1.{minor}\r\nHost: x\r\nConnection: Upgrade\r\n\
+         Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {WS_KEY}\r\n\
+         Authorization: Bearer sk-k\r\n\r\n"
+    )
+}
+
+/// hyper upgrades HTTP/1.1 connections only: an HTTP/1.0 upgrade could never start a session.
+#[tokio::test]
+async fn an_http_1_0_upgrade_is_refused_uncharged() {
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let (_tcp, head) = raw_request(gw.addr, &raw_upgrade(0)).await;
+    assert!(
+        head.starts_with("HTTP/1.0 400") || head.starts_with("HTTP/1.1 400"),
+        "{head}"
+    );
+    assert_eq!(up.seen.count(), 0, "nothing reached the upstream");
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}
+
+/// A caller whose connection is reset amid a turn: the upstream is read on for a while, and the
+/// turn's tokens are charged.
+#[tokio::test]
+async fn a_turn_under_way_when_the_caller_fails_is_charged() {
+    let up = ws_upstream().await;
+    let config = METERED
+        .replace("flush_sec = 1", "flush_sec = 3600")
+        .replace("tpm = 100", "tpm = 1000");
+    let gw = gateway(&config, &up.url()).await;
+    let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut ws = Ws {
+        io: tcp,
+        masked: true,
+    };
+    ws.send(TEXT, b"usage-later:33").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A reset, not a close: the gateway's read of the caller fails.
+    ws.io.set_zero_linger().unwrap();
+    drop(ws);
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    live_sessions_reach(&gw, 0).await;
+    settle().await;
+    let r = models(&gw, "sk-k").await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("967"));
 }
