@@ -8,9 +8,11 @@
 //!   have drained at shutdown, moves the counters into the aggregate, under the local day of the
 //!   flush (it also flushes just before each local midnight, so a day's refusals stay on that
 //!   day). On the Redis store the aggregate is one hash per day in Redis, added to by every
-//!   replica; on the memory store with `[alerts] path` it is that JSON file (a new file renamed
-//!   over the old one), read back at start: a restart loses nothing that was flushed, and a
-//!   graceful stop loses nothing at all. Counts a flush could not save stay for the next one.
+//!   replica; on the memory store with `[alerts] path` it is that JSON file, which each flush
+//!   adds its counts to under a lock (read, add, a new file renamed over the old one), so that
+//!   every process naming it (a restarted gateway beside the one still draining) adds to one
+//!   tally: a restart loses nothing that was flushed, and a graceful stop loses nothing at all.
+//!   Counts a flush could not save stay for the next one.
 //! - `GET /alerts` (only with an `[alerts]` secret) answers the aggregate plus what is counted
 //!   but not yet flushed, newest day first.
 
@@ -71,13 +73,6 @@ impl Counters {
 /// Day (`YYYY-MM-DD`) -> subject (`gateway`, `key:<id>`) -> refusals.
 type Days = BTreeMap<String, BTreeMap<String, u64>>;
 
-/// The flushed counts, and whether the file lags them (a write failed).
-#[derive(Debug)]
-struct Aggregate {
-    days: Days,
-    unsaved: bool,
-}
-
 /// The tally file.
 #[derive(Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -111,8 +106,8 @@ pub struct Tally {
     /// Subject names by slot: `gateway`, then `key:<id>` per key.
     subjects: Box<[String]>,
     workers: Mutex<Vec<Arc<Counters>>>,
-    /// In memory or a file: the whole aggregate. In Redis: the counts not written there yet.
-    aggregate: Mutex<Aggregate>,
+    /// In memory: the whole aggregate. In a file or Redis: the counts not written there yet.
+    aggregate: Mutex<Days>,
     keep: Keep,
     /// One flush at a time (the timer's and the shutdown's may meet): a Redis write in flight
     /// must not be written twice.
@@ -126,13 +121,8 @@ pub struct Tally {
 enum Keep {
     /// In memory only: a restart loses it.
     Memory,
-    /// In a JSON file, read back at start; `lock` is `<path>.lock`, held while the tally lives.
-    File {
-        /// The tally file.
-        path: PathBuf,
-        /// Held (an exclusive lock) so that no other process writes the same file.
-        _lock: std::fs::File,
-    },
+    /// In a JSON file that each flush adds to, under an exclusive lock on `<path>.lock`.
+    File(PathBuf),
     /// In Redis, one hash per day shared by every replica on that Redis.
     Redis(Box<RedisTally>),
 }
@@ -183,11 +173,11 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Tally {
     /// The tally for `config`'s keys, kept where the config says: in Redis on the Redis store
-    /// (one aggregate for every replica), else in `[alerts] path` if set (read back now), else
-    /// in memory. A file that cannot be read or is not a tally is an error that names it: the
-    /// gateway does not start rather than overwrite it.
+    /// (one aggregate for every replica), else in `[alerts] path` if set, else in memory. A
+    /// file that cannot be read or is not a tally, or a lock file that cannot be created beside
+    /// it, is an error that names it: the gateway does not start rather than lose its counts.
     pub fn open(config: &Config) -> Result<Tally, String> {
-        let (keep, days) = match (
+        let keep = match (
             &config.store.backend,
             &config.store.url,
             &config.alerts.path,
@@ -196,45 +186,37 @@ impl Tally {
                 let client = redis::Client::open(url.as_str())
                     .map_err(|e| format!("the refusal tally's Redis client: {e}"))?;
                 let prefix = config.store.prefix.as_deref().unwrap_or("fg:");
-                let keep = Keep::Redis(Box::new(RedisTally {
+                Keep::Redis(Box::new(RedisTally {
                     client,
                     key: format!("{prefix}{{floodgate}}:tally:"),
-                }));
-                (keep, Days::new())
+                }))
             }
             (_, _, Some(path)) => {
-                // Locked before it is read: a process still draining (a restart) writes its
-                // last counts first, and this one reads them.
-                let lock = take_lock(path, LOCK_WAIT)?;
-                let days = read_file(path)?;
-                (
-                    Keep::File {
-                        path: path.clone(),
-                        _lock: lock,
-                    },
-                    days,
-                )
+                // Read now, under its lock (which proves the directory writable too), so that a
+                // file that is not a tally stops the start, not the first flush.
+                let lock = open_lock(path)?;
+                lock.lock()
+                    .map_err(|e| format!("cannot lock {}: {e}", lock_path(path).display()))?;
+                read_file(path)?;
+                Keep::File(path.clone())
             }
-            _ => (Keep::Memory, Days::new()),
+            _ => Keep::Memory,
         };
-        Ok(Tally::with(config, keep, days))
+        Ok(Tally::with(config, keep))
     }
 
     /// A tally in memory only, for `config`'s keys.
     pub fn in_memory(config: &Config) -> Tally {
-        Tally::with(config, Keep::Memory, Days::new())
+        Tally::with(config, Keep::Memory)
     }
 
-    fn with(config: &Config, keep: Keep, days: Days) -> Tally {
+    fn with(config: &Config, keep: Keep) -> Tally {
         Tally {
             subjects: std::iter::once(GATEWAY_SUBJECT.to_owned())
                 .chain(config.keys.iter().map(|k| format!("key:{}", k.id)))
                 .collect(),
             workers: Mutex::new(Vec::new()),
-            aggregate: Mutex::new(Aggregate {
-                days,
-                unsaved: false,
-            }),
+            aggregate: Mutex::new(Days::new()),
             keep,
             flushing: tokio::sync::Mutex::new(()),
             flush_every: config.alerts.flush_every,
@@ -258,17 +240,14 @@ impl Tally {
         self.save().await;
     }
 
-    /// Moves every worker's counts into the aggregate under `day`; in memory or a file, drops
-    /// the days past the retention (Redis expires them itself).
+    /// Moves every worker's counts into the aggregate (in memory: dropping the days past the
+    /// retention) or the counts to write (a file or Redis) under `day`.
     fn collect(&self, day: NaiveDate) {
-        let mut aggregate = lock(&self.aggregate);
-        let Aggregate { days, unsaved } = &mut *aggregate;
-        let mut added = 0;
+        let mut days = lock(&self.aggregate);
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
                 let n = counter.swap(0, Ordering::Relaxed);
                 if n > 0 {
-                    added += n;
                     let count = days
                         .entry(day.to_string())
                         .or_default()
@@ -278,32 +257,37 @@ impl Tally {
                 }
             }
         }
-        let before = days.len();
-        if !matches!(self.keep, Keep::Redis(_)) {
+        if matches!(self.keep, Keep::Memory) {
             let oldest = oldest_kept(day, self.retention_days);
             days.retain(|d, _| *d >= oldest);
         }
-        *unsaved |= added > 0 || days.len() != before;
     }
 
     async fn save(&self) {
         match &self.keep {
             Keep::Memory => {}
-            Keep::File { path, .. } => {
-                let mut aggregate = lock(&self.aggregate);
-                if aggregate.unsaved {
-                    match write_file(path, &aggregate.days) {
-                        Ok(()) => aggregate.unsaved = false,
-                        Err(e) => tracing::error!(
-                            path = %path.display(),
-                            error = %e,
-                            "cannot write the refusal tally; retrying at the next flush"
-                        ),
-                    }
+            Keep::File(path) => {
+                let pending = lock(&self.aggregate).clone();
+                if pending.is_empty() {
+                    return;
+                }
+                // Written without the counts' lock held: `alerts` on a worker never waits for
+                // the disk.
+                let oldest = oldest_kept(today(), self.retention_days);
+                match add_to_file(path, &pending, &oldest) {
+                    // Only a flush adds to `pending`, and flushes take turns: all of it is
+                    // written now.
+                    Ok(()) => lock(&self.aggregate).clear(),
+                    Err(e) => tracing::error!(
+                        path = %path.display(),
+                        error = %e,
+                        refusals = pending.values().flat_map(BTreeMap::values).sum::<u64>(),
+                        "cannot add to the refusal tally; retrying at the next flush"
+                    ),
                 }
             }
             Keep::Redis(r) => {
-                let pending = lock(&self.aggregate).days.clone();
+                let pending = lock(&self.aggregate).clone();
                 if pending.is_empty() {
                     return;
                 }
@@ -321,10 +305,7 @@ impl Tally {
                 match written {
                     // Only a flush adds to `pending`, and flushes take turns: all of it is
                     // written now.
-                    Ok(()) => {
-                        let mut aggregate = lock(&self.aggregate);
-                        aggregate.days.clear();
-                    }
+                    Ok(()) => lock(&self.aggregate).clear(),
                     Err(e) => tracing::warn!(
                         error = %e,
                         refusals = pending.values().flat_map(BTreeMap::values).sum::<u64>(),
@@ -350,8 +331,8 @@ impl Tally {
     }
 
     /// The alerts: one per day and subject with refusals, the counts not yet flushed added to
-    /// today's, newest day first, then most refusals first. On Redis, every replica's; an
-    /// error if Redis cannot be read.
+    /// today's, newest day first, then most refusals first. In a file or on Redis, every
+    /// process's; an error if the file or Redis cannot be read.
     pub async fn alerts(&self) -> Result<Vec<Alert>, String> {
         let now = today();
         let mut days = match &self.keep {
@@ -369,15 +350,17 @@ impl Tally {
                     .await
                     .map_err(|e| format!("cannot read the refusal tally from Redis: {e}"))?;
                 let mut days: Days = listed.into_iter().zip(stored).collect();
-                let pending = lock(&self.aggregate);
-                add(&mut days, &pending.days);
-                drop(pending);
+                add(&mut days, &lock(&self.aggregate));
                 days
             }
-            _ => {
-                let aggregate = lock(&self.aggregate);
-                aggregate.days.clone()
+            Keep::File(path) => {
+                let mut days = read_file(path)?;
+                let oldest = oldest_kept(now, self.retention_days);
+                days.retain(|d, _| *d >= oldest);
+                add(&mut days, &lock(&self.aggregate));
+                days
             }
+            Keep::Memory => lock(&self.aggregate).clone(),
         };
         let today = now.to_string();
         for w in lock(&self.workers).iter() {
@@ -491,11 +474,6 @@ fn read_file(path: &Path) -> Result<Days, String> {
     Ok(file.days)
 }
 
-/// How long a start waits for another process's lock on the tally file: a gateway restarted
-/// on the same host may start while the one before it drains (up to the drain timeout) and
-/// writes its final flush.
-const LOCK_WAIT: Duration = Duration::from_secs(crate::server::DRAIN_TIMEOUT.as_secs() + 5);
-
 /// `path` with `suffix` added to its file name.
 fn beside(path: &Path, suffix: &str) -> PathBuf {
     let mut name = path.as_os_str().to_owned();
@@ -503,12 +481,15 @@ fn beside(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(name)
 }
 
-/// Takes an exclusive lock on `<path>.lock` (created if missing, which also proves the directory
-/// writable before anything is counted), waiting up to `wait` for another process to let it go.
-/// Two processes writing one tally file would each overwrite the other's counts.
-fn take_lock(path: &Path, wait: Duration) -> Result<std::fs::File, String> {
-    let lock_path = beside(path, ".lock");
-    let file = std::fs::OpenOptions::new()
+/// The lock file of the tally in `path`: `<path>.lock`.
+fn lock_path(path: &Path) -> PathBuf {
+    beside(path, ".lock")
+}
+
+/// Opens (creating it if missing) the lock file of the tally in `path`.
+fn open_lock(path: &Path) -> Result<std::fs::File, String> {
+    let lock_path = lock_path(path);
+    std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
@@ -518,34 +499,21 @@ fn take_lock(path: &Path, wait: Duration) -> Result<std::fs::File, String> {
                 "cannot create the refusal tally's lock {}: {e}",
                 lock_path.display()
             )
-        })?;
-    let deadline = std::time::Instant::now() + wait;
-    let mut logged = false;
-    loop {
-        match file.try_lock() {
-            Ok(()) => return Ok(file),
-            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
-                if !std::mem::replace(&mut logged, true) {
-                    tracing::warn!(
-                        lock = %lock_path.display(),
-                        "another process holds the refusal tally; waiting for it to stop"
-                    );
-                }
-                std::thread::sleep(Duration::from_millis(100));
-            }
-            Err(std::fs::TryLockError::WouldBlock) => {
-                return Err(format!(
-                    "another process keeps its refusal tally in {} (its lock {} stayed taken for {} s); give each gateway its own [alerts] path",
-                    path.display(),
-                    lock_path.display(),
-                    wait.as_secs()
-                ));
-            }
-            Err(std::fs::TryLockError::Error(e)) => {
-                return Err(format!("cannot lock {}: {e}", lock_path.display()));
-            }
-        }
-    }
+        })
+}
+
+/// Adds `pending` to the tally in `path` and drops its days before `oldest`, under an exclusive
+/// lock on `<path>.lock` (held for the read and the write only): every process that names the
+/// file adds to it, none overwrites another's counts.
+fn add_to_file(path: &Path, pending: &Days, oldest: &str) -> Result<(), String> {
+    let lock = open_lock(path)?;
+    lock.lock()
+        .map_err(|e| format!("cannot lock {}: {e}", lock_path(path).display()))?;
+    let mut days = read_file(path)?;
+    add(&mut days, pending);
+    days.retain(|d, _| d.as_str() >= oldest);
+    write_file(path, &days).map_err(|e| format!("cannot write {}: {e}", path.display()))
+    // The lock goes with its file.
 }
 
 /// Writes `days` to a new file beside `path`, syncs it and renames it over `path` (then syncs
@@ -617,7 +585,7 @@ mod tests {
         flush_on(&tally, day("2026-12-01")).await;
         a.refused(Subject::Key(0));
         flush_on(&tally, day("2026-12-02")).await;
-        let days = lock(&tally.aggregate).days.clone();
+        let days = lock(&tally.aggregate).clone();
         assert_eq!(
             days["2026-12-01"],
             BTreeMap::from([("gateway".into(), 1), ("key:bob".into(), 2)])
@@ -636,7 +604,7 @@ mod tests {
             w.refused(Subject::Gateway);
             flush_on(&tally, day(d)).await;
         }
-        let days: Vec<String> = lock(&tally.aggregate).days.keys().cloned().collect();
+        let days: Vec<String> = lock(&tally.aggregate).keys().cloned().collect();
         assert_eq!(days, ["2026-11-30", "2026-12-01"]);
     }
 
@@ -654,7 +622,7 @@ mod tests {
         let second = Tally::open(&c).unwrap();
         second.worker().refused(Subject::Key(0));
         flush_on(&second, day("2026-12-01")).await;
-        assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 2);
+        assert_eq!(read_file(&path).unwrap()["2026-12-01"]["key:alice"], 2);
 
         drop(second);
         std::fs::write(&path, "{\"version\": 1, \"days\": {\"yesterday\": {}}}").unwrap();
@@ -668,24 +636,36 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn one_process_at_a_time_keeps_a_tally_file() {
-        let dir = std::env::temp_dir().join(format!("floodgate-lock-{}", std::process::id()));
+    async fn processes_naming_one_tally_file_add_to_it() {
+        // A restarted gateway beside the one still draining: neither overwrites the other.
+        let dir = std::env::temp_dir().join(format!("floodgate-shared-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let path = dir.join("tally.json");
         let c = config(Some(path.clone()), 90);
-        let first = Tally::open(&c).unwrap();
-        let e = take_lock(&path, Duration::from_millis(300)).unwrap_err();
-        assert!(
-            e.contains("another process keeps its refusal tally in") && e.contains("tally.json"),
-            "{e}"
+        let (old, new) = (Tally::open(&c).unwrap(), Tally::open(&c).unwrap());
+        let (old_worker, new_worker) = (old.worker(), new.worker());
+        old_worker.refused(Subject::Key(0));
+        new_worker.refused(Subject::Key(0));
+        new_worker.refused(Subject::Key(1));
+        flush_on(&new, today()).await;
+        flush_on(&old, today()).await;
+        old_worker.refused(Subject::Key(0));
+        flush_on(&old, today()).await;
+        let day = today().to_string();
+        let days = read_file(&path).unwrap();
+        assert_eq!(
+            days[&day],
+            BTreeMap::from([("key:alice".into(), 3), ("key:bob".into(), 1)])
         );
-        // The one before it stops (its last flush written): the next one starts.
-        first.worker().refused(Subject::Key(0));
-        flush_on(&first, day("2026-12-01")).await;
-        drop(first);
-        let second = Tally::open(&c).unwrap();
-        assert_eq!(lock(&second.aggregate).days["2026-12-01"]["key:alice"], 1);
-        drop(second);
+        // Either one's alerts show both's counts, and their own not yet flushed.
+        new_worker.refused(Subject::Gateway);
+        let alerts = new.alerts().await.unwrap();
+        let counts: Vec<(&str, u64)> = alerts.iter().map(|a| (a.subject, a.count)).collect();
+        assert_eq!(
+            counts,
+            [("key", 3), ("gateway", 1), ("key", 1)],
+            "{alerts:?}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
@@ -730,10 +710,7 @@ mod tests {
         tally.flush().await;
         w.refused(Subject::Key(1));
         tally.flush().await;
-        assert_eq!(
-            lock(&tally.aggregate).days[&today().to_string()]["key:bob"],
-            2
-        );
+        assert_eq!(lock(&tally.aggregate)[&today().to_string()]["key:bob"], 2);
         let e = tally.alerts().await.unwrap_err();
         assert!(e.contains("Redis"), "{e}");
     }
