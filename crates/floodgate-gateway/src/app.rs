@@ -28,7 +28,7 @@ use crate::budgets::Prices;
 use crate::config::Config;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
-use crate::metering::{self, Meter, MeteredBody, RequestLog, Spend};
+use crate::metering::{self, Lingering, Meter, MeteredBody, RequestLog, Spend};
 use crate::proxy::Upstream;
 use crate::realtime::{self, LiveSessions, Sessions};
 use crate::store::GatewayStore;
@@ -57,6 +57,7 @@ struct Inner {
     /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
     alerts_secret: Option<[u8; 32]>,
     sessions: Sessions,
+    lingering: Lingering,
 }
 
 impl AppState {
@@ -111,6 +112,7 @@ impl AppState {
                 tally: Arc::clone(tally),
                 alerts_secret: config.alerts.secret_sha256,
                 sessions: Sessions::new(&config.realtime, live),
+                lingering: Lingering::default(),
             }),
         })
     }
@@ -122,6 +124,12 @@ impl AppState {
 
     pub(crate) fn sessions(&self) -> &Sessions {
         &self.inner.sessions
+    }
+
+    /// The response bodies still read after their callers left, which a draining worker waits
+    /// for.
+    pub fn lingering(&self) -> &Lingering {
+        &self.inner.lingering
     }
 
     /// The store.
@@ -598,7 +606,14 @@ async fn proxy(state: AppState, req: Request) -> Response {
         prices: Arc::clone(state.prices()),
         request_model,
     });
-    let body = MeteredBody::new(body, meter, state.store().clone(), chain, spend, log);
+    let body = MeteredBody::new(
+        body,
+        meter,
+        (state.store().clone(), chain),
+        spend,
+        log,
+        state.lingering(),
+    );
     Response::from_parts(head, Body::new(body))
 }
 

@@ -48,6 +48,55 @@ pub const LINGER: std::time::Duration = std::time::Duration::from_secs(5);
 /// How many bytes it reads then, at most.
 pub const LINGER_BYTES: usize = 1024 * 1024;
 
+/// The bodies of one worker still being read after their callers left (see [`LINGER`]): a
+/// draining worker waits for them ([`Lingering::idle`]), so that what they read is charged
+/// before its event loop stops.
+#[derive(Clone, Debug, Default)]
+pub struct Lingering(Arc<LingeringCount>);
+
+#[derive(Debug, Default)]
+struct LingeringCount {
+    live: std::sync::atomic::AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One lingering body, counted while it lives.
+struct LingerGuard(Lingering);
+
+impl Lingering {
+    fn start(&self) -> LingerGuard {
+        self.0
+            .live
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        LingerGuard(self.clone())
+    }
+
+    /// Resolves once no body lingers.
+    pub async fn idle(&self) {
+        loop {
+            let idle = self.0.idle.notified();
+            if self.0.live.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+impl Drop for LingerGuard {
+    fn drop(&mut self) {
+        if self
+            .0
+            .0
+            .live
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            self.0.0.idle.notify_waiters();
+        }
+    }
+}
+
 #[derive(Deserialize)]
 struct Usage {
     total_tokens: Option<u64>,
@@ -448,6 +497,8 @@ pub struct MeteredBody {
     charge: Option<(GatewayStore, Arc<Chain>)>,
     spend: Option<Spend>,
     log: RequestLog,
+    /// Where a lingering rest of this body is counted.
+    linger_count: Lingering,
 }
 
 enum Mode {
@@ -458,14 +509,14 @@ enum Mode {
 
 impl MeteredBody {
     /// Wraps `inner`; tokens go to `chain` on `store` when metered, and spend to `spend`'s
-    /// budgets.
+    /// budgets. A rest read after the caller left is counted in `lingering`.
     pub fn new(
         inner: Body,
         meter: Meter,
-        store: GatewayStore,
-        chain: Arc<Chain>,
+        (store, chain): (GatewayStore, Arc<Chain>),
         spend: Option<Spend>,
         log: RequestLog,
+        lingering: &Lingering,
     ) -> MeteredBody {
         let mode = match meter {
             Meter::None => Mode::Pass,
@@ -490,6 +541,7 @@ impl MeteredBody {
             charge: Some((store, chain)),
             spend,
             log,
+            linger_count: lingering.clone(),
         }
     }
 
@@ -547,6 +599,7 @@ impl MeteredBody {
             charge: self.charge.take(),
             spend: self.spend.take(),
             log: self.log.clone(),
+            linger_count: self.linger_count.clone(),
         }
     }
 }
@@ -573,7 +626,12 @@ impl Drop for MeteredBody {
         if self.usage_still_to_come()
             && let Ok(runtime) = tokio::runtime::Handle::try_current()
         {
-            runtime.spawn(linger(self.take_rest()));
+            let counted = self.linger_count.start();
+            let rest = self.take_rest();
+            runtime.spawn(async move {
+                linger(rest).await;
+                drop(counted);
+            });
             return;
         }
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole

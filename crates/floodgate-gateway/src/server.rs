@@ -19,6 +19,7 @@ use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::app::{AppState, run};
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
+use crate::metering::LINGER;
 use crate::realtime::LiveSessions;
 use crate::store::{self, GatewayStore};
 use crate::tally::Tally;
@@ -287,7 +288,11 @@ impl Worker {
             let shutdown = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
+            let lingering = state.lingering().clone();
             let result = run(listener, state, shutdown).await;
+            // Bodies read on after their callers left end within LINGER: what they read is
+            // charged by tasks that RECORD_GRACE then lets finish.
+            let _ = tokio::time::timeout(LINGER, lingering.idle()).await;
             tokio::time::sleep(RECORD_GRACE).await;
             result
         });

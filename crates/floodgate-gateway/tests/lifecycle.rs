@@ -433,3 +433,38 @@ async fn the_refusal_tally_is_written_at_shutdown_and_read_back_at_start() {
     assert_eq!(written["days"][&today]["key:k"], 3, "{written}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[tokio::test]
+async fn a_body_read_on_after_its_caller_left_is_charged_before_shutdown_ends() {
+    // The caller leaves a stream at its finish_reason; the usage comes 1 s later, while the
+    // gateway already drains: the worker waits for the body it reads on, and charges it.
+    let up = fake_upstream().await;
+    let port = free_port();
+    let mut gw = Binary::start(
+        "linger",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[upstream]\nbase_url = \"{}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = {{ requests = 5 }}\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 1000\n",
+            up.url()
+        ),
+        true,
+    );
+    let addr = format!("127.0.0.1:{port}");
+    gw.listening(&addr).await;
+    let finished = "\"finish_reason\":\"stop\"";
+    send_and_leave_at(
+        &addr,
+        CHAT_STREAM,
+        "x-test-usage-delay-ms: 1000\r\n",
+        finished,
+    )
+    .await;
+    gw.sigterm();
+    let status = gw.exited(Duration::from_secs(10)).await;
+    assert!(status.expect("the gateway did not exit").success());
+    let err = gw.stderr();
+    let line = err
+        .lines()
+        .find(|l| l.contains("path=\"/v1/chat/completions\""))
+        .unwrap_or_else(|| panic!("no request line: {err}"));
+    assert!(line.contains("tokens=60"), "{line}");
+}

@@ -229,34 +229,6 @@ async fn a_stream_flag_an_upstream_might_read_either_way_is_refused_and_charges_
     );
 }
 
-/// Sends a chat completion `body` (60 tokens) over a raw connection with `extra` headers, reads
-/// until `until` has arrived, and hangs up.
-async fn send_and_leave_at(gw: &Gateway, body: &str, extra: &str, until: &str) {
-    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
-    let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
-         x-test-tokens: 60\r\n{extra}content-type: application/json\r\n\
-         content-length: {}\r\n\r\n{body}",
-        body.len()
-    );
-    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
-        .await
-        .unwrap();
-    let mut seen = Vec::new();
-    let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains(until) {
-        let n = tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
-        )
-        .await
-        .expect("the answer went on")
-        .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
-}
-
 /// The org's tokens left, `after` the caller of [`send_and_leave_at`] left.
 async fn tokens_left_after(gw: &Gateway, after: Duration) -> Option<String> {
     tokio::time::sleep(after).await;
@@ -272,7 +244,13 @@ async fn a_json_answer_read_whole_is_charged_when_the_caller_leaves_before_its_e
     let gw = gateway(CONFIG, &up.url()).await;
     // The upstream sends the whole completion at once and its end of body 5 s later; the caller
     // reads the completion and hangs up.
-    send_and_leave_at(&gw, CHAT, "x-test-end-delay-ms: 5000\r\n", "total_tokens").await;
+    send_and_leave_at(
+        gw.addr,
+        CHAT,
+        "x-test-end-delay-ms: 5000\r\n",
+        "total_tokens",
+    )
+    .await;
     // Its usage was all there: charged, as a caller that stays would be (well before the
     // upstream's end of body, 5 s on).
     let left = tokens_left_after(&gw, Duration::from_millis(500)).await;
@@ -286,7 +264,13 @@ async fn a_stream_left_after_its_answer_is_charged_its_usage_that_came_later() {
     // The answer's last chunk has its finish_reason; the usage chunk comes 300 ms later, after
     // the caller has gone (as a client that stops reading at finish_reason does).
     let finished = "\"finish_reason\":\"stop\"";
-    send_and_leave_at(&gw, CHAT_STREAM, "x-test-usage-delay-ms: 300\r\n", finished).await;
+    send_and_leave_at(
+        gw.addr,
+        CHAT_STREAM,
+        "x-test-usage-delay-ms: 300\r\n",
+        finished,
+    )
+    .await;
     let left = tokens_left_after(&gw, Duration::from_millis(800)).await;
     assert_eq!(left.as_deref(), Some("40"));
 }
@@ -299,7 +283,7 @@ async fn a_stream_left_mid_answer_is_cut_and_charges_nothing() {
     // after the first chunk. The gateway does not read on (the upstream would generate the whole
     // answer for nobody): no usage reaches it.
     let delays = "x-test-last-delay-ms: 1000\r\nx-test-usage-delay-ms: 0\r\n";
-    send_and_leave_at(&gw, CHAT_STREAM, delays, "Hel").await;
+    send_and_leave_at(gw.addr, CHAT_STREAM, delays, "Hel").await;
     let left = tokens_left_after(&gw, Duration::from_millis(1500)).await;
     assert_eq!(left.as_deref(), Some("100"));
 }

@@ -406,3 +406,36 @@ pub fn events(body: &[u8]) -> Vec<String> {
         .filter_map(|e| e.trim().strip_prefix("data: ").map(str::to_owned))
         .collect()
 }
+
+/// Sends a chat completion `body` (60 tokens) for key `sk-k` to the gateway at `addr` over a raw
+/// connection, with `extra` headers, reads until `until` has arrived, and hangs up.
+pub async fn send_and_leave_at(
+    addr: impl tokio::net::ToSocketAddrs,
+    body: &str,
+    extra: &str,
+    until: &str,
+) {
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+         x-test-tokens: 60\r\n{extra}content-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&seen).contains(until) {
+        let n = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+        )
+        .await
+        .expect("the answer went on")
+        .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
