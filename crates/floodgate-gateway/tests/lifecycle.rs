@@ -116,6 +116,19 @@ impl Binary {
         }
     }
 
+    /// Stops the gateway with SIGTERM, checks that it exits cleanly, and returns its (first)
+    /// per-request log line.
+    async fn request_line_at_exit(&mut self) -> String {
+        self.sigterm();
+        let status = self.exited(Duration::from_secs(10)).await;
+        assert!(status.expect("the gateway did not exit").success());
+        let err = self.stderr();
+        err.lines()
+            .find(|l| l.contains(" request ") || l.ends_with("request"))
+            .unwrap_or_else(|| panic!("no request line: {err}"))
+            .to_owned()
+    }
+
     fn stderr(&mut self) -> String {
         let mut err = String::new();
         std::io::Read::read_to_string(&mut self.child.stderr.take().unwrap(), &mut err).unwrap();
@@ -344,14 +357,7 @@ async fn a_caller_that_leaves_before_the_upstream_answers_is_logged() {
     // The caller hangs up while its request waits for the upstream.
     drop(conn);
     tokio::time::sleep(Duration::from_millis(300)).await;
-    gw.sigterm();
-    let status = gw.exited(Duration::from_secs(10)).await;
-    assert!(status.expect("the gateway did not exit").success());
-    let err = gw.stderr();
-    let line = err
-        .lines()
-        .find(|l| l.contains(" request ") || l.ends_with("request"))
-        .unwrap_or_else(|| panic!("no request line: {err}"));
+    let line = gw.request_line_at_exit().await;
     assert!(
         line.contains("status=499")
             && line.contains("key=k")
@@ -458,13 +464,6 @@ async fn a_body_read_on_after_its_caller_left_is_charged_before_shutdown_ends() 
         finished,
     )
     .await;
-    gw.sigterm();
-    let status = gw.exited(Duration::from_secs(10)).await;
-    assert!(status.expect("the gateway did not exit").success());
-    let err = gw.stderr();
-    let line = err
-        .lines()
-        .find(|l| l.contains("path=\"/v1/chat/completions\""))
-        .unwrap_or_else(|| panic!("no request line: {err}"));
+    let line = gw.request_line_at_exit().await;
     assert!(line.contains("tokens=60"), "{line}");
 }
