@@ -322,14 +322,15 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
 /// Whether a request path names a completion endpoint (`.../completions`), as a lenient
 /// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), in any case
 /// (`/v1/chat/Completions`), with trailing slashes (`/v1/chat/completions/`) or empty segments,
-/// and with path parameters (`/v1/chat/completions;v=1`: servlet containers and some routers
-/// drop a segment's `;...`). A path taken for a completion that is not one only has its body
+/// with backslashes for slashes (as the dot-segment check takes them), and with path
+/// parameters (`/v1/chat/completions;v=1`: servlet containers and some routers drop a
+/// segment's `;...`). A path taken for a completion that is not one only has its body
 /// checked.
 pub fn is_completion_path(path: &str) -> bool {
     let decoded = percent_decoded(path.as_bytes());
     // The last segment that is not empty once its parameters are dropped.
     let last = decoded
-        .split(|&b| b == b'/')
+        .split(|&b| b == b'/' || b == b'\\')
         .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
         .rfind(|segment| !segment.is_empty());
     decoded.starts_with(b"/") && last.is_some_and(|s| s.eq_ignore_ascii_case(b"completions"))
@@ -1294,6 +1295,8 @@ mod tests {
         assert!(is_completion_path("/v1/chat/completions%3Bx/"));
         assert!(is_completion_path("/v1/chat/completions/;x"));
         assert!(is_completion_path("/v1//completions"));
+        assert!(is_completion_path("/v1/chat%5Ccompletions"));
+        assert!(is_completion_path("/v1/chat\\completions"));
         assert!(is_completion_path("/completions"));
         assert!(!is_completion_path("/v1/completions-like"));
         assert!(!is_completion_path("/v1/embeddings"));

@@ -558,7 +558,8 @@ impl Session {
                 }
             }
         };
-        if let Some(until) = upstream_until {
+        // Only a metered session has a reason to read on: an unmetered one frees its slot now.
+        if let Some(until) = upstream_until.filter(|_| metered) {
             // The caller is gone, the upstream may be amid a turn: it is told as by a
             // half-close, and what it still sends (that turn's `response.done`) is metered and
             // dropped, until it closes or its time is up.

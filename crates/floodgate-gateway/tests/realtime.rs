@@ -192,7 +192,8 @@ impl WsUpstream {
 /// 403), then per text message from the client: `usage:N` sends a `response.done` with `N`
 /// tokens in one frame, `usage-fragmented:N` the same in three fragments with a ping between
 /// them, `usage-big:N` one over the gateway's metering bound, `usage-later:N` one after 300 ms,
-/// `session:M` a `session.updated` naming the model `M`, `bye` a close frame and the end;
+/// `session:M` a `session.updated` naming the model `M`, `hold` nothing for 5 s (not even a
+/// read), `bye` a close frame and the end;
 /// anything else (text or binary) is echoed. A close frame is answered with one and the end.
 /// Plain requests get `200 {"object": "list"}`.
 async fn ws_upstream() -> WsUpstream {
@@ -338,6 +339,8 @@ async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen
         } else if text == "bye" {
             ws.send(CLOSE, &1000u16.to_be_bytes()).await;
             return;
+        } else if text == "hold" {
+            tokio::time::sleep(Duration::from_secs(5)).await;
         } else {
             ws.send(opcode, &data).await;
         }
@@ -1336,4 +1339,22 @@ async fn a_turn_under_way_when_the_caller_fails_is_charged() {
     settle().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("967"));
+}
+
+#[tokio::test]
+async fn an_unmetered_session_whose_caller_fails_frees_its_slot_at_once() {
+    // Nothing to meter: the upstream (busy for 5 s) is not read on after the caller's reset.
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut ws = Ws {
+        io: tcp,
+        masked: true,
+    };
+    ws.send(TEXT, b"hold").await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    ws.io.set_zero_linger().unwrap();
+    drop(ws);
+    live_sessions_reach(&gw, 0).await;
 }
