@@ -285,14 +285,23 @@ impl Worker {
                 }
             };
             let _ = ready.send(listener.local_addr().map_err(|e| e.to_string()));
-            let shutdown = async move {
-                let _ = stop.wait_for(|s| *s).await;
+            let stopped = Arc::new(std::sync::OnceLock::new());
+            let shutdown = {
+                let stopped = Arc::clone(&stopped);
+                async move {
+                    let _ = stop.wait_for(|s| *s).await;
+                    let _ = stopped.set(tokio::time::Instant::now());
+                }
             };
             let lingering = state.lingering().clone();
             let result = run(listener, state, shutdown).await;
             // Bodies read on after their callers left end within LINGER: what they read is
-            // charged by tasks that RECORD_GRACE then lets finish.
-            let _ = tokio::time::timeout(LINGER, lingering.idle()).await;
+            // charged by tasks that RECORD_GRACE then lets finish. Both within the process's
+            // drain deadline (with a second to spare), so that a clean drain never overruns it.
+            let left = stopped.get().map_or(LINGER, |at| {
+                DRAIN_TIMEOUT.saturating_sub(at.elapsed() + RECORD_GRACE + Duration::from_secs(1))
+            });
+            let _ = tokio::time::timeout(left.min(LINGER), lingering.idle()).await;
             tokio::time::sleep(RECORD_GRACE).await;
             result
         });

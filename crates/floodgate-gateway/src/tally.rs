@@ -194,9 +194,7 @@ impl Tally {
             (_, _, Some(path)) => {
                 // Read now, under its lock (which proves the directory writable too), so that a
                 // file that is not a tally stops the start, not the first flush.
-                let lock = open_lock(path)?;
-                lock.lock()
-                    .map_err(|e| format!("cannot lock {}: {e}", lock_path(path).display()))?;
+                let _lock = take_file_lock(path, OPEN_LOCK_WAIT)?;
                 read_file(path)?;
                 Keep::File(path.clone())
             }
@@ -271,13 +269,20 @@ impl Tally {
                 if pending.is_empty() {
                     return;
                 }
-                // Written without the counts' lock held: `alerts` on a worker never waits for
-                // the disk.
+                // Written without the counts' lock held (`alerts` on a worker never waits for
+                // the disk), then put in place with it held: `alerts` finds the counts in the
+                // file or still pending, never in both or neither. Only a flush adds to
+                // `pending`, and flushes take turns: all of it is written now.
                 let oldest = oldest_kept(today(), self.retention_days);
-                match add_to_file(path, &pending, &oldest) {
-                    // Only a flush adds to `pending`, and flushes take turns: all of it is
-                    // written now.
-                    Ok(()) => lock(&self.aggregate).clear(),
+                let added = add_to_file(path, &pending, &oldest).and_then(|(_lock, tmp)| {
+                    let mut pending = lock(&self.aggregate);
+                    std::fs::rename(&tmp, path)
+                        .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+                    pending.clear();
+                    Ok(())
+                });
+                match added {
+                    Ok(()) => sync_dir(path),
                     Err(e) => tracing::error!(
                         path = %path.display(),
                         error = %e,
@@ -353,15 +358,20 @@ impl Tally {
                 add(&mut days, &lock(&self.aggregate));
                 days
             }
-            Keep::File(path) => {
-                let mut days = read_file(path)?;
-                let oldest = oldest_kept(now, self.retention_days);
-                days.retain(|d, _| *d >= oldest);
-                add(&mut days, &lock(&self.aggregate));
-                days
-            }
-            Keep::Memory => lock(&self.aggregate).clone(),
+            _ => Days::new(),
         };
+        // The file, what is pending and the workers' counters read as of one instant: a flush
+        // moves counts between them only with this lock held.
+        let pending = lock(&self.aggregate);
+        if let Keep::File(path) = &self.keep {
+            let mut stored = read_file(path)?;
+            let oldest = oldest_kept(now, self.retention_days);
+            stored.retain(|d, _| *d >= oldest);
+            add(&mut days, &stored);
+        }
+        if !matches!(self.keep, Keep::Redis(_)) {
+            add(&mut days, &pending);
+        }
         let today = now.to_string();
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
@@ -376,6 +386,7 @@ impl Tally {
                 }
             }
         }
+        drop(pending);
         let mut alerts: Vec<Alert> = days
             .into_iter()
             .flat_map(|(day, subjects)| {
@@ -502,24 +513,60 @@ fn open_lock(path: &Path) -> Result<std::fs::File, String> {
         })
 }
 
-/// Adds `pending` to the tally in `path` and drops its days before `oldest`, under an exclusive
-/// lock on `<path>.lock` (held for the read and the write only): every process that names the
-/// file adds to it, none overwrites another's counts.
-fn add_to_file(path: &Path, pending: &Days, oldest: &str) -> Result<(), String> {
-    let lock = open_lock(path)?;
-    lock.lock()
-        .map_err(|e| format!("cannot lock {}: {e}", lock_path(path).display()))?;
+/// How long a start waits for another process's lock on the tally file (taken only for a
+/// flush's read and write: held longer, that process is stuck).
+const OPEN_LOCK_WAIT: Duration = Duration::from_secs(10);
+
+/// How long a flush waits for it: the flusher shares its thread with the signal handler, and a
+/// flush that cannot take the lock keeps its counts for the next one.
+const FLUSH_LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// Takes the exclusive lock on `<path>.lock` (created if missing), waiting up to `wait` for
+/// another process to let it go; the lock goes with the returned file.
+fn take_file_lock(path: &Path, wait: Duration) -> Result<std::fs::File, String> {
+    let file = open_lock(path)?;
+    let deadline = std::time::Instant::now() + wait;
+    loop {
+        match file.try_lock() {
+            Ok(()) => return Ok(file),
+            Err(std::fs::TryLockError::WouldBlock) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                return Err(format!(
+                    "{} stayed locked by another process for {} s (a gateway stuck in a flush?)",
+                    lock_path(path).display(),
+                    wait.as_secs()
+                ));
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                return Err(format!("cannot lock {}: {e}", lock_path(path).display()));
+            }
+        }
+    }
+}
+
+/// Adds `pending` to the tally in `path` and drops its days before `oldest`, into a new file
+/// beside it (synced), under the exclusive lock on `<path>.lock`: returns the lock and the new
+/// file, which the caller renames over `path` before it lets the lock go. Every process that
+/// names the file adds to it, none overwrites another's counts.
+fn add_to_file(
+    path: &Path,
+    pending: &Days,
+    oldest: &str,
+) -> Result<(std::fs::File, PathBuf), String> {
+    let lock = take_file_lock(path, FLUSH_LOCK_WAIT)?;
     let mut days = read_file(path)?;
     add(&mut days, pending);
     days.retain(|d, _| d.as_str() >= oldest);
-    write_file(path, &days).map_err(|e| format!("cannot write {}: {e}", path.display()))
-    // The lock goes with its file.
+    let tmp =
+        write_tmp(path, &days).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+    Ok((lock, tmp))
 }
 
-/// Writes `days` to a new file beside `path`, syncs it and renames it over `path` (then syncs
-/// the directory): a crash or a power cut mid-write leaves the old tally whole, and a written
-/// one survives.
-fn write_file(path: &Path, days: &Days) -> std::io::Result<()> {
+/// Writes `days` to a new file beside `path` and syncs it: renamed over `path`, a crash or a
+/// power cut mid-write leaves the old tally whole, and a written one survives.
+fn write_tmp(path: &Path, days: &Days) -> std::io::Result<PathBuf> {
     use std::io::Write;
     let file = TallyFile {
         version: FILE_VERSION,
@@ -530,16 +577,17 @@ fn write_file(path: &Path, days: &Days) -> std::io::Result<()> {
     let mut out = std::fs::File::create(&tmp)?;
     out.write_all(&text)?;
     out.sync_all()?;
-    drop(out);
-    std::fs::rename(&tmp, path)?;
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        // The rename is durable once the directory is: a failure here leaves the new tally in
-        // place, so it is not one.
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
+    Ok(tmp)
+}
+
+/// Syncs the directory of `path`: a rename into it is durable once the directory is. (A
+/// failure leaves the new tally in place, so it is not one.)
+fn sync_dir(path: &Path) {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
+        && let Ok(d) = std::fs::File::open(dir)
+    {
+        let _ = d.sync_all();
     }
-    Ok(())
 }
 
 #[cfg(test)]
@@ -666,6 +714,30 @@ mod tests {
             [("key", 3), ("gateway", 1), ("key", 1)],
             "{alerts:?}"
         );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_flush_that_cannot_take_the_file_lock_keeps_its_counts() {
+        let dir = std::env::temp_dir().join(format!("floodgate-held-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tally.json");
+        let tally = Tally::open(&config(Some(path.clone()), 90)).unwrap();
+        // Another process stuck with the lock: the flush gives up (it does not hang the
+        // flusher's thread) and keeps its counts.
+        let held = open_lock(&path).unwrap();
+        held.lock().unwrap();
+        let e = take_file_lock(&path, Duration::from_millis(50)).unwrap_err();
+        assert!(e.contains("tally.json.lock stayed locked"), "{e}");
+        tally.worker().refused(Subject::Key(0));
+        flush_on(&tally, today()).await;
+        let day = today().to_string();
+        assert_eq!(lock(&tally.aggregate)[&day]["key:alice"], 1);
+        assert!(read_file(&path).unwrap().is_empty());
+        drop(held);
+        flush_on(&tally, today()).await;
+        assert_eq!(read_file(&path).unwrap()[&day]["key:alice"], 1);
+        assert!(lock(&tally.aggregate).is_empty());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
