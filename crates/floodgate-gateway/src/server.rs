@@ -29,6 +29,27 @@ pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// After a worker has drained, how long its spawned token-recording tasks get to finish.
 const RECORD_GRACE: Duration = Duration::from_millis(300);
 
+/// When the process was told to stop (a signal, or a worker that could not start): the drain
+/// deadline counts from then, not from when the drain loop starts waiting.
+#[derive(Clone, Debug, Default)]
+struct StopClock(Arc<std::sync::OnceLock<tokio::time::Instant>>);
+
+impl StopClock {
+    /// Notes now as the stop's instant (the first call only).
+    fn mark(&self) {
+        let _ = self.0.set(tokio::time::Instant::now());
+    }
+
+    /// When the drain must be over: `DRAIN_TIMEOUT` after the stop (after now if none came).
+    fn deadline(&self) -> tokio::time::Instant {
+        self.0
+            .get()
+            .copied()
+            .unwrap_or_else(tokio::time::Instant::now)
+            + DRAIN_TIMEOUT
+    }
+}
+
 /// Runs the gateway for `config` until SIGTERM or Ctrl-C, then drains. Blocks the calling
 /// thread. Errors are for a gateway that could not start (store, listen address, upstream key).
 pub fn serve(config: &Config) -> Result<(), String> {
@@ -39,6 +60,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
         .build()
         .map_err(|e| format!("cannot start the runtime: {e}"))?;
     let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_clock = StopClock::default();
     // Read before anything listens: a tally file that cannot be read stops the start.
     let tally = Arc::new(Tally::open(config)?);
     // SIGTERM and Ctrl-C are taken over before anything starts: workers start one at a time
@@ -52,9 +74,11 @@ pub fn serve(config: &Config) -> Result<(), String> {
     background.spawn({
         let stop_tx = stop_tx.clone();
         let tally = Arc::clone(&tally);
+        let stop_clock = stop_clock.clone();
         async move {
             signals.recv().await;
             tracing::info!("shutting down: draining requests in flight");
+            stop_clock.mark();
             let _ = stop_tx.send(true);
             // A second signal during the drain: the operator wants out now.
             signals.recv().await;
@@ -122,6 +146,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
             tally: Arc::clone(&tally),
             live_sessions: live_sessions.clone(),
             stop: stop_rx.clone(),
+            stop_clock: stop_clock.clone(),
             ready: ready_tx.clone(),
             done: done_tx.clone(),
         };
@@ -151,6 +176,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
     drop(done_tx);
 
     if let Some(e) = &start_failure {
+        stop_clock.mark();
         let _ = stop_tx.send(true);
         if started > 0 {
             tracing::error!(error = %e, started, "a worker could not start: draining those that did");
@@ -177,9 +203,10 @@ pub fn serve(config: &Config) -> Result<(), String> {
 
     let result = background.block_on(async move {
         let mut stopping = stop_rx.clone();
+        // From the signal, not from here: one that came while workers started counts too.
         let deadline = async move {
             let _ = stopping.wait_for(|s| *s).await;
-            tokio::time::sleep(DRAIN_TIMEOUT).await;
+            tokio::time::sleep_until(stop_clock.deadline()).await;
         };
         tokio::pin!(deadline);
         let mut failure = None;
@@ -225,6 +252,8 @@ struct Worker {
     /// The process's realtime sessions.
     live_sessions: LiveSessions,
     stop: watch::Receiver<bool>,
+    /// When the stop came: the drain deadline counts from it.
+    stop_clock: StopClock,
     ready: mpsc::Sender<Result<SocketAddr, String>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
 }
@@ -249,6 +278,7 @@ impl Worker {
             tally,
             live_sessions,
             mut stop,
+            stop_clock,
             ready,
             done,
         } = self;
@@ -285,22 +315,18 @@ impl Worker {
                 }
             };
             let _ = ready.send(listener.local_addr().map_err(|e| e.to_string()));
-            let stopped = Arc::new(std::sync::OnceLock::new());
-            let shutdown = {
-                let stopped = Arc::clone(&stopped);
-                async move {
-                    let _ = stop.wait_for(|s| *s).await;
-                    let _ = stopped.set(tokio::time::Instant::now());
-                }
+            let shutdown = async move {
+                let _ = stop.wait_for(|s| *s).await;
             };
             let lingering = state.lingering().clone();
             let result = run(listener, state, shutdown).await;
             // Bodies read on after their callers left end within LINGER: what they read is
             // charged by tasks that RECORD_GRACE then lets finish. Both within the process's
             // drain deadline (with a second to spare), so that a clean drain never overruns it.
-            let left = stopped.get().map_or(LINGER, |at| {
-                DRAIN_TIMEOUT.saturating_sub(at.elapsed() + RECORD_GRACE + Duration::from_secs(1))
-            });
+            let left = stop_clock
+                .deadline()
+                .saturating_duration_since(tokio::time::Instant::now())
+                .saturating_sub(RECORD_GRACE + Duration::from_secs(1));
             let _ = tokio::time::timeout(left.min(LINGER), lingering.idle()).await;
             tokio::time::sleep(RECORD_GRACE).await;
             result
