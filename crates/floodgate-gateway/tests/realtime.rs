@@ -443,6 +443,21 @@ async fn models(gw: &Gateway, key: &str) -> Reply {
 }
 
 /// Waits (up to 2 s) for the gateway's live session count to be `n`.
+/// Opens a session, sends `message` and resets the connection (a reset, not a close: the
+/// gateway's read of the caller fails).
+async fn send_and_reset(gw: &Gateway, message: &[u8]) {
+    let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    let mut ws = Ws {
+        io: tcp,
+        masked: true,
+    };
+    ws.send(TEXT, message).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    ws.io.set_zero_linger().unwrap();
+    drop(ws);
+}
+
 async fn live_sessions_reach(gw: &Gateway, n: usize) {
     let start = Instant::now();
     while gw.state.live_sessions().count() != n {
@@ -1323,17 +1338,7 @@ async fn a_turn_under_way_when_the_caller_fails_is_charged() {
         .replace("flush_sec = 1", "flush_sec = 3600")
         .replace("tpm = 100", "tpm = 1000");
     let gw = gateway(&config, &up.url()).await;
-    let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    let mut ws = Ws {
-        io: tcp,
-        masked: true,
-    };
-    ws.send(TEXT, b"usage-later:33").await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    // A reset, not a close: the gateway's read of the caller fails.
-    ws.io.set_zero_linger().unwrap();
-    drop(ws);
+    send_and_reset(&gw, b"usage-later:33").await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     live_sessions_reach(&gw, 0).await;
     settle().await;
@@ -1346,15 +1351,6 @@ async fn an_unmetered_session_whose_caller_fails_frees_its_slot_at_once() {
     // Nothing to meter: the upstream (busy for 5 s) is not read on after the caller's reset.
     let up = ws_upstream().await;
     let gw = gateway(PLAIN, &up.url()).await;
-    let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
-    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
-    let mut ws = Ws {
-        io: tcp,
-        masked: true,
-    };
-    ws.send(TEXT, b"hold").await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    ws.io.set_zero_linger().unwrap();
-    drop(ws);
+    send_and_reset(&gw, b"hold").await;
     live_sessions_reach(&gw, 0).await;
 }
