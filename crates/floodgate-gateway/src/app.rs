@@ -662,16 +662,11 @@ pub(crate) fn refuse_budget(
     // The wait is until every exceeded budget's period ends: when another one's ends after the
     // named one's, the message says which kind it is, or "retry after 23 days" under a "daily
     // cap" would read as a mistake.
-    let first_ends = b.period().remaining(decision.now);
-    let later = budgets
-        .budgets()
-        .iter()
-        .zip(&decision.spent)
-        .filter(|(other, spent)| **spent >= other.cap())
-        .map(|(other, _)| (other, other.period().remaining(decision.now)))
-        .filter(|(_, ends)| *ends > first_ends)
-        .max_by_key(|(_, ends)| *ends)
-        .map(|(other, _)| (other.scope(), other.period()));
+    let later = decision
+        .waits_for
+        .filter(|&i| Some(i) != decision.exceeded_by)
+        .and_then(|i| budgets.budgets().get(i))
+        .map(|other| (other.scope(), other.period()));
     let err = AppError::BudgetExceeded {
         scope: b.scope(),
         period: b.period(),

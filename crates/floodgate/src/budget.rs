@@ -110,6 +110,9 @@ pub struct BudgetDecision {
     pub exceeded_by: Option<usize>,
     /// For a refusal, the wait until every exceeded budget's period has ended.
     pub retry_after: Option<Duration>,
+    /// For a refusal, the exceeded budget whose period ends last (the first of those that end
+    /// together): the one `retry_after` waits for.
+    pub waits_for: Option<usize>,
 }
 
 impl BudgetDecision {
@@ -178,6 +181,7 @@ impl Budgets {
                 spent: Vec::new(),
                 exceeded_by: None,
                 retry_after: None,
+                waits_for: None,
             });
         }
         Ok(decide(&self.budgets, &seen.totals, seen.now))
@@ -222,12 +226,14 @@ impl Budgets {
 /// The decision for `budgets` with their spend `spent` (same order) at `now`: pure.
 pub fn decide(budgets: &[Budget], spent: &[u64], now: Timestamp) -> BudgetDecision {
     let mut exceeded_by = None;
-    let mut retry_after: Option<Duration> = None;
+    let mut longest: Option<(usize, Duration)> = None;
     for (i, (b, &s)) in budgets.iter().zip(spent).enumerate() {
         if s >= b.cap {
             exceeded_by.get_or_insert(i);
             let wait = b.period().remaining(now);
-            retry_after = Some(retry_after.map_or(wait, |w| w.max(wait)));
+            if longest.is_none_or(|(_, w)| wait > w) {
+                longest = Some((i, wait));
+            }
         }
     }
     BudgetDecision {
@@ -235,7 +241,8 @@ pub fn decide(budgets: &[Budget], spent: &[u64], now: Timestamp) -> BudgetDecisi
         enforced: true,
         spent: spent.to_vec(),
         exceeded_by,
-        retry_after,
+        retry_after: longest.map(|(_, w)| w),
+        waits_for: longest.map(|(i, _)| i),
     }
 }
 
@@ -264,9 +271,11 @@ mod tests {
         let d = decide(&b, &[10, 99, 50], now);
         assert_eq!(d.exceeded_by, Some(0));
         assert_eq!(d.retry_after, Some(Duration::from_secs(6_360)));
+        assert_eq!(d.waits_for, Some(0), "two days end together: the first");
         let d = decide(&b, &[10, 100, 0], now);
         assert_eq!(d.exceeded_by, Some(0));
         assert_eq!(d.retry_after, Some(Duration::from_secs(1_388_760)));
+        assert_eq!(d.waits_for, Some(1));
         // A cap of 0 refuses from the start.
         let zero = [Budget::new("org:a", ScopeKind::Key, "k", Period::Day, 0)];
         assert_eq!(decide(&zero, &[0], now).exceeded_by, Some(0));
