@@ -12,16 +12,19 @@
 //!   the stream it asked for.
 //!
 //! Tokens are recorded in a spawned task when the body is dropped (finished, or abandoned by the
-//! caller), exactly once. A caller that leaves once its answer is complete but before the usage
-//! has passed (a stream whose choice has its `finish_reason`, the usage chunk still to come; a
-//! JSON body not all read) leaves the gateway reading the rest from the upstream for up to
-//! [`LINGER`] and [`LINGER_BYTES`], so that the usage is still charged; a stream abandoned
-//! mid-answer is cut at once, so the upstream stops generating; so is the response's spend, for a chain with budgets (priced from the
-//! input and output tokens and the model the response names, else the one the request named). Metering never delays or cuts a response: a full token window only
-//! refuses later requests.
+//! caller), exactly once; so is the response's spend, for a chain with budgets (priced from the
+//! input and output tokens and the model the response names, else the one the request named).
+//! Metering never delays or cuts a response: a full token window only refuses later requests.
+//!
+//! A caller that leaves once its answer is complete but before the usage has passed (a stream
+//! whose choice has its `finish_reason`, the usage chunk still to come; a JSON body not all
+//! read) leaves the gateway reading the rest from the upstream for up to [`LINGER`] and
+//! [`LINGER_BYTES`], so that the usage is still charged; a stream abandoned mid-answer is cut at
+//! once, so the upstream stops generating.
 
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll, ready};
 use std::time::Instant;
 
@@ -56,7 +59,7 @@ pub struct Lingering(Arc<LingeringCount>);
 
 #[derive(Debug, Default)]
 struct LingeringCount {
-    live: std::sync::atomic::AtomicUsize,
+    live: AtomicUsize,
     idle: tokio::sync::Notify,
 }
 
@@ -65,9 +68,7 @@ struct LingerGuard(Lingering);
 
 impl Lingering {
     fn start(&self) -> LingerGuard {
-        self.0
-            .live
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.0.live.fetch_add(1, Ordering::SeqCst);
         LingerGuard(self.clone())
     }
 
@@ -75,7 +76,7 @@ impl Lingering {
     pub async fn idle(&self) {
         loop {
             let idle = self.0.idle.notified();
-            if self.0.live.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+            if self.0.live.load(Ordering::SeqCst) == 0 {
                 return;
             }
             idle.await;
@@ -85,13 +86,7 @@ impl Lingering {
 
 impl Drop for LingerGuard {
     fn drop(&mut self) {
-        if self
-            .0
-            .0
-            .live
-            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
-            == 1
-        {
+        if self.0.0.live.fetch_sub(1, Ordering::SeqCst) == 1 {
             self.0.0.idle.notify_waiters();
         }
     }
@@ -490,8 +485,9 @@ pub struct MeteredBody {
     inner: Body,
     mode: Mode,
     finished: bool,
-    /// Read on after the caller left (see [`LINGER`]); dropped, it charges what it read.
-    lingering: bool,
+    /// The rest of a body read on after its caller left (see [`LINGER`]); dropped, it charges
+    /// what it read.
+    caller_gone: bool,
     tokens: Option<u64>,
     usage: Option<TokenUsage>,
     model: Option<String>,
@@ -535,7 +531,7 @@ impl MeteredBody {
             inner,
             mode,
             finished: false,
-            lingering: false,
+            caller_gone: false,
             tokens: None,
             usage: None,
             model: None,
@@ -567,14 +563,12 @@ impl MeteredBody {
             self.model = model;
         }
     }
-}
 
-impl MeteredBody {
     /// Whether a body dropped now, before its end, has its usage still to come after an answer
     /// that is complete: a stream whose choice has finished, with no usage read yet; a JSON
     /// body of which only a part has passed (the upstream generated it whole already).
     fn usage_still_to_come(&self) -> bool {
-        if self.finished || self.lingering || self.charge.is_none() {
+        if self.finished || self.caller_gone || self.charge.is_none() {
             return false;
         }
         match &self.mode {
@@ -593,7 +587,7 @@ impl MeteredBody {
             inner: std::mem::replace(&mut self.inner, Body::empty()),
             mode: std::mem::replace(&mut self.mode, Mode::Pass),
             finished: false,
-            lingering: true,
+            caller_gone: true,
             tokens: self.tokens.take(),
             usage: self.usage.take(),
             model: self.model.take(),
@@ -1012,44 +1006,43 @@ const FINISH_REASON_KEY: &[u8] = b"\"finish_reason\"";
 /// Whether `event` has a `"finish_reason"` whose value is a string (not `null`): a choice of the
 /// answer is complete.
 fn has_finish_reason(event: &[u8]) -> bool {
+    fields(event, FINISH_REASON_KEY).any(|(_, value)| event.get(value) == Some(&b'"'))
+}
+
+/// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
+/// the key and of its value (`event.len()` if the event ends there). (A key inside a string
+/// value has its quotes escaped, so it is not found.)
+fn fields<'a>(event: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = (usize, usize)> + 'a {
     let mut from = 0;
-    while let Some(p) = find(&event[from..], FINISH_REASON_KEY) {
-        let key = from + p;
-        let colon = skip_space(event, key + FINISH_REASON_KEY.len());
-        if event.get(colon) == Some(&b':') && event.get(skip_space(event, colon + 1)) == Some(&b'"')
-        {
-            return true;
+    std::iter::from_fn(move || {
+        while let Some(p) = find(&event[from..], key) {
+            let at = from + p;
+            from = at + key.len();
+            let colon = skip_space(event, from);
+            if event.get(colon) == Some(&b':') {
+                return Some((at, skip_space(event, colon + 1)));
+            }
         }
-        from = key + FINISH_REASON_KEY.len();
-    }
-    false
+        None
+    })
 }
 const MODEL_KEY: &[u8] = b"\"model\"";
 
 /// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
 /// (A `"model"` inside a string value has its quotes escaped, so it is not found.)
 fn model_in(event: &[u8]) -> Option<String> {
-    let mut from = 0;
-    while let Some(p) = find(&event[from..], MODEL_KEY) {
-        let key = from + p;
-        let colon = skip_space(event, key + MODEL_KEY.len());
-        if event.get(colon) == Some(&b':') {
-            let value = skip_space(event, colon + 1);
-            if event.get(value) != Some(&b'"') {
-                return None;
-            }
-            // The closing quote: the first one not escaped.
-            let mut i = value + 1;
-            while i < event.len() {
-                match event[i] {
-                    b'\\' => i += 2,
-                    b'"' => return serde_json::from_slice(&event[value..=i]).ok(),
-                    _ => i += 1,
-                }
-            }
-            return None;
+    let (_, value) = fields(event, MODEL_KEY).next()?;
+    if event.get(value) != Some(&b'"') {
+        return None;
+    }
+    // The closing quote: the first one not escaped.
+    let mut i = value + 1;
+    while i < event.len() {
+        match event[i] {
+            b'\\' => i += 2,
+            b'"' => return serde_json::from_slice(&event[value..=i]).ok(),
+            _ => i += 1,
         }
-        from = key + MODEL_KEY.len();
     }
     None
 }
@@ -1067,20 +1060,10 @@ fn skip_space(buf: &[u8], mut i: usize) -> usize {
 /// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
 /// `"usage"` inside a string value has its quotes escaped, so it is not found.)
 fn usage_fields(event: &[u8]) -> Vec<UsageField> {
-    let mut fields = Vec::new();
-    let mut from = 0;
-    while let Some(p) = find(&event[from..], USAGE_KEY) {
-        let key = from + p;
-        let colon = skip_space(event, key + USAGE_KEY.len());
-        if event.get(colon) == Some(&b':') {
-            let value = skip_space(event, colon + 1);
-            if value < event.len() {
-                fields.push(UsageField { key, value });
-            }
-        }
-        from = key + USAGE_KEY.len();
-    }
-    fields
+    fields(event, USAGE_KEY)
+        .filter(|&(_, value)| value < event.len())
+        .map(|(key, value)| UsageField { key, value })
+        .collect()
 }
 
 fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
