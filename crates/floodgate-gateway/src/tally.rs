@@ -354,14 +354,12 @@ impl Tally {
                     .call(&pipe)
                     .await
                     .map_err(|e| format!("cannot read the refusal tally from Redis: {e}"))?;
-                let mut days: Days = listed.into_iter().zip(stored).collect();
-                add(&mut days, &lock(&self.aggregate));
-                days
+                listed.into_iter().zip(stored).collect()
             }
             _ => Days::new(),
         };
-        // The file, what is pending and the workers' counters read as of one instant: a flush
-        // moves counts between them only with this lock held.
+        // The file (Redis is read above), what is pending and the workers' counters, as of one
+        // instant: a flush moves counts between them only with this lock held.
         let pending = lock(&self.aggregate);
         if let Keep::File(path) = &self.keep {
             let mut stored = read_file(path)?;
@@ -369,9 +367,7 @@ impl Tally {
             stored.retain(|d, _| *d >= oldest);
             add(&mut days, &stored);
         }
-        if !matches!(self.keep, Keep::Redis(_)) {
-            add(&mut days, &pending);
-        }
+        add(&mut days, &pending);
         let today = now.to_string();
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
