@@ -416,13 +416,10 @@ usd = 0.0001
     }
 }
 
-/// Two replicas on one Redis keep one refusal tally: each flushes its own counts into the day's
-/// hash, and either one's `/alerts` shows the sum.
-#[tokio::test]
-async fn replicas_on_one_redis_share_one_refusal_tally() {
-    let Some(url) = redis_url() else { return };
-    let up = fake_upstream().await;
-    let text = format!(
+/// A gateway on the Redis at `url`, under a prefix of its own, with the `/alerts` secret
+/// `sk-admin` and one key `k` (`sk-k`), its `[[keys]]` entry last.
+fn tally_config(url: &str) -> String {
+    format!(
         r#"
 [store]
 backend = "redis"
@@ -435,10 +432,18 @@ secret = "sk-admin"
 [[keys]]
 id = "k"
 secret = "sk-k"
-rate_limit = {{ requests = 1, window_sec = 60 }}
 "#,
         unique()
-    );
+    )
+}
+
+/// Two replicas on one Redis keep one refusal tally: each flushes its own counts into the day's
+/// hash, and either one's `/alerts` shows the sum.
+#[tokio::test]
+async fn replicas_on_one_redis_share_one_refusal_tally() {
+    let Some(url) = redis_url() else { return };
+    let up = fake_upstream().await;
+    let text = tally_config(&url) + "rate_limit = { requests = 1, window_sec = 60 }\n";
     let c = config(&text, &up.url());
     let mut replicas = Vec::new();
     for _ in 0..2 {
@@ -481,23 +486,7 @@ rate_limit = {{ requests = 1, window_sec = 60 }}
 fn the_final_flush_reaches_redis_after_the_worker_that_read_the_alerts_stopped() {
     use floodgate_gateway::tally::{Subject, Tally};
     let Some(url) = redis_url() else { return };
-    let text = format!(
-        r#"
-[store]
-backend = "redis"
-url = "{url}"
-prefix = "fg-tally-{}:"
-[upstream]
-base_url = "{{upstream}}"
-[alerts]
-secret = "sk-admin"
-[[keys]]
-id = "k"
-secret = "sk-k"
-"#,
-        unique()
-    );
-    let c = config(&text, "http://127.0.0.1:1");
+    let c = config(&tally_config(&url), "http://127.0.0.1:1");
     let tally = Tally::open(&c).unwrap();
     let counters = tally.worker();
     let worker = tokio::runtime::Builder::new_current_thread()
