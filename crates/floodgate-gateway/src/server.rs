@@ -28,6 +28,9 @@ use crate::tally::Tally;
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
 /// After a worker has drained, how long its spawned token-recording tasks get to finish.
 const RECORD_GRACE: Duration = Duration::from_millis(300);
+/// How long the tally's flush at exit keeps trying to save (Redis restarting, the file's lock
+/// held by another process's flush) before it gives the counts up, logged.
+const FINAL_FLUSH_WITHIN: Duration = Duration::from_secs(5);
 
 /// When the process was told to stop (a signal, or a worker that could not start): the drain
 /// deadline counts from then, not from when the drain loop starts waiting.
@@ -230,8 +233,9 @@ pub fn serve(config: &Config) -> Result<(), String> {
         }
         start_failure.or(failure)
     });
-    // Every worker has drained (or the drain timed out): what they counted goes in the tally.
-    background.block_on(tally.flush());
+    // Every worker has drained (or the drain timed out): what they counted goes in the tally,
+    // retried for a while if the tally's Redis or file is not there to take it.
+    background.block_on(tally.flush_final(FINAL_FLUSH_WITHIN));
     match result {
         Some(e) => Err(e),
         None => {

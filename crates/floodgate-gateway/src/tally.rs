@@ -238,6 +238,33 @@ impl Tally {
         self.save().await;
     }
 
+    /// The flush at exit, after the workers have drained: a save that fails (Redis down or
+    /// restarting, the file's lock held by another process) is tried again every
+    /// [`FINAL_RETRY_EVERY`] for up to `within`, since no later flush will take the counts.
+    /// Counts still not saved then are lost, and logged with their number.
+    pub async fn flush_final(&self, within: Duration) {
+        let _one = self.flushing.lock().await;
+        let deadline = tokio::time::Instant::now() + within;
+        self.collect(today());
+        while !self.save().await {
+            if tokio::time::Instant::now() + FINAL_RETRY_EVERY > deadline {
+                tracing::error!(
+                    refusals = self.pending(),
+                    "exiting with refusals the tally could not save: they are lost"
+                );
+                return;
+            }
+            tokio::time::sleep(FINAL_RETRY_EVERY).await;
+            // A day that ended while it waited keeps its counts: they were collected before.
+            self.collect(today());
+        }
+    }
+
+    /// How many refusals are collected but not saved yet.
+    fn pending(&self) -> u64 {
+        total(&lock(&self.aggregate))
+    }
+
     /// Moves every worker's counts into the aggregate (in memory: dropping the days past the
     /// retention) or the counts to write (a file or Redis) under `day`.
     fn collect(&self, day: NaiveDate) {
@@ -261,13 +288,14 @@ impl Tally {
         }
     }
 
-    async fn save(&self) {
+    /// Saves what is collected; whether all of it is saved (in memory: always).
+    async fn save(&self) -> bool {
         match &self.keep {
-            Keep::Memory => {}
+            Keep::Memory => true,
             Keep::File(path) => {
                 let pending = lock(&self.aggregate).clone();
                 if pending.is_empty() {
-                    return;
+                    return true;
                 }
                 // Written without the counts' lock held (`alerts` on a worker never waits for
                 // the disk), then put in place with it held: `alerts` finds the counts in the
@@ -282,19 +310,25 @@ impl Tally {
                     Ok(())
                 });
                 match added {
-                    Ok(()) => sync_dir(path),
-                    Err(e) => tracing::error!(
-                        path = %path.display(),
-                        error = %e,
-                        refusals = pending.values().flat_map(BTreeMap::values).sum::<u64>(),
-                        "cannot add to the refusal tally; retrying at the next flush"
-                    ),
+                    Ok(()) => {
+                        sync_dir(path);
+                        true
+                    }
+                    Err(e) => {
+                        tracing::error!(
+                            path = %path.display(),
+                            error = %e,
+                            refusals = total(&pending),
+                            "cannot add to the refusal tally; retrying at the next flush"
+                        );
+                        false
+                    }
                 }
             }
             Keep::Redis(r) => {
                 let pending = lock(&self.aggregate).clone();
                 if pending.is_empty() {
-                    return;
+                    return true;
                 }
                 let ttl = (u64::from(self.retention_days) + 1) * 86_400;
                 let mut pipe = redis::pipe();
@@ -310,12 +344,18 @@ impl Tally {
                 match written {
                     // Only a flush adds to `pending`, and flushes take turns: all of it is
                     // written now.
-                    Ok(()) => lock(&self.aggregate).clear(),
-                    Err(e) => tracing::warn!(
-                        error = %e,
-                        refusals = pending.values().flat_map(BTreeMap::values).sum::<u64>(),
-                        "cannot add to the refusal tally in Redis; retrying at the next flush"
-                    ),
+                    Ok(()) => {
+                        lock(&self.aggregate).clear();
+                        true
+                    }
+                    Err(e) => {
+                        tracing::warn!(
+                            error = %e,
+                            refusals = total(&pending),
+                            "cannot add to the refusal tally in Redis; retrying at the next flush"
+                        );
+                        false
+                    }
                 }
             }
         }
@@ -398,6 +438,11 @@ impl Tally {
 }
 
 /// Adds `more` into `days`.
+/// The refusals counted in `days`, over every day and subject.
+fn total(days: &Days) -> u64 {
+    days.values().flat_map(BTreeMap::values).sum()
+}
+
 fn add(days: &mut Days, more: &Days) {
     for (day, subjects) in more {
         let into = days.entry(day.clone()).or_default();
@@ -516,6 +561,9 @@ const OPEN_LOCK_WAIT: Duration = Duration::from_secs(10);
 /// How long a flush waits for it: the flusher shares its thread with the signal handler, and a
 /// flush that cannot take the lock keeps its counts for the next one.
 const FLUSH_LOCK_WAIT: Duration = Duration::from_secs(2);
+
+/// How often the flush at exit tries a failed save again.
+const FINAL_RETRY_EVERY: Duration = Duration::from_millis(500);
 
 /// Takes the exclusive lock on `<path>.lock` (created if missing), waiting up to `wait` for
 /// another process to let it go; the lock goes with the returned file.
@@ -734,6 +782,30 @@ mod tests {
         flush_on(&tally, today()).await;
         assert_eq!(read_file(&path).unwrap()[&day]["key:alice"], 1);
         assert!(lock(&tally.aggregate).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[tokio::test]
+    async fn the_flush_at_exit_waits_out_another_process_holding_the_file_lock() {
+        let dir = std::env::temp_dir().join(format!("floodgate-exit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tally.json");
+        let tally = Tally::open(&config(Some(path.clone()), 90)).unwrap();
+        tally.worker().refused(Subject::Key(1));
+        // Another process holds the lock for longer than one flush waits for it.
+        let held = open_lock(&path).unwrap();
+        held.lock().unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(FLUSH_LOCK_WAIT + Duration::from_millis(500));
+            drop(held);
+        });
+        tally.flush_final(Duration::from_secs(10)).await;
+        release.join().unwrap();
+        assert_eq!(
+            read_file(&path).unwrap()[&today().to_string()]["key:bob"],
+            1
+        );
+        assert_eq!(tally.pending(), 0);
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

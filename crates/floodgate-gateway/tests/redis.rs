@@ -509,3 +509,28 @@ fn the_final_flush_reaches_redis_after_the_worker_that_read_the_alerts_stopped()
     assert_eq!(alerts.len(), 1, "{alerts:?}");
     assert_eq!((alerts[0].key.as_deref(), alerts[0].count), (Some("k"), 1));
 }
+
+/// Redis restarting just as a gateway stops: the flush at exit, the last chance for the counts
+/// since the previous flush, tries again until Redis is back instead of giving them up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_flush_at_exit_waits_for_a_redis_that_is_restarting() {
+    use floodgate_gateway::tally::{Subject, Tally};
+    if redis_url().is_none() {
+        return;
+    }
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}/0");
+    let c = config(&tally_config(&url), "http://127.0.0.1:1");
+    let tally = Tally::open(&c).unwrap();
+    tally.worker().refused(Subject::Key(0));
+    // Redis is down when the flush starts and back a second and a half later.
+    let restarted = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        RedisServer::start(port).await
+    });
+    tally.flush_final(Duration::from_secs(10)).await;
+    let _server = restarted.await.unwrap();
+    let alerts = Tally::open(&c).unwrap().alerts().await.unwrap();
+    assert_eq!(alerts.len(), 1, "{alerts:?}");
+    assert_eq!((alerts[0].key.as_deref(), alerts[0].count), (Some("k"), 1));
+}
