@@ -86,8 +86,10 @@ impl LimitHeaders {
     }
 }
 
-/// The limit the generic headers describe: the refusing one on a refusal, else the most
-/// restrictive request limit, else the most restrictive token limit.
+/// The limit the generic headers describe (DESIGN 6): the refusing one on a refusal, else the
+/// one with the fewest whole units left after this request's charge, request or token limit
+/// alike (a token window all but spent refuses the next request however many requests are
+/// left); ties go to the narrowest scope.
 pub fn primary(decision: &ChainDecision) -> Option<&LimitStatus> {
     primary_index(decision).map(|i| &decision.statuses[i])
 }
@@ -97,8 +99,15 @@ fn primary_index(decision: &ChainDecision) -> Option<usize> {
     decision
         .refused_by
         .filter(|&i| i < decision.statuses.len())
-        .or_else(|| most_restrictive_index(decision, Charge::Admission))
-        .or_else(|| most_restrictive_index(decision, Charge::Reactive))
+        .or_else(|| {
+            // The chain runs narrowest first, and `min_by_key` keeps the first of equals.
+            decision
+                .statuses
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, s)| s.remaining)
+                .map(|(i, _)| i)
+        })
 }
 
 /// [`ChainDecision::most_restrictive`], as an index into the chain: the refusing limit if it

@@ -122,6 +122,46 @@ tpm = 1000
     );
 }
 
+/// The generic headers describe the limit with the fewest whole units left (DESIGN 6), a token
+/// limit too: a client pacing on `X-RateLimit-Remaining` learns that the org's token window is
+/// nearly spent, not that 998 requests are left.
+#[tokio::test]
+async fn the_generic_headers_describe_a_token_limit_with_fewer_units_left() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        r#"
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+rate_limit = { requests = 1000, window_sec = 60 }
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 120
+"#,
+        &up.url(),
+    )
+    .await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    settle().await;
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-limit"), Some("120"));
+    assert_eq!(
+        r.header("x-ratelimit-remaining"),
+        Some("70"),
+        "50 tokens used"
+    );
+    assert_eq!(r.header("ratelimit-policy"), Some("\"org\";q=120;w=60"));
+    // The OpenAI-style trios still describe each kind on its own.
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("998"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("70"));
+}
+
 #[tokio::test]
 async fn the_demo_upstream_works_through_the_gateway() {
     let gw = gateway(
