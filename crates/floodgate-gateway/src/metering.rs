@@ -115,24 +115,27 @@ pub struct TokenUsage {
 impl Usage {
     fn detail(&self) -> TokenUsage {
         TokenUsage {
-            input: self.prompt_tokens.or(self.input_tokens),
-            output: self.completion_tokens.or(self.output_tokens),
+            input: self.input(),
+            output: self.output(),
             total: self.total(),
         }
     }
 
+    fn input(&self) -> Option<u64> {
+        self.prompt_tokens.or(self.input_tokens)
+    }
+
+    fn output(&self) -> Option<u64> {
+        self.completion_tokens.or(self.output_tokens)
+    }
+
     fn total(&self) -> u64 {
-        // The upstream's numbers: saturating (the store caps counts anyway).
+        // The upstream's numbers: saturating (the store caps counts anyway). Without a total,
+        // input plus output, each read once: an upstream that names both spellings
+        // (`prompt_tokens` and `input_tokens`) is not charged twice.
         self.total_tokens.unwrap_or_else(|| {
-            [
-                self.prompt_tokens,
-                self.completion_tokens,
-                self.input_tokens,
-                self.output_tokens,
-            ]
-            .into_iter()
-            .flatten()
-            .fold(0, u64::saturating_add)
+            let (input, output) = (self.input().unwrap_or(0), self.output().unwrap_or(0));
+            input.saturating_add(output)
         })
     }
 }
@@ -1127,6 +1130,22 @@ mod tests {
         );
         assert_eq!(usage_from_json(huge.as_bytes()), Some(u64::MAX));
         assert_eq!(usage_from_json(b"not json"), None);
+        // Both spellings of one count, without a total: each count once, as budgets price it.
+        let both = br#"{"usage":{"prompt_tokens":10,"completion_tokens":5,"input_tokens":10,"output_tokens":5}}"#;
+        assert_eq!(usage_from_json(both), Some(15));
+        let (usage, _) = usage_and_model_from_json(both);
+        assert_eq!(
+            usage,
+            Some(TokenUsage {
+                input: Some(10),
+                output: Some(5),
+                total: 15
+            })
+        );
+        assert_eq!(
+            usage_from_json(br#"{"usage":{"input_tokens":2,"output_tokens":3}}"#),
+            Some(5)
+        );
     }
 
     #[test]
