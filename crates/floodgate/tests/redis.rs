@@ -1859,3 +1859,86 @@ async fn a_budget_read_fails_open_or_closed_and_a_spend_fails() {
     assert!(budgets.spend(&open, 1).await.is_err());
     assert!(open.stats().breaker_open);
 }
+
+/// A TCP relay in front of a real Redis whose held connections can go silent, as a network
+/// path that drops packets without a reset does (a failed-over primary's old address, a NAT or
+/// firewall that lost its entry): what the client writes vanishes, and no reply, reset or
+/// close ever comes. Connections made after [`Relay::go_silent`] relay normally.
+struct Relay {
+    addr: std::net::SocketAddr,
+    silenced: tokio::sync::watch::Sender<u64>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (silenced, watch) = tokio::sync::watch::channel(0u64);
+        tokio::spawn(async move {
+            while let Ok((mut down, _)) = listener.accept().await {
+                let mut watch = watch.clone();
+                tokio::spawn(async move {
+                    let mut up = tokio::net::TcpStream::connect(("127.0.0.1", target))
+                        .await
+                        .unwrap();
+                    let born = *watch.borrow();
+                    let silent = tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut down, &mut up) => false,
+                        _ = watch.wait_for(|&g| g != born) => true,
+                    };
+                    if silent {
+                        // Both sockets stay open and unread for as long as the test runs.
+                        std::future::pending::<()>().await;
+                    }
+                });
+            }
+        });
+        Relay { addr, silenced }
+    }
+
+    fn go_silent(&self) {
+        self.silenced.send_modify(|g| *g += 1);
+    }
+}
+
+/// A connection whose path goes silent yields no error, only timeouts, until TCP gives up on
+/// it many minutes later: the store must not keep probing over it with Redis healthy. The call
+/// that timed out trips the breaker and the store reconnects, so enforcement resumes within a
+/// few probes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_gone_silent_is_replaced_and_enforcement_resumes() {
+    let test = "a_connection_gone_silent_is_replaced_and_enforcement_resumes";
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let relay = Relay::start(server.port).await;
+    let cfg = RedisConfig {
+        timeout: Duration::from_millis(200),
+        connect_timeout: Duration::from_millis(300),
+        probe_interval: Duration::from_millis(50),
+        ..config(&format!("redis://:{}@{}/0", server.password, relay.addr))
+    };
+    let store = RedisStore::connect(cfg).await.unwrap();
+    let chain = Chain::new(vec![req("silent", ScopeKind::Key, 1000)]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+
+    relay.go_silent();
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.admitted && !d.enforced, "the timed-out call fails open");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        if let Ok(d) = chain.admit(&store, 1).await
+            && d.enforced
+        {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "enforcement did not resume over a new connection"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!store.stats().breaker_open);
+    assert_eq!(store.stats().outages, 1);
+}

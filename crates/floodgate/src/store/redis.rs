@@ -377,7 +377,12 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    conn: ConnectionManager,
+    /// The connection calls go through, replaced by [`Inner::fresh_connection`] when a call or a
+    /// probe times out on it.
+    conn: std::sync::RwLock<ConnectionManager>,
+    /// How a fresh connection is made.
+    client: Client,
+    manager: ConnectionManagerConfig,
     config: RedisConfig,
     /// Admissions waiting for the next batch (see [`RedisStore::admit_inner`]).
     admissions: std::sync::Mutex<AdmitQueue>,
@@ -438,11 +443,13 @@ impl RedisStore {
             .set_number_of_retries(1)
             .set_min_delay(Duration::from_millis(20))
             .set_max_delay(Duration::from_millis(200));
-        let conn = ConnectionManager::new_lazy_with_config(client, manager)
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager.clone())
             .map_err(|e| Error::Backend(format!("Redis client: {e}")))?;
         let store = RedisStore {
             inner: Arc::new(Inner {
-                conn,
+                conn: std::sync::RwLock::new(conn),
+                client,
+                manager,
                 config,
                 admissions: std::sync::Mutex::new(AdmitQueue::default()),
                 open: AtomicBool::new(false),
@@ -455,7 +462,10 @@ impl RedisStore {
         match first.await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => store.inner.trip(&e),
-            Err(_) => store.inner.trip("connection timed out"),
+            Err(_) => {
+                store.inner.fresh_connection();
+                store.inner.trip("connection timed out");
+            }
         }
         Ok(store)
     }
@@ -597,8 +607,35 @@ impl RedisStore {
 }
 
 impl Inner {
+    /// The connection calls go through now.
+    fn connection(&self) -> ConnectionManager {
+        self.conn
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the connection after a call or a probe timed out on it. The connection manager
+    /// reconnects only on an error, and a connection whose path went silent (a failed-over
+    /// primary's old address, a NAT or firewall that dropped its entry: no reset, no reply)
+    /// yields none until TCP gives up on it, many minutes later; every probe on it would time
+    /// out meanwhile and the breaker would stay open with Redis healthy. Calls still in flight
+    /// on the old connection end with their own deadlines.
+    fn fresh_connection(&self) {
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
+            Ok(conn) => {
+                *self
+                    .conn
+                    .write()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
+            }
+            // Not reached with a client that made the first connection; the old one stays.
+            Err(e) => tracing::debug!(error = %e, "floodgate: cannot make a new Redis connection"),
+        }
+    }
+
     async fn ping(&self) -> Result<(), String> {
-        let mut conn = self.conn.clone();
+        let mut conn = self.connection();
         ::redis::cmd("PING")
             .query_async::<()>(&mut conn)
             .await
@@ -666,7 +703,7 @@ impl Inner {
             Replay::Never => 0,
         };
         loop {
-            let mut conn = self.conn.clone();
+            let mut conn = self.connection();
             let attempt = tokio::time::timeout_at(deadline, evalsha(op, cmd, &mut conn));
             let err = match attempt.await {
                 Ok(Ok(value)) => {
@@ -676,6 +713,7 @@ impl Inner {
                 Ok(Err(e)) => e,
                 Err(_) => {
                     let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
+                    self.fresh_connection();
                     self.trip(&why);
                     return Err(Failure::Unavailable(why));
                 }
@@ -766,10 +804,15 @@ async fn probe(inner: Weak<Inner>) {
             return;
         };
         let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
-        if let Ok(Ok(())) = answered {
-            inner.reopen();
-            tracing::debug!("floodgate: Redis answers PING; trying calls again");
-            return;
+        match answered {
+            Ok(Ok(())) => {
+                inner.reopen();
+                tracing::debug!("floodgate: Redis answers PING; trying calls again");
+                return;
+            }
+            // The next probe goes over a new connection (see `fresh_connection`).
+            Err(_) => inner.fresh_connection(),
+            Ok(Err(_)) => {}
         }
     }
 }
