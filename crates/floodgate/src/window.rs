@@ -139,7 +139,11 @@ impl Snapshot {
     /// The counts of `state` (none for a window never written or expired) seen at `now`.
     ///
     /// A state written in the previous bucket rolls over (`cur` becomes `prev`); one written
-    /// earlier reads as empty.
+    /// earlier reads as empty. One written in a later bucket (by a clock ahead of `now`'s:
+    /// skewed replicas on the client clock, a Redis `TIME` that stepped back at a failover)
+    /// reads as the current bucket holding all its units (`cur + prev`, `prev` 0): as strict as
+    /// that state seen at its own bucket's start, where `prev` weighs in full. Read as empty, it
+    /// would let the behind clock admit a whole window's worth again.
     pub fn at(state: Option<WindowState>, now: Timestamp, limit: WindowLimit) -> Snapshot {
         let w = limit.window_us;
         let t = now.as_micros();
@@ -148,6 +152,7 @@ impl Snapshot {
         let (cur, prev) = match state {
             Some(s) if s.bucket == bucket => (s.cur, s.prev),
             Some(s) if s.bucket.wrapping_add(1) == bucket => (0, s.cur),
+            Some(s) if s.bucket > bucket => (s.cur.saturating_add(s.prev).min(MAX_COUNT), 0),
             _ => (0, 0),
         };
         Snapshot {
@@ -399,5 +404,17 @@ mod tests {
         assert_eq!((at(600).cur, at(600).prev), (3, 7));
         assert_eq!((at(660).cur, at(660).prev), (0, 3));
         assert_eq!((at(720).cur, at(720).prev), (0, 0));
+        // Written by a clock ahead: every unit counts in the current bucket.
+        assert_eq!((at(599).cur, at(599).prev, at(599).bucket), (10, 0, 9));
+        assert_eq!((at(0).cur, at(0).prev), (10, 0));
+        let huge = WindowState {
+            bucket: 10,
+            cur: MAX_COUNT,
+            prev: MAX_COUNT,
+        };
+        assert_eq!(
+            Snapshot::at(Some(huge), Timestamp::from_secs(599), limit).cur,
+            MAX_COUNT
+        );
     }
 }

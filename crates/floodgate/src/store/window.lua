@@ -1,7 +1,8 @@
 -- floodgate: a window's state seen at `now` (Snapshot::at in window.rs), shared by the window
 -- scripts. `stored` is the key's "bucket cur prev" (false or nil: never written or expired);
 -- returns the current bucket and its rolled counts: the same bucket as stored keeps (cur, prev),
--- the next one reads (0, cur), any later one (0, 0).
+-- the next one reads (0, cur), any later one (0, 0), an earlier one (a clock behind the one that
+-- wrote it) (cur + prev, 0).
 local function window_at(stored, w)
   -- floor(now / w), corrected: the double division may round across an integer.
   local b = math.floor(now / w)
@@ -14,6 +15,9 @@ local function window_at(stored, w)
       cur, prev = tonumber(sc), tonumber(sp)
     elseif sb + 1 == b then
       prev = tonumber(sc)
+    elseif sb > b then
+      -- Written by a clock ahead of this one: all its units count now (Snapshot::at).
+      cur = math.min(tonumber(sc) + tonumber(sp), 9007199254740992)
     end
   end
   return b, cur, prev

@@ -75,6 +75,8 @@ pub fn chains() -> Vec<Chain> {
             limit(Key, "t", Admission, 10),
             limit(Key, "t", Reactive, 100),
         ]),
+        // 4: a key limited to 5 a minute, decided by two clocks 2 ms apart.
+        Chain::new(vec![limit(Key, "skew", Admission, 5)]),
     ]
 }
 
@@ -186,6 +188,20 @@ pub fn vectors() -> Vec<Op> {
         with_remaining(refuse(3, 80_000, 1, 1), 9),
         // The refusals took no request slot: prev = 1 at weight 39/60, cur 0.
         admit(3, 81_000, 8),
+        // --- chain 4: a clock 2 ms behind the one that wrote the state ---
+        admit(4, 58_000, 4),
+        admit(4, 58_000, 3),
+        admit(4, 58_000, 2),
+        // The next bucket, 1 ms in: cur 1, prev 3 at 59.999/60: 5 - 1 - 2.99995 -> 1 left.
+        admit(4, 60_001, 1),
+        // 2 ms behind, the state "1 1 3" is from a later bucket. It must not read as empty
+        // (the behind clock would admit 5 more: a burst of 2N across the edge); it reads as
+        // the current bucket holding all its units: cur 4, prev 0 -> the 5th passes.
+        admit(4, 59_999, 0),
+        // cur 5: full. Next bucket in 1 ms, where prev = 5 weighs <= 4 at e'' = 12 s.
+        refuse(4, 59_999, 0, 1_000 + 12 * S),
+        // The clock ahead again: "0 5 0" rolls over, prev 5 at e = 2 ms: 12 s - 2 ms.
+        refuse(4, 60_002, 0, 12 * S - 2_000),
         // --- bucket 0: capacity 3, one token per 2 s ---
         Op::Acquire {
             bucket: 0,
