@@ -386,10 +386,35 @@ pub(crate) fn log_local(
     status: StatusCode,
     decision: &str,
 ) {
+    log_line(key, req.method(), req.uri().path(), start, status, decision);
+}
+
+/// The answer to a completion body refused before admission (nothing charged), logged.
+fn refuse_body(
+    key: &str,
+    parts: &axum::http::request::Parts,
+    start: Instant,
+    err: AppError,
+    decision: &str,
+) -> Response {
+    let (method, path) = (&parts.method, parts.uri.path());
+    log_line(Some(key), method, path, start, err.status(), decision);
+    err.into_response()
+}
+
+/// [`log_local`] for a request already taken apart.
+fn log_line(
+    key: Option<&str>,
+    method: &Method,
+    path: &str,
+    start: Instant,
+    status: StatusCode,
+    decision: &str,
+) {
     tracing::info!(
         key = %key.unwrap_or("-"),
-        method = %req.method(),
-        path = req.uri().path(),
+        method = %method,
+        path,
         status = status.as_u16(),
         latency_ms = latency_ms(start),
         decision,
@@ -467,21 +492,24 @@ async fn proxy(state: AppState, req: Request) -> Response {
         let bytes = match tokio::time::timeout(state.header_timeout(), read).await {
             Ok(Ok(b)) => b,
             Ok(Err(e)) => {
-                tracing::info!(key = %key.id, error = %e, "request body unreadable");
-                return AppError::BadRequest(format!(
+                tracing::debug!(key = %key.id, error = %e, "request body unreadable");
+                let err = AppError::BadRequest(format!(
                     "The request body could not be read (at most {} MiB).",
                     MAX_INSPECTED_BODY >> 20
-                ))
-                .into_response();
+                ));
+                return refuse_body(&key.id, &parts, start, err, "bad_request");
             }
             Err(_) => {
-                tracing::info!(key = %key.id, "request body not received in time");
-                return AppError::BodyTimeout.into_response();
+                let err = AppError::BodyTimeout;
+                return refuse_body(&key.id, &parts, start, err, "body_timeout");
             }
         };
         let prepared = match metering::prepare_request(bytes, budgets.is_some()) {
             Ok(prepared) => prepared,
-            Err(why) => return AppError::BadRequest(why).into_response(),
+            Err(why) => {
+                let err = AppError::BadRequest(why);
+                return refuse_body(&key.id, &parts, start, err, "bad_request");
+            }
         };
         let bytes = prepared.body;
         stream_req = prepared.stream;

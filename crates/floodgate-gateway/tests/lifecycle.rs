@@ -467,3 +467,40 @@ async fn a_body_read_on_after_its_caller_left_is_charged_before_shutdown_ends() 
     let line = gw.request_line_at_exit().await;
     assert!(line.contains("tokens=60"), "{line}");
 }
+
+/// A completion body refused before admission (here `stream` named twice: upstreams differ on
+/// which one counts) still gets its request line, with its status and why.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_body_refused_before_admission_gets_its_request_line() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = free_port();
+    let mut gw = Binary::start(
+        "badbody",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 1000\n"
+        ),
+        true,
+    );
+    let addr = format!("127.0.0.1:{port}");
+    gw.listening(&addr).await;
+    let body = r#"{"model":"m","stream":true,"stream":false,"messages":[]}"#;
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    conn.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    let line = gw.request_line_at_exit().await;
+    assert!(
+        line.contains("status=400")
+            && line.contains("key=k")
+            && line.contains("path=\"/v1/chat/completions\"")
+            && line.contains("decision=\"bad_request\""),
+        "{line}"
+    );
+}
