@@ -60,7 +60,7 @@ pub enum AppError {
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
     StoreUnavailable(String),
-    /// `GET /alerts` could not read the refusal tally from Redis (503).
+    /// `GET /alerts` could not read the refusal tally from Redis or its file (503).
     TallyUnavailable,
     /// The upstream could not be reached or broke the connection (502).
     UpstreamUnavailable(String),
@@ -177,8 +177,7 @@ impl AppError {
                 "rate_limiter_unavailable",
             ),
             AppError::TallyUnavailable => (
-                "The refusal tally cannot be read now (its Redis does not answer). Please retry shortly."
-                    .into(),
+                "The refusal tally cannot be read now. Please retry shortly.".into(),
                 "api_error",
                 "tally_unavailable",
             ),

@@ -13,7 +13,8 @@
 //! - [`headers`]: rate-limit response headers;
 //! - [`demo`]: the built-in demo upstream;
 //! - [`error`]: OpenAI-style errors;
-//! - [`store`]: the store selected by the config.
+//! - [`store`]: the store selected by the config;
+//! - [`tally`]: the refusal tally and `/alerts`.
 //!
 //! Embedding the gateway (what `floodgate serve` does, minus worker threads and signals):
 //!

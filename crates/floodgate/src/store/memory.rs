@@ -27,7 +27,7 @@ const MIN_SWEEP: usize = 1024;
 
 /// The embedded in-memory store: thread-safe, cheap to clone (clones share state).
 ///
-/// State is split over shards (eight per core, at least 8), each three hash tables (windows,
+/// State is split over shards (eight per core, rounded up to a power of two, 8 to 1024), each three hash tables (windows,
 /// buckets and period counters) behind a `std::sync::Mutex`. A chain whose
 /// limits live in several shards locks them all in ascending shard order (so two chains can
 /// never deadlock), reads, decides and writes, then unlocks: the decision is atomic, with no

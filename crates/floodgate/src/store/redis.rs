@@ -1,7 +1,7 @@
 //! The Redis store: many replicas, one shared truth.
 //!
 //! Each decision is one Lua script (`store/*.lua`, hashed and loaded by [`redis::Script`], run
-//! with EVALSHA, and loaded again and retried once on NOSCRIPT, as after a restart). Redis runs a script to completion before any other command,
+//! with EVALSHA, and loaded again and retried, up to three times, on NOSCRIPT, as after a restart). Redis runs a script to completion before any other command,
 //! so a chain's reads, decision and increments cannot interleave with another request's: no two
 //! requests, on one replica or many, take the same free slot. The scripts mirror
 //! [`window`](crate::window) and [`bucket`](crate::bucket) operation for operation, so the same
