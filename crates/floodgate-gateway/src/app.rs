@@ -472,6 +472,8 @@ async fn proxy(state: AppState, req: Request) -> Response {
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let metered = budgets.is_some() || chain.has_reactive();
+    // Only the answer to a request that made the upstream generate is charged its usage.
+    let generating = metered && metering::is_generating_request(req.method(), req.uri().path());
 
     // A streaming completion is rewritten to ask the upstream for usage; the body is read
     // before admission so that a body that cannot be read costs nothing.
@@ -589,7 +591,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
 
     let (mut head, body) = resp.into_parts();
     headers::apply(&mut head.headers, &decision, &fixed);
-    let meter = if !metered || !head.status.is_success() {
+    let meter = if !generating || !head.status.is_success() {
         Meter::None
     } else if head
         .headers

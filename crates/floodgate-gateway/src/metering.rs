@@ -325,13 +325,43 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
 /// segment's `;...`). A path taken for a completion that is not one only has its body
 /// checked.
 pub fn is_completion_path(path: &str) -> bool {
+    last_segment_is(path, &[b"completions"])
+}
+
+/// The endpoints whose answer's usage is work the request itself made the upstream do: the
+/// last path segment of a `POST` that creates a chat completion or completion, a response, an
+/// embedding, a transcription or translation, or an image.
+const GENERATING: [&[u8]; 7] = [
+    b"completions",
+    b"responses",
+    b"embeddings",
+    b"transcriptions",
+    b"translations",
+    b"generations",
+    b"edits",
+];
+
+/// Whether the usage in the answer to this request is charged: a `POST` to a creating endpoint
+/// ([`GENERATING`], the path read as [`is_completion_path`] reads it). Other answers can carry
+/// usage for work done before: a stored response fetched (`GET /v1/responses/{id}`, also as a
+/// resumed stream) or cancelled (`POST /v1/responses/{id}/cancel`), a stored chat
+/// completion's metadata updated (`POST /v1/chat/completions/{id}`), a run polled. Charging
+/// those would charge the same tokens again at every fetch.
+pub fn is_generating_request(method: &Method, path: &str) -> bool {
+    method == Method::POST && last_segment_is(path, &GENERATING)
+}
+
+/// Whether the last segment of `path` that is not empty once its `;` parameters are dropped is
+/// one of `names` (in any case), the path read as a lenient upstream may read it: see
+/// [`is_completion_path`].
+fn last_segment_is(path: &str, names: &[&[u8]]) -> bool {
     let decoded = percent_decoded(path.as_bytes());
-    // The last segment that is not empty once its parameters are dropped.
     let last = decoded
         .split(|&b| b == b'/' || b == b'\\')
         .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
         .rfind(|segment| !segment.is_empty());
-    decoded.starts_with(b"/") && last.is_some_and(|s| s.eq_ignore_ascii_case(b"completions"))
+    decoded.starts_with(b"/")
+        && last.is_some_and(|s| names.iter().any(|name| s.eq_ignore_ascii_case(name)))
 }
 
 /// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
@@ -1282,6 +1312,35 @@ mod tests {
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
         assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
+    }
+
+    #[test]
+    fn only_creating_posts_are_charged_their_usage() {
+        let post = |p| is_generating_request(&Method::POST, p);
+        for path in [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/Responses/",
+            "/v1/embeddings",
+            "/v1/audio/transcriptions",
+            "/v1/images/generations",
+            "/v1/respons%65s",
+        ] {
+            assert!(post(path), "{path}");
+        }
+        for path in [
+            "/v1/responses/resp_1",
+            "/v1/responses/resp_1/cancel",
+            "/v1/chat/completions/chatcmpl-1",
+            "/v1/threads/t/runs/r",
+            "/v1/batches",
+            "/v1/models",
+        ] {
+            assert!(!post(path), "{path}");
+        }
+        assert!(!is_generating_request(&Method::GET, "/v1/responses"));
+        assert!(!is_generating_request(&Method::GET, "/v1/chat/completions"));
     }
 
     #[test]

@@ -287,3 +287,39 @@ async fn a_stream_left_mid_answer_is_cut_and_charges_nothing() {
     let left = tokens_left_after(&gw, Duration::from_millis(1500)).await;
     assert_eq!(left.as_deref(), Some("100"));
 }
+
+/// Only the answer to a request that made the upstream generate is charged: a stored response
+/// fetched or cancelled carries the usage of work done (and charged) before, and charging it
+/// at every fetch would fill the window with tokens used once.
+#[tokio::test]
+async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usage() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    for (method, path) in [
+        ("GET", "/v1/responses/resp_1"),
+        ("POST", "/v1/responses/resp_1/cancel"),
+        ("GET", "/v1/responses/resp_1"),
+    ] {
+        let r = gw.send(gw.request(method, path, Some("sk-k"), "")).await;
+        assert_eq!(r.status, 200, "{method} {path}");
+        assert_eq!(
+            r.json()["usage"]["total_tokens"],
+            50,
+            "the body is untouched"
+        );
+        settle().await;
+    }
+    let r = gw
+        .send(gw.request("POST", "/v1/responses", Some("sk-k"), CHAT))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-tokens"),
+        Some("100"),
+        "the fetches charged nothing"
+    );
+    assert_eq!(
+        tokens_left_after(&gw, Duration::ZERO).await.as_deref(),
+        Some("50")
+    );
+}

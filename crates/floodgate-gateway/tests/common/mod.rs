@@ -177,11 +177,28 @@ async fn slow() -> &'static str {
     "late"
 }
 
+/// A Responses API response object with its usage (total `x-test-tokens`, default 50).
+async fn response_object(headers: HeaderMap) -> axum::Json<Value> {
+    let total = header_u64(&headers, "x-test-tokens", 50);
+    axum::Json(json!({
+        "id": "resp_1",
+        "object": "response",
+        "status": "completed",
+        "model": "fake",
+        "usage": {"input_tokens": total / 2, "output_tokens": total - total / 2, "total_tokens": total}
+    }))
+}
+
 /// The fake upstream's API, recording into `seen`.
 fn fake_app(seen: &Seen) -> Router {
     let routes = Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/slow", get(slow))
+        // The Responses API: a new response, and a stored one fetched or cancelled, each with
+        // its usage (total `x-test-tokens`, default 50).
+        .route("/v1/responses", post(response_object))
+        .route("/v1/responses/{id}", get(response_object))
+        .route("/v1/responses/{id}/cancel", post(response_object))
         // A response without a body.
         .route(
             "/v1/empty",
