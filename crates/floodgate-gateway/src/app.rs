@@ -34,10 +34,6 @@ use crate::realtime::{self, LiveSessions, Sessions};
 use crate::store::GatewayStore;
 use crate::tally::{Counters, Subject, Tally};
 
-/// Largest completion request body read to inspect it (`stream`); larger ones are refused
-/// with 400 before anything is charged.
-const MAX_INSPECTED_BODY: usize = 32 * 1024 * 1024;
-
 /// Everything a request needs; cheap to clone.
 #[derive(Clone, Debug)]
 pub struct AppState {
@@ -51,6 +47,8 @@ struct Inner {
     store: GatewayStore,
     upstream: Upstream,
     header_timeout: Duration,
+    /// `[server] max_body_mib`.
+    max_body_mib: u64,
     /// The process's refusal tally (for `/alerts`) and this state's own counters in it.
     tally: Arc<Tally>,
     refusals: Arc<Counters>,
@@ -108,6 +106,7 @@ impl AppState {
                 store,
                 upstream: Upstream::from_config(&config.upstream)?,
                 header_timeout: config.header_timeout,
+                max_body_mib: config.max_body_mib,
                 refusals: tally.worker(),
                 tally: Arc::clone(tally),
                 alerts_secret: config.alerts.secret_sha256,
@@ -488,17 +487,33 @@ async fn proxy(state: AppState, req: Request) -> Response {
         && parts.method == Method::POST
         && metering::is_completion_path(parts.uri.path())
     {
+        // At most `[server] max_body_mib` is held: a body announced larger is refused before
+        // a byte of it is read.
+        let max_mib = state.inner.max_body_mib;
+        let max = usize::try_from(max_mib << 20).unwrap_or(usize::MAX);
+        let announced = parts
+            .headers
+            .get(CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+        if announced.is_some_and(|n| n > max_mib << 20) {
+            let err = AppError::BodyTooLarge { max_mib };
+            return refuse_body(&key.id, &parts, start, err, "body_too_large");
+        }
         // Read under the header timeout too: a caller trickling its body would otherwise hold
-        // the connection (and up to MAX_INSPECTED_BODY of memory) for as long as it likes.
-        let read = axum::body::to_bytes(body, MAX_INSPECTED_BODY);
+        // the connection (and up to `max` of memory) for as long as it likes.
+        let read = axum::body::to_bytes(body, max);
         let bytes = match tokio::time::timeout(state.header_timeout(), read).await {
             Ok(Ok(b)) => b,
+            Ok(Err(e))
+                if std::error::Error::source(&e)
+                    .is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) =>
+            {
+                let err = AppError::BodyTooLarge { max_mib };
+                return refuse_body(&key.id, &parts, start, err, "body_too_large");
+            }
             Ok(Err(e)) => {
                 tracing::debug!(key = %key.id, error = %e, "request body unreadable");
-                let err = AppError::BadRequest(format!(
-                    "The request body could not be read (at most {} MiB).",
-                    MAX_INSPECTED_BODY >> 20
-                ));
+                let err = AppError::BadRequest("The request body could not be read.".into());
                 return refuse_body(&key.id, &parts, start, err, "bad_request");
             }
             Err(_) => {

@@ -34,6 +34,9 @@ pub const DEFAULT_REQUESTS: u64 = 100;
 pub const DEFAULT_WINDOW_SEC: u64 = 60;
 /// Where the gateway listens when `[server] listen` is absent.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// `[server] max_body_mib` when absent: room for a few base64 images in a chat completion.
+pub const DEFAULT_MAX_BODY_MIB: u64 = 32;
+
 /// `[server] header_timeout_sec` when absent: nginx's `client_header_timeout`.
 pub const DEFAULT_HEADER_TIMEOUT_SEC: u64 = 60;
 
@@ -150,12 +153,13 @@ struct RawBudget {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [server] table (listen, workers, header_timeout_sec)"
+    expecting = "a [server] table (listen, workers, header_timeout_sec, max_body_mib)"
 )]
 struct RawServer {
     listen: Option<Spanned<String>>,
     workers: Option<Spanned<usize>>,
     header_timeout_sec: Option<Spanned<u64>>,
+    max_body_mib: Option<Spanned<u64>>,
 }
 
 #[derive(Deserialize)]
@@ -268,6 +272,9 @@ pub struct Config {
     /// How long a caller may take to send a request's head, and how long a kept-alive
     /// connection may sit idle between requests; then the connection is closed.
     pub header_timeout: Duration,
+    /// The largest request body the gateway reads before admission (a completion of a metered
+    /// key), in MiB: a larger one is refused with 413, uncharged.
+    pub max_body_mib: u64,
     /// Where limit state lives.
     pub store: StoreConfig,
     /// Where admitted requests go.
@@ -733,9 +740,19 @@ impl Validator<'_> {
         raw: RawConfig,
         redis_url_env: Option<String>,
     ) -> Result<Config, ConfigError> {
-        let (listen, workers, header_timeout) = match raw.server {
-            None => (None, None, None),
-            Some(s) => (s.listen, s.workers, s.header_timeout_sec),
+        let (listen, workers, header_timeout, max_body_mib) = match raw.server {
+            None => (None, None, None, None),
+            Some(s) => (s.listen, s.workers, s.header_timeout_sec, s.max_body_mib),
+        };
+        let max_body_mib = match max_body_mib {
+            Some(m) if *m.get_ref() == 0 || *m.get_ref() > 1024 => {
+                return Err(self.error(
+                    m.span(),
+                    "server.max_body_mib",
+                    "must be between 1 and 1024",
+                ));
+            }
+            m => m.map_or(DEFAULT_MAX_BODY_MIB, Spanned::into_inner),
         };
         let header_timeout = match header_timeout {
             Some(t) if *t.get_ref() == 0 || *t.get_ref() > 3600 => {
@@ -928,6 +945,7 @@ impl Validator<'_> {
             listen,
             workers,
             header_timeout,
+            max_body_mib,
             store,
             upstream,
             realtime,

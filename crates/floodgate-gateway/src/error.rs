@@ -42,6 +42,12 @@ pub enum AppError {
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
+    /// A request body the gateway reads before admission is over `[server] max_body_mib` (413;
+    /// nothing charged).
+    BodyTooLarge {
+        /// The limit, in MiB.
+        max_mib: u64,
+    },
     /// A request body the gateway reads before admission did not arrive within
     /// `[server] header_timeout_sec` (408; nothing charged).
     BodyTimeout,
@@ -80,6 +86,7 @@ impl AppError {
             }
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
+            AppError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
             AppError::TooManyConnections { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::NotFound => StatusCode::NOT_FOUND,
@@ -148,6 +155,11 @@ impl AppError {
                 (message, "insufficient_quota", "budget_exceeded")
             }
             AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),
+            AppError::BodyTooLarge { max_mib } => (
+                format!("The request body is over this gateway's limit of {max_mib} MiB."),
+                "invalid_request_error",
+                "request_too_large",
+            ),
             AppError::BodyTimeout => (
                 "The request body did not arrive in time.".into(),
                 "invalid_request_error",

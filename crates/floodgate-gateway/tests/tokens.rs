@@ -323,3 +323,42 @@ async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usa
         Some("50")
     );
 }
+
+/// A completion body over `[server] max_body_mib` is refused with 413 and charges nothing,
+/// whether its length is announced (refused unread) or it comes chunked.
+#[tokio::test]
+async fn a_body_over_the_limit_is_refused_with_413_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let config = LIMITED.replace("[upstream]", "[server]\nmax_body_mib = 1\n[upstream]");
+    let gw = gateway(&config, &up.url()).await;
+    let big = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{}"}}]}}"#,
+        "x".repeat(1 << 20)
+    );
+    let r = gw
+        .send(gw.request("POST", "/v1/chat/completions", Some("sk-k"), &big))
+        .await;
+    assert_eq!(r.status, 413, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "request_too_large");
+    // Chunked: no length announced, the limit stops the read.
+    let chunks = futures_chunks(big.into_bytes());
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), "");
+    *req.body_mut() = chunks;
+    req.headers_mut().remove("content-length");
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 413, "{}", r.text());
+    // A body within the limit passes, and is the first request charged.
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+    assert_eq!(up.seen.hits(), 1);
+}
+
+/// `bytes` as a streamed body of 64 KiB chunks, with no length.
+fn futures_chunks(bytes: Vec<u8>) -> axum::body::Body {
+    let chunks: Vec<Result<bytes::Bytes, std::io::Error>> = bytes
+        .chunks(64 * 1024)
+        .map(|c| Ok(bytes::Bytes::copy_from_slice(c)))
+        .collect();
+    axum::body::Body::from_stream(futures_util::stream::iter(chunks))
+}
