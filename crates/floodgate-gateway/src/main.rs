@@ -76,7 +76,11 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
     writeln!(out, "{}: OK", file.display())?;
     writeln!(out, "listen: {}", config.listen)?;
     writeln!(out, "header timeout: {}s", config.header_timeout.as_secs())?;
-    writeln!(out, "max body read before admission: {} MiB", config.max_body_mib)?;
+    writeln!(
+        out,
+        "max body read before admission: {} MiB",
+        config.max_body_mib
+    )?;
     let on_error = match config.store.on_error {
         OnError::Open => "open",
         OnError::Closed => "closed",

@@ -662,6 +662,9 @@ impl Drop for MeteredBody {
             });
             return;
         }
+        // Cut before the upstream's end (the caller left mid-answer, the linger's bounds ran
+        // out, the upstream broke off).
+        let cut = !self.finished && !http_body::Body::is_end_stream(&self.inner);
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole
         // (only its end still to come) parses; one cut short does not, and charges nothing.
         self.finish();
@@ -669,6 +672,17 @@ impl Drop for MeteredBody {
             self.tokens = f.tokens.or(self.tokens);
             self.usage = f.usage.or(self.usage);
             self.model = f.model.take().or(self.model.take());
+            if cut && self.tokens.is_none() && f.events > 0 {
+                // A stream cut before its usage: charged a token a chunk seen, a lower bound
+                // of what the upstream generated (and bills), rather than nothing, which a
+                // caller could have by hanging up just before the end.
+                self.tokens = Some(f.events);
+                self.usage = Some(TokenUsage {
+                    input: None,
+                    output: Some(f.events),
+                    total: f.events,
+                });
+            }
         }
         if let (Some((store, chain)), Some(t)) = (self.charge.take(), self.tokens) {
             if let (Some(spend), Some(usage)) = (self.spend.take(), self.usage) {
@@ -783,6 +797,18 @@ struct SseFilter {
     /// Whether a chunk has given a choice its `finish_reason`: the answer is complete, and only
     /// the usage chunk (and `[DONE]`) may follow.
     answered: bool,
+    /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
+    /// tokens (a chunk carries about one).
+    events: u64,
+}
+
+/// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
+/// `event:` line does not).
+fn is_data_event(event: &[u8]) -> bool {
+    event
+        .split(|&b| b == b'\n' || b == b'\r')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .any(|data| data.trim_ascii() != b"[DONE]")
 }
 
 /// The length of the line terminator at `buf[i]`: CRLF, LF or CR (the event stream format allows
@@ -838,6 +864,7 @@ impl SseFilter {
             want_model: false,
             model: None,
             answered: false,
+            events: 0,
         }
     }
 
@@ -959,6 +986,9 @@ impl SseFilter {
 
     /// Reads an event's usage; says what to forward.
     fn inspect(&mut self, event: &[u8]) -> Action {
+        if is_data_event(event) {
+            self.events += 1;
+        }
         if !self.answered {
             self.answered = has_finish_reason(event);
         }
@@ -1312,6 +1342,17 @@ mod tests {
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
         assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
+    }
+
+    #[test]
+    fn data_events_are_told_from_comments_and_the_end() {
+        assert!(is_data_event(b"data: {\"choices\":[]}\n\n"));
+        assert!(is_data_event(
+            b"event: response.output_text.delta\r\ndata: {}\r\n\r\n"
+        ));
+        assert!(!is_data_event(b"data: [DONE]\n\n"));
+        assert!(!is_data_event(b": keep-alive\n\n"));
+        assert!(!is_data_event(b"event: ping\n\n"));
     }
 
     #[test]
