@@ -10,7 +10,8 @@ use axum::Router;
 use axum::body::Body;
 use axum::extract::{Request, State};
 use axum::http::header::{
-    ACCEPT_ENCODING, AUTHORIZATION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, UPGRADE,
+    ACCEPT_ENCODING, AUTHORIZATION, CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE,
+    TRANSFER_ENCODING, UPGRADE,
 };
 use axum::http::{HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
@@ -454,6 +455,18 @@ async fn proxy(state: AppState, req: Request) -> Response {
             err.status(),
             "upgrade_unsupported",
         );
+        return err.into_response();
+    }
+    if req
+        .headers()
+        .get_all(TRANSFER_ENCODING)
+        .iter()
+        .any(|v| !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked"))
+    {
+        // hyper takes the chunked framing off `gzip, chunked` and leaves the gzip: forwarded
+        // without the header (hop-by-hop), the upstream would read compressed bytes as JSON.
+        let err = AppError::TransferCodingUnsupported;
+        log_local(Some(&key.id), &req, start, err.status(), "bad_request");
         return err.into_response();
     }
     if has_dot_segment(req.uri().path()) {

@@ -54,6 +54,9 @@ pub enum AppError {
     /// A WebSocket upgrade of a path other than `/v1/realtime`, which the gateway does not
     /// proxy (501; nothing charged).
     UpgradeUnsupported,
+    /// A request body with a transfer coding other than `chunked` (`gzip, chunked`), which the
+    /// gateway cannot pass on as sent (501; nothing charged).
+    TransferCodingUnsupported,
     /// The process already has `[realtime] max_connections` live realtime sessions (429
     /// `too_many_connections`; nothing charged).
     TooManyConnections {
@@ -87,7 +90,9 @@ impl AppError {
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
-            AppError::UpgradeUnsupported => StatusCode::NOT_IMPLEMENTED,
+            AppError::UpgradeUnsupported | AppError::TransferCodingUnsupported => {
+                StatusCode::NOT_IMPLEMENTED
+            }
             AppError::TooManyConnections { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::NotFound => StatusCode::NOT_FOUND,
             AppError::StoreUnavailable(_) | AppError::TallyUnavailable => {
@@ -164,6 +169,11 @@ impl AppError {
                 "The request body did not arrive in time.".into(),
                 "invalid_request_error",
                 "request_timeout",
+            ),
+            AppError::TransferCodingUnsupported => (
+                "This gateway accepts request bodies sent as is or chunked, with no other transfer coding.".into(),
+                "invalid_request_error",
+                "transfer_coding_not_supported",
             ),
             AppError::UpgradeUnsupported => (
                 "This gateway proxies WebSocket upgrades on /v1/realtime only.".into(),

@@ -89,6 +89,31 @@ async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
     );
 }
 
+/// hyper takes the chunked framing off `gzip, chunked` and leaves the gzip; forwarded without
+/// the (hop-by-hop) header, the upstream would read compressed bytes as the body.
+#[tokio::test]
+async fn a_body_with_another_transfer_coding_is_refused_and_charges_nothing() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let up = fake_upstream().await;
+    let gw = gateway(FIVE_A_MINUTE, &up.url()).await;
+    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    conn.write_all(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+          transfer-encoding: gzip, chunked\r\nconnection: close\r\n\r\n5\r\nhello\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 501"), "{answer}");
+    assert!(answer.contains("transfer_coding_not_supported"), "{answer}");
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+    assert_eq!(up.seen.hits(), 0, "nothing reached the upstream's completions");
+}
+
 #[tokio::test]
 async fn a_websocket_upgrade_off_the_realtime_path_is_refused_plainly_and_charges_nothing() {
     let up = fake_upstream().await;
