@@ -243,10 +243,18 @@ impl Tally {
     /// [`FINAL_RETRY_EVERY`] for up to `within`, since no later flush will take the counts.
     /// Counts still not saved then are lost, and logged with their number.
     pub async fn flush_final(&self, within: Duration) {
-        let _one = self.flushing.lock().await;
         let deadline = tokio::time::Instant::now() + within;
-        self.collect(today());
-        while !self.save().await {
+        loop {
+            // The lock is held for one attempt at a time: a second signal's flush (one attempt,
+            // then exit) gets its turn between them rather than after every retry.
+            let saved = {
+                let _one = self.flushing.lock().await;
+                self.collect(today());
+                self.save().await
+            };
+            if saved {
+                return;
+            }
             if tokio::time::Instant::now() + FINAL_RETRY_EVERY > deadline {
                 tracing::error!(
                     refusals = self.pending(),
@@ -255,8 +263,6 @@ impl Tally {
                 return;
             }
             tokio::time::sleep(FINAL_RETRY_EVERY).await;
-            // A day that ended while it waited keeps its counts: they were collected before.
-            self.collect(today());
         }
     }
 
@@ -437,12 +443,12 @@ impl Tally {
     }
 }
 
-/// Adds `more` into `days`.
 /// The refusals counted in `days`, over every day and subject.
 fn total(days: &Days) -> u64 {
     days.values().flat_map(BTreeMap::values).sum()
 }
 
+/// Adds `more` into `days`.
 fn add(days: &mut Days, more: &Days) {
     for (day, subjects) in more {
         let into = days.entry(day.clone()).or_default();

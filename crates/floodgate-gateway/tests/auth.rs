@@ -111,7 +111,11 @@ async fn a_body_with_another_transfer_coding_is_refused_and_charges_nothing() {
         .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
         .await;
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
-    assert_eq!(up.seen.hits(), 0, "nothing reached the upstream's completions");
+    assert_eq!(
+        up.seen.hits(),
+        0,
+        "nothing reached the upstream's completions"
+    );
 }
 
 #[tokio::test]

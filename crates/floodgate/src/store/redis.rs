@@ -377,9 +377,9 @@ pub struct RedisStore {
 }
 
 struct Inner {
-    /// The connection calls go through, replaced by [`Inner::fresh_connection`] when a call or a
-    /// probe times out on it.
-    conn: std::sync::RwLock<ConnectionManager>,
+    /// The connection calls go through, with its generation: replaced by
+    /// [`Inner::fresh_connection`] when a call or a probe times out on it.
+    conn: std::sync::RwLock<(u64, ConnectionManager)>,
     /// How a fresh connection is made.
     client: Client,
     manager: ConnectionManagerConfig,
@@ -447,7 +447,7 @@ impl RedisStore {
             .map_err(|e| Error::Backend(format!("Redis client: {e}")))?;
         let store = RedisStore {
             inner: Arc::new(Inner {
-                conn: std::sync::RwLock::new(conn),
+                conn: std::sync::RwLock::new((0, conn)),
                 client,
                 manager,
                 config,
@@ -463,7 +463,7 @@ impl RedisStore {
             Ok(Ok(())) => {}
             Ok(Err(e)) => store.inner.trip(&e),
             Err(_) => {
-                store.inner.fresh_connection();
+                store.inner.fresh_connection(0);
                 store.inner.trip("connection timed out");
             }
         }
@@ -607,8 +607,8 @@ impl RedisStore {
 }
 
 impl Inner {
-    /// The connection calls go through now.
-    fn connection(&self) -> ConnectionManager {
+    /// The connection calls go through now, and its generation.
+    fn connection(&self) -> (u64, ConnectionManager) {
         self.conn
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -620,22 +620,26 @@ impl Inner {
     /// primary's old address, a NAT or firewall that dropped its entry: no reset, no reply)
     /// yields none until TCP gives up on it, many minutes later; every probe on it would time
     /// out meanwhile and the breaker would stay open with Redis healthy. Calls still in flight
-    /// on the old connection end with their own deadlines.
-    fn fresh_connection(&self) {
+    /// on the old connection end with their own deadlines. Only the connection of generation
+    /// `timed_out` is replaced: the other calls that timed out on it with the first find it
+    /// replaced already.
+    fn fresh_connection(&self, timed_out: u64) {
+        let mut current = self
+            .conn
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != timed_out {
+            return;
+        }
         match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
-            Ok(conn) => {
-                *self
-                    .conn
-                    .write()
-                    .unwrap_or_else(std::sync::PoisonError::into_inner) = conn;
-            }
+            Ok(conn) => *current = (timed_out + 1, conn),
             // Not reached with a client that made the first connection; the old one stays.
             Err(e) => tracing::debug!(error = %e, "floodgate: cannot make a new Redis connection"),
         }
     }
 
     async fn ping(&self) -> Result<(), String> {
-        let mut conn = self.connection();
+        let (_, mut conn) = self.connection();
         ::redis::cmd("PING")
             .query_async::<()>(&mut conn)
             .await
@@ -703,7 +707,7 @@ impl Inner {
             Replay::Never => 0,
         };
         loop {
-            let mut conn = self.connection();
+            let (generation, mut conn) = self.connection();
             let attempt = tokio::time::timeout_at(deadline, evalsha(op, cmd, &mut conn));
             let err = match attempt.await {
                 Ok(Ok(value)) => {
@@ -713,7 +717,7 @@ impl Inner {
                 Ok(Err(e)) => e,
                 Err(_) => {
                     let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
-                    self.fresh_connection();
+                    self.fresh_connection(generation);
                     self.trip(&why);
                     return Err(Failure::Unavailable(why));
                 }
@@ -803,6 +807,7 @@ async fn probe(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
+        let (generation, _) = inner.connection();
         let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
         match answered {
             Ok(Ok(())) => {
@@ -811,7 +816,7 @@ async fn probe(inner: Weak<Inner>) {
                 return;
             }
             // The next probe goes over a new connection (see `fresh_connection`).
-            Err(_) => inner.fresh_connection(),
+            Err(_) => inner.fresh_connection(generation),
             Ok(Err(_)) => {}
         }
     }
