@@ -496,10 +496,10 @@ async fn proxy(state: AppState, req: Request) -> Response {
     }
     let mut stream_req = None;
     let mut request_model = None;
-    let body = if metered
-        && parts.method == Method::POST
-        && metering::is_completion_path(parts.uri.path())
-    {
+    let completion = metering::is_completion_path(parts.uri.path());
+    // A Responses API create is read to refuse a background response, which cannot be metered.
+    let responses = !completion && metering::is_responses_path(parts.uri.path());
+    let body = if metered && parts.method == Method::POST && (completion || responses) {
         // At most `[server] max_body_mib` is held: a body announced larger is refused before
         // a byte of it is read.
         let max_mib = state.inner.max_body_mib;
@@ -534,20 +534,28 @@ async fn proxy(state: AppState, req: Request) -> Response {
                 return refuse_body(&key.id, &parts, start, err, "body_timeout");
             }
         };
-        let prepared = match metering::prepare_request(bytes, budgets.is_some()) {
-            Ok(prepared) => prepared,
-            Err(why) => {
+        if responses {
+            if let Err(why) = metering::check_responses_request(&bytes) {
                 let err = AppError::BadRequest(why);
                 return refuse_body(&key.id, &parts, start, err, "bad_request");
             }
-        };
-        let bytes = prepared.body;
-        stream_req = prepared.stream;
-        request_model = prepared.model;
-        parts
-            .headers
-            .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
-        Body::from(bytes)
+            Body::from(bytes)
+        } else {
+            let prepared = match metering::prepare_request(bytes, budgets.is_some()) {
+                Ok(prepared) => prepared,
+                Err(why) => {
+                    let err = AppError::BadRequest(why);
+                    return refuse_body(&key.id, &parts, start, err, "bad_request");
+                }
+            };
+            let bytes = prepared.body;
+            stream_req = prepared.stream;
+            request_model = prepared.model;
+            parts
+                .headers
+                .insert(CONTENT_LENGTH, HeaderValue::from(bytes.len()));
+            Body::from(bytes)
+        }
     } else {
         body
     };

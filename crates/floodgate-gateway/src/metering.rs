@@ -248,16 +248,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
         return Err("The request body is not a JSON object.".into());
     };
-    let field = |name: &str| -> Result<Option<&RawValue>, String> {
-        let mut found = fields.iter().filter(|(k, _)| k == name);
-        let first = found.next().map(|(_, v)| &**v);
-        match found.next() {
-            Some(_) => Err(format!(
-                "The request body has more than one `{name}` field."
-            )),
-            None => Ok(first),
-        }
-    };
+    let field = |name: &str| unique_field(&fields, name);
     let stream = field("stream")?;
     let options = field("stream_options")?;
     // Read only to price a response that names no model: a duplicate or a non-string is no
@@ -317,6 +308,44 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     })
 }
 
+/// The top-level field `name` of a request body, if present; an error (for a 400) if it is
+/// named twice, since servers differ on which one counts.
+fn unique_field<'a>(
+    fields: &'a [(String, Box<RawValue>)],
+    name: &str,
+) -> Result<Option<&'a RawValue>, String> {
+    let mut found = fields.iter().filter(|(k, _)| k == name);
+    let first = found.next().map(|(_, v)| &**v);
+    match found.next() {
+        Some(_) => Err(format!(
+            "The request body has more than one `{name}` field."
+        )),
+        None => Ok(first),
+    }
+}
+
+/// Checks a metered Responses API create body. Refused (the caller gets 400, nothing is
+/// charged): a background response (`"background": true`), which is answered at once without
+/// usage and finishes later, its usage then only in fetches of the stored response, which are
+/// never charged (see [`is_generating_request`]): the gateway could not charge it at all. Also
+/// refused, as for completions, where the upstream's reading is not certain: a body that is not
+/// a strict JSON object, a `background` other than `true`, `false` or `null`, or one named
+/// twice. The body is forwarded as sent.
+pub fn check_responses_request(body: &[u8]) -> Result<(), String> {
+    let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(body) else {
+        return Err("The request body is not a JSON object.".into());
+    };
+    match unique_field(&fields, "background")?.map(RawValue::get) {
+        None | Some("false" | "null") => Ok(()),
+        Some("true") => Err(
+            "Background responses are not available through this gateway: their tokens could \
+             not be counted against your limits. Send the request without `background`."
+                .into(),
+        ),
+        Some(_) => Err("`background` must be true or false.".into()),
+    }
+}
+
 /// Whether a request path names a completion endpoint (`.../completions`), as a lenient
 /// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), in any case
 /// (`/v1/chat/Completions`), with trailing slashes (`/v1/chat/completions/`) or empty segments,
@@ -325,43 +354,57 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
 /// segment's `;...`). A path taken for a completion that is not one only has its body
 /// checked.
 pub fn is_completion_path(path: &str) -> bool {
-    last_segment_is(path, &[b"completions"])
+    with_segments(path, |s| {
+        s.last()
+            .is_some_and(|l| l.eq_ignore_ascii_case(b"completions"))
+    })
 }
 
-/// The endpoints whose answer's usage is work the request itself made the upstream do: the
-/// last path segment of a `POST` that creates a chat completion or completion, a response, an
-/// embedding, a transcription or translation, or an image.
-const GENERATING: [&[u8]; 7] = [
-    b"completions",
-    b"responses",
-    b"embeddings",
-    b"transcriptions",
-    b"translations",
-    b"generations",
-    b"edits",
-];
+/// Whether a request path names the Responses API's create endpoint (`.../responses`), read as
+/// [`is_completion_path`] reads a path.
+pub fn is_responses_path(path: &str) -> bool {
+    with_segments(path, |s| {
+        s.last()
+            .is_some_and(|l| l.eq_ignore_ascii_case(b"responses"))
+    })
+}
 
-/// Whether the usage in the answer to this request is charged: a `POST` to a creating endpoint
-/// ([`GENERATING`], the path read as [`is_completion_path`] reads it). Other answers can carry
-/// usage for work done before: a stored response fetched (`GET /v1/responses/{id}`, also as a
-/// resumed stream) or cancelled (`POST /v1/responses/{id}/cancel`), a stored chat
-/// completion's metadata updated (`POST /v1/chat/completions/{id}`), a run polled. Charging
-/// those would charge the same tokens again at every fetch.
+/// Whether the usage in the answer to this request is charged: a `POST`, except one that acts
+/// on a stored object. Such answers carry the usage of work done, and charged, before: a stored
+/// response, chat completion, run or batch fetched (`GET /v1/responses/{id}`, also as a resumed
+/// stream), cancelled (`POST /v1/responses/{id}/cancel`, any `.../cancel`) or updated
+/// (`POST /v1/chat/completions/{id}`, `POST /v1/threads/{t}/runs/{r}`: a segment after
+/// `completions`, `responses`, `runs` or `batches` names a stored one). Charging those would
+/// charge the same tokens at every fetch. Every other `POST` is charged the usage its answer
+/// carries (chat completions, responses, embeddings, audio, images, streamed runs and their
+/// `submit_tool_outputs`, other APIs an upstream serves).
 pub fn is_generating_request(method: &Method, path: &str) -> bool {
-    method == Method::POST && last_segment_is(path, &GENERATING)
+    const STORED: [&[u8]; 4] = [b"completions", b"responses", b"runs", b"batches"];
+    let named =
+        |segment: &[u8], names: &[&[u8]]| names.iter().any(|n| segment.eq_ignore_ascii_case(n));
+    method == Method::POST
+        && with_segments(path, |s| {
+            let Some((last, before)) = s.split_last() else {
+                return true;
+            };
+            if named(last, &[b"cancel"]) {
+                return false;
+            }
+            named(last, &[b"submit_tool_outputs"]) || !before.iter().any(|x| named(x, &STORED))
+        })
 }
 
-/// Whether the last segment of `path` that is not empty once its `;` parameters are dropped is
-/// one of `names` (in any case), the path read as a lenient upstream may read it: see
-/// [`is_completion_path`].
-fn last_segment_is(path: &str, names: &[&[u8]]) -> bool {
+/// `f` of the path's non-empty segments, read as a lenient upstream may read them (see
+/// [`is_completion_path`]): percent-escapes decoded, `\\` taken for `/`, each segment's `;`
+/// parameters dropped. `false` for a path that does not start with `/`.
+fn with_segments(path: &str, f: impl FnOnce(&[&[u8]]) -> bool) -> bool {
     let decoded = percent_decoded(path.as_bytes());
-    let last = decoded
+    let segments: Vec<&[u8]> = decoded
         .split(|&b| b == b'/' || b == b'\\')
         .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
-        .rfind(|segment| !segment.is_empty());
-    decoded.starts_with(b"/")
-        && last.is_some_and(|s| names.iter().any(|name| s.eq_ignore_ascii_case(name)))
+        .filter(|segment| !segment.is_empty())
+        .collect();
+    decoded.starts_with(b"/") && f(&segments)
 }
 
 /// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
@@ -1365,18 +1408,26 @@ mod tests {
             "/v1/Responses/",
             "/v1/embeddings",
             "/v1/audio/transcriptions",
+            "/v1/audio/speech",
             "/v1/images/generations",
             "/v1/respons%65s",
+            "/v1/threads/runs",
+            "/v1/threads/t/runs",
+            "/v1/threads/t/runs/r/submit_tool_outputs",
+            "/v1/messages",
+            "/v1/batches",
         ] {
             assert!(post(path), "{path}");
         }
         for path in [
             "/v1/responses/resp_1",
             "/v1/responses/resp_1/cancel",
+            "/v1/responses%2Fresp_1",
             "/v1/chat/completions/chatcmpl-1",
             "/v1/threads/t/runs/r",
-            "/v1/batches",
-            "/v1/models",
+            "/v1/threads/t/runs/r/cancel",
+            "/v1/batches/b/cancel",
+            "/v1/fine_tuning/jobs/j/cancel",
         ] {
             assert!(!post(path), "{path}");
         }

@@ -326,6 +326,50 @@ async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usa
     );
 }
 
+/// Any other POST is charged the usage its answer carries, whatever the API: an
+/// Anthropic-style `/v1/messages` on a LiteLLM or vLLM upstream.
+#[tokio::test]
+async fn a_post_to_another_api_is_charged_its_usage() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    let mut req = gw.request("POST", "/v1/messages", Some("sk-k"), CHAT);
+    req.headers_mut()
+        .insert("x-test-tokens", "30".parse().unwrap());
+    assert_eq!(gw.send(req).await.status, 200);
+    let left = tokens_left_after(&gw, Duration::ZERO).await;
+    assert_eq!(left.as_deref(), Some("70"));
+}
+
+/// A background response is answered at once without usage, and its usage only ever comes in
+/// fetches of the stored response, which are not charged: refused, uncharged, with a message
+/// that says why; so are the forms an upstream might read either way.
+#[tokio::test]
+async fn a_background_response_is_refused_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(LIMITED, &up.url()).await;
+    for body in [
+        r#"{"model":"m","input":"hi","background":true}"#,
+        r#"{"model":"m","input":"hi","background":1}"#,
+        r#"{"model":"m","input":"hi","background":false,"background":true}"#,
+        r#"{"model":"m","input":"hi","background":true"#,
+    ] {
+        let r = gw
+            .send(gw.request("POST", "/v1/responses", Some("sk-k"), body))
+            .await;
+        assert_eq!(r.status, 400, "{body}: {}", r.text());
+    }
+    let body = r#"{"model":"m","input":"hi","background":false}"#;
+    let r = gw
+        .send(gw.request("POST", "/v1/responses", Some("sk-k"), body))
+        .await;
+    assert_eq!(r.status, 200);
+    assert_eq!(
+        r.header("x-ratelimit-remaining-requests"),
+        Some("4"),
+        "the refused bodies took no request"
+    );
+}
+
 /// A completion body over `[server] max_body_mib` is refused with 413 and charges nothing,
 /// whether its length is announced (refused unread) or it comes chunked.
 #[tokio::test]

@@ -199,6 +199,8 @@ fn fake_app(seen: &Seen) -> Router {
         .route("/v1/responses", post(response_object))
         .route("/v1/responses/{id}", get(response_object))
         .route("/v1/responses/{id}/cancel", post(response_object))
+        // An Anthropic-style messages endpoint, as LiteLLM or vLLM upstreams serve it.
+        .route("/v1/messages", post(response_object))
         // A response without a body.
         .route(
             "/v1/empty",
