@@ -716,9 +716,9 @@ impl Drop for MeteredBody {
             self.usage = f.usage.or(self.usage);
             self.model = f.model.take().or(self.model.take());
             if cut && self.tokens.is_none() && f.events > 0 {
-                // A stream cut before its usage: charged a token a chunk seen, a lower bound
-                // of what the upstream generated (and bills), rather than nothing, which a
-                // caller could have by hanging up just before the end.
+                // A stream cut before its usage: charged a token a chunk seen (about what the
+                // upstream generated; the prompt, which it bills too, is not known), rather
+                // than nothing, which a caller could have by hanging up just before the end.
                 self.tokens = Some(f.events);
                 self.usage = Some(TokenUsage {
                     input: None,
