@@ -500,6 +500,16 @@ async fn proxy(state: AppState, req: Request) -> Response {
     // A Responses API create is read to refuse a background response, which cannot be metered.
     let responses = !completion && metering::is_responses_path(parts.uri.path());
     let body = if metered && parts.method == Method::POST && (completion || responses) {
+        if parts
+            .headers
+            .get(CONTENT_ENCODING)
+            .is_some_and(|e| !e.as_bytes().trim_ascii().eq_ignore_ascii_case(b"identity"))
+        {
+            // Forwarded unread, it could ask for a stream or a background response that goes
+            // uncharged.
+            let err = AppError::BodyEncodingUnsupported;
+            return refuse_body(&key.id, &parts, start, err, "bad_request");
+        }
         // At most `[server] max_body_mib` is held: a body announced larger is refused before
         // a byte of it is read.
         let max_mib = state.inner.max_body_mib;

@@ -42,6 +42,10 @@ pub enum AppError {
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
+    /// A request body the gateway reads before admission came compressed (`Content-Encoding`),
+    /// which it cannot read (415, with `Accept-Encoding: identity` as RFC 7694 has it; nothing
+    /// charged).
+    BodyEncodingUnsupported,
     /// A request body the gateway reads before admission is over `[server] max_body_mib` (413;
     /// nothing charged).
     BodyTooLarge {
@@ -90,6 +94,7 @@ impl AppError {
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            AppError::BodyEncodingUnsupported => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             AppError::UpgradeUnsupported | AppError::TransferCodingUnsupported => {
                 StatusCode::NOT_IMPLEMENTED
             }
@@ -160,6 +165,11 @@ impl AppError {
                 (message, "insufficient_quota", "budget_exceeded")
             }
             AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),
+            AppError::BodyEncodingUnsupported => (
+                "This gateway reads this request's body before forwarding it and cannot read a compressed one: send it without Content-Encoding.".into(),
+                "invalid_request_error",
+                "unsupported_content_encoding",
+            ),
             AppError::BodyTooLarge { max_mib } => (
                 format!("The request body is over this gateway's limit of {max_mib} MiB."),
                 "invalid_request_error",
@@ -240,6 +250,12 @@ impl IntoResponse for AppError {
             "error": { "message": message, "type": kind, "param": null, "code": code }
         });
         let mut resp = (self.status(), Json(body)).into_response();
+        if let AppError::BodyEncodingUnsupported = &self {
+            resp.headers_mut().insert(
+                axum::http::header::ACCEPT_ENCODING,
+                axum::http::HeaderValue::from_static("identity"),
+            );
+        }
         if let AppError::TooManyConnections { retry_after, .. } = &self {
             let h = resp.headers_mut();
             h.insert(

@@ -150,6 +150,9 @@ struct UsageCarrier {
     response: Option<Box<NestedResponse>>,
     /// The model that answered (what budgets price).
     model: Option<String>,
+    /// What the body or event is: a run step's usage (`thread.run.step`) is a part of its run's,
+    /// which the run's own completion event carries whole.
+    object: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -160,6 +163,11 @@ struct NestedResponse {
 
 impl UsageCarrier {
     fn usage(&self) -> Option<TokenUsage> {
+        if self.object.as_deref() == Some("thread.run.step") {
+            // Charged with its run: a step's usage read too would count it twice (a stream
+            // that ends at `requires_action` after a step, then the run's total at its end).
+            return None;
+        }
         self.usage
             .as_ref()
             .or_else(|| self.response.as_ref().and_then(|r| r.usage.as_ref()))
@@ -377,9 +385,19 @@ pub fn is_responses_path(path: &str) -> bool {
 /// `completions`, `responses`, `runs` or `batches` names a stored one). Charging those would
 /// charge the same tokens at every fetch. Every other `POST` is charged the usage its answer
 /// carries (chat completions, responses, embeddings, audio, images, streamed runs and their
-/// `submit_tool_outputs`, other APIs an upstream serves).
+/// `submit_tool_outputs`, a response's `compact`, other APIs an upstream serves).
 pub fn is_generating_request(method: &Method, path: &str) -> bool {
     const STORED: [&[u8]; 4] = [b"completions", b"responses", b"runs", b"batches"];
+    // The creates themselves, however the path starts (read as `is_completion_path` reads it,
+    // so a body rewritten to ask for usage always has its answer read), and the actions on a
+    // stored one that make the upstream generate: a run's tool outputs, a response's
+    // compaction.
+    const GENERATE: [&[u8]; 4] = [
+        b"completions",
+        b"responses",
+        b"submit_tool_outputs",
+        b"compact",
+    ];
     let named =
         |segment: &[u8], names: &[&[u8]]| names.iter().any(|n| segment.eq_ignore_ascii_case(n));
     method == Method::POST
@@ -387,10 +405,8 @@ pub fn is_generating_request(method: &Method, path: &str) -> bool {
             let Some((last, before)) = s.split_last() else {
                 return true;
             };
-            if named(last, &[b"cancel"]) {
-                return false;
-            }
-            named(last, &[b"submit_tool_outputs"]) || !before.iter().any(|x| named(x, &STORED))
+            named(last, &GENERATE)
+                || (!named(last, &[b"cancel"]) && !before.iter().any(|x| named(x, &STORED)))
         })
 }
 
@@ -1249,6 +1265,11 @@ mod tests {
             usage_from_json(br#"{"usage":{"input_tokens":2,"output_tokens":3}}"#),
             Some(5)
         );
+        // A run step's usage is part of its run's, charged when the run completes.
+        let step = br#"{"object":"thread.run.step","usage":{"total_tokens":9}}"#;
+        assert_eq!(usage_from_json(step), None);
+        let run = br#"{"object":"thread.run","usage":{"total_tokens":9}}"#;
+        assert_eq!(usage_from_json(run), Some(9));
     }
 
     #[test]
@@ -1414,8 +1435,11 @@ mod tests {
             "/v1/threads/runs",
             "/v1/threads/t/runs",
             "/v1/threads/t/runs/r/submit_tool_outputs",
+            "/v1/responses/compact",
             "/v1/messages",
             "/v1/batches",
+            // A path whose last segment is a create is one, whatever comes before it.
+            "/v1/runs/chat/completions",
         ] {
             assert!(post(path), "{path}");
         }

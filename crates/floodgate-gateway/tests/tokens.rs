@@ -408,3 +408,23 @@ fn futures_chunks(bytes: Vec<u8>) -> axum::body::Body {
         .collect();
     axum::body::Body::from_stream(futures_util::stream::iter(chunks))
 }
+
+/// A metered key's completion or Responses body is read before it is forwarded; a compressed
+/// one cannot be, and forwarded unread it could ask for what goes uncharged: 415, with
+/// `Accept-Encoding: identity`, nothing charged.
+#[tokio::test]
+async fn a_compressed_body_of_a_metered_key_is_refused_with_415_and_charges_nothing() {
+    let up = fake_upstream().await;
+    let gw = gateway(LIMITED, &up.url()).await;
+    for path in ["/v1/chat/completions", "/v1/responses"] {
+        let mut req = gw.request("POST", path, Some("sk-k"), "\u{1f}\u{8b}not json");
+        req.headers_mut()
+            .insert("content-encoding", "gzip".parse().unwrap());
+        let r = gw.send(req).await;
+        assert_eq!(r.status, 415, "{path}: {}", r.text());
+        assert_eq!(r.header("accept-encoding"), Some("identity"));
+        assert_eq!(r.json()["error"]["code"], "unsupported_content_encoding");
+    }
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+}

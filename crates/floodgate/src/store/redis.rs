@@ -639,11 +639,7 @@ impl Inner {
     }
 
     async fn ping(&self) -> Result<(), String> {
-        let (_, mut conn) = self.connection();
-        ::redis::cmd("PING")
-            .query_async::<()>(&mut conn)
-            .await
-            .map_err(|e| e.to_string())
+        ping(&mut self.connection().1).await
     }
 
     /// Opens the breaker and starts the probe; the first failure of an outage logs it.
@@ -785,6 +781,14 @@ async fn evalsha<T: FromRedisValue>(
     }
 }
 
+/// `PING` on `conn`.
+async fn ping(conn: &mut ConnectionManager) -> Result<(), String> {
+    ::redis::cmd("PING")
+        .query_async::<()>(conn)
+        .await
+        .map_err(|e| e.to_string())
+}
+
 /// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
 async fn probe(inner: Weak<Inner>) {
     // Dropped before Redis answered (its runtime shut down, with a store shared across
@@ -807,8 +811,9 @@ async fn probe(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        let (generation, _) = inner.connection();
-        let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
+        // The connection pinged is the one replaced if the ping times out.
+        let (generation, mut conn) = inner.connection();
+        let answered = tokio::time::timeout(inner.config.connect_timeout, ping(&mut conn)).await;
         match answered {
             Ok(Ok(())) => {
                 inner.reopen();
