@@ -358,11 +358,14 @@ async fn a_background_response_is_refused_and_charges_nothing() {
             .await;
         assert_eq!(r.status, 400, "{body}: {}", r.text());
     }
-    let body = r#"{"model":"m","input":"hi","background":false}"#;
+    // Spacing and field order an upstream may care about: forwarded byte for byte.
+    let body = r#"{ "model":"m",  "input":"hi","background" : false }"#;
     let r = gw
         .send(gw.request("POST", "/v1/responses", Some("sk-k"), body))
         .await;
     assert_eq!(r.status, 200);
+    let raw = up.seen.last_raw_body.lock().unwrap().clone();
+    assert_eq!(raw.as_deref(), Some(body.as_bytes()));
     assert_eq!(
         r.header("x-ratelimit-remaining-requests"),
         Some("4"),

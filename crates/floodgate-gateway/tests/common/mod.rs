@@ -29,6 +29,8 @@ pub struct Seen {
     pub hits: Arc<AtomicUsize>,
     pub last_body: Arc<Mutex<Option<Value>>>,
     pub last_headers: Arc<Mutex<Option<HeaderMap>>>,
+    /// The last Responses API body, as its bytes came.
+    pub last_raw_body: Arc<Mutex<Option<Bytes>>>,
     /// TLS handshakes completed (`fake_upstream_tls` only).
     pub tls_handshakes: Arc<AtomicUsize>,
 }
@@ -178,7 +180,12 @@ async fn slow() -> &'static str {
 }
 
 /// A Responses API response object with its usage (total `x-test-tokens`, default 50).
-async fn response_object(headers: HeaderMap) -> axum::Json<Value> {
+async fn response_object(
+    State(seen): State<Seen>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> axum::Json<Value> {
+    *seen.last_raw_body.lock().unwrap() = Some(body);
     let total = header_u64(&headers, "x-test-tokens", 50);
     axum::Json(json!({
         "id": "resp_1",
