@@ -579,7 +579,9 @@ async fn proxy(state: AppState, req: Request) -> Response {
             Ok(d) if d.allowed() => {}
             Ok(d) => {
                 let req = Request::from_parts(parts, Body::empty());
-                return refuse_budget(&state, &key, &req, start, budgets, &d);
+                let rates = peek_rates(&state, &chain).await;
+                let rates = rates.as_ref().map(|r| (r, &*fixed));
+                return refuse_budget(&state, &key, &req, start, budgets, &d, rates);
             }
             Err(e) => return store_error(&key.id, parts, start, e),
         }
@@ -712,6 +714,18 @@ fn store_error(
 /// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
 /// until the budget's period ends. No rate limit was consulted, so no rate-limit state headers.
 /// Counted in the refusal tally like a rate-limit refusal.
+/// The chain's rate-limit state, read by an admission of cost 0 (nothing charged), for a
+/// response refused before admission that must still carry it (DESIGN 6: every response
+/// does); `None` when the store cannot say.
+pub(crate) async fn peek_rates(
+    state: &AppState,
+    chain: &floodgate::Chain,
+) -> Option<ChainDecision> {
+    chain.admit(state.store(), 0).await.ok()
+}
+
+/// The 429 for a request refused by a spent budget, with the chain's rate-limit state
+/// (`rates`, from [`peek_rates`], and the chain's fixed header values) when it could be read.
 pub(crate) fn refuse_budget(
     state: &AppState,
     key: &KeyEntry,
@@ -719,6 +733,7 @@ pub(crate) fn refuse_budget(
     start: Instant,
     budgets: &Budgets,
     decision: &BudgetDecision,
+    rates: Option<(&ChainDecision, &ChainHeaders)>,
 ) -> Response {
     let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
     let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
@@ -752,6 +767,11 @@ pub(crate) fn refuse_budget(
     count_refusal(state, key, b.scope());
     log_local(Some(&key.id), req, start, err.status(), name);
     let mut resp = err.into_response();
+    if let Some((rates, fixed)) = rates {
+        // The state only: `Retry-After` is the budget's (a read of cost 0 says what is left,
+        // not when a request of cost 1 would pass; the rate-limit resets say that).
+        headers::apply(resp.headers_mut(), rates, fixed);
+    }
     headers::apply_retry_after(resp.headers_mut(), wait);
     resp
 }

@@ -61,7 +61,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::app::{
-    AppState, CallerGone, count_refusal, latency_ms, log_local, refuse, refuse_budget,
+    AppState, CallerGone, count_refusal, latency_ms, log_local, peek_rates, refuse, refuse_budget,
 };
 use crate::auth::{KeyEntry, PROTOCOL_KEY_PREFIX, ResolvedChain};
 use crate::budgets::{Prices, spend_later, spend_now};
@@ -343,7 +343,11 @@ pub(crate) async fn open(
     if let Some(budgets) = &budgets {
         match budgets.check(state.store()).await {
             Ok(d) if d.allowed() => {}
-            Ok(d) => return refuse_budget(&state, &key, &req, start, budgets, &d),
+            Ok(d) => {
+                let rates = peek_rates(&state, &chain).await;
+                let rates = rates.as_ref().map(|r| (r, &*fixed));
+                return refuse_budget(&state, &key, &req, start, budgets, &d, rates);
+            }
             Err(e) => return store_error(&req, e),
         }
     }

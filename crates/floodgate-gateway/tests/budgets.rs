@@ -136,10 +136,10 @@ async fn a_spent_daily_budget_refuses_until_midnight_utc_and_charges_no_rate_lim
         );
         assert_eq!(r.header("retry-after"), Some("100"));
         assert_eq!(r.header("retry-after-ms"), Some("100000"));
-        assert!(
-            r.header("x-ratelimit-limit").is_none(),
-            "no rate decision taken"
-        );
+        // The chain's rate-limit state, read without charging (DESIGN 6: every response
+        // carries it): the 7 requests left after the last admitted one.
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("7"));
+        assert!(r.header("x-ratelimit-limit").is_some());
     }
     assert_eq!(
         up.seen.hits(),
@@ -404,4 +404,37 @@ async fn a_budget_spent_while_a_stream_is_in_flight_does_not_cut_it() {
     settle().await;
     // And its own spend (25 + 25 tokens of gpt-4o: 312.5, so 313) was still recorded.
     assert_eq!(spent(&gw, "sk-k", None).await, [625 + 313]);
+}
+
+/// A budget refusal carries the chain's rate-limit state, read without charging: with the
+/// key's one slot taken as well, the caller sees that the rate limit would hold it past the
+/// budget's day too.
+#[tokio::test]
+async fn a_budget_refusal_carries_the_rate_limit_state() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = tiny_budget().replace("requests = 10", "requests = 1");
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    // 4 s before midnight: one request takes the one slot and spends the budget (625 µUSD).
+    clock.advance(Duration::from_secs(96));
+    let r = chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await;
+    assert_eq!(r.status, 200);
+    let r = chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    assert_eq!(
+        r.header("retry-after"),
+        Some("4"),
+        "the budget's day ends in 4 s"
+    );
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("1"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    // The slot is whole again once the request's minute has left the window: 64 s.
+    assert_eq!(r.header("x-ratelimit-reset-requests"), Some("1m4s"));
+    assert_eq!(
+        requests_left(&gw, "sk-k").await,
+        0,
+        "the read charged nothing"
+    );
+    assert_eq!(up.seen.hits(), 1);
 }
