@@ -389,17 +389,37 @@ pub(crate) fn log_local(
     log_line(key, req.method(), req.uri().path(), start, status, decision);
 }
 
-/// The answer to a completion body refused before admission (nothing charged), logged.
-fn refuse_body(
-    key: &str,
-    parts: &axum::http::request::Parts,
+/// What an answer refused before admission needs: the request's key and chain.
+struct Early<'a> {
+    state: &'a AppState,
+    key: &'a str,
+    chain: &'a floodgate::Chain,
+    fixed: &'a ChainHeaders,
     start: Instant,
-    err: AppError,
-    decision: &str,
-) -> Response {
-    let (method, path) = (&parts.method, parts.uri.path());
-    log_line(Some(key), method, path, start, err.status(), decision);
-    err.into_response()
+}
+
+impl Early<'_> {
+    /// The answer `err` to a request refused before admission (nothing charged), logged, with
+    /// the chain's rate-limit state read by an admission of cost 0 (DESIGN 6: every response
+    /// carries it). No `Retry-After`: waiting does not mend the request.
+    async fn refuse(&self, method: &Method, path: &str, err: AppError, decision: &str) -> Response {
+        log_line(
+            Some(self.key),
+            method,
+            path,
+            self.start,
+            err.status(),
+            decision,
+        );
+        let mut resp = err.into_response();
+        if let Some(rates) = peek_rates(self.state, self.chain).await {
+            let h = resp.headers_mut();
+            headers::apply(h, &rates, self.fixed);
+            h.remove(axum::http::header::RETRY_AFTER);
+            h.remove("retry-after-ms");
+        }
+        resp
+    }
 }
 
 /// [`log_local`] for a request already taken apart.
@@ -444,18 +464,24 @@ async fn proxy(state: AppState, req: Request) -> Response {
     if realtime {
         return realtime::open(state, key, req, start).await;
     }
+    let ResolvedChain {
+        chain,
+        headers: fixed,
+        budgets,
+    } = state.keys().chain_for_request(&key, req.headers());
+    let early = Early {
+        state: &state,
+        key: &key.id,
+        chain: &chain,
+        fixed: &fixed,
+        start,
+    };
     if websocket {
         // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
         // can only fail, and be charged for it: refused plainly instead, uncharged.
         let err = AppError::UpgradeUnsupported;
-        log_local(
-            Some(&key.id),
-            &req,
-            start,
-            err.status(),
-            "upgrade_unsupported",
-        );
-        return err.into_response();
+        let (method, path) = (req.method(), req.uri().path());
+        return early.refuse(method, path, err, "upgrade_unsupported").await;
     }
     if req
         .headers()
@@ -466,21 +492,16 @@ async fn proxy(state: AppState, req: Request) -> Response {
         // hyper takes the chunked framing off `gzip, chunked` and leaves the gzip: forwarded
         // without the header (hop-by-hop), the upstream would read compressed bytes as JSON.
         let err = AppError::TransferCodingUnsupported;
-        log_local(Some(&key.id), &req, start, err.status(), "bad_request");
-        return err.into_response();
+        let (method, path) = (req.method(), req.uri().path());
+        return early.refuse(method, path, err, "bad_request").await;
     }
     if has_dot_segment(req.uri().path()) {
         // `/v1/../admin` leaves `/v1/` at an upstream (or a proxy before it) that resolves dot
         // segments, and `/v1/chat/completions/.` is a completion path that metering would miss.
         let err = AppError::BadRequest("The request path has a `.` or `..` segment.".into());
-        log_local(Some(&key.id), &req, start, err.status(), "bad_request");
-        return err.into_response();
+        let (method, path) = (req.method(), req.uri().path());
+        return early.refuse(method, path, err, "bad_request").await;
     }
-    let ResolvedChain {
-        chain,
-        headers: fixed,
-        budgets,
-    } = state.keys().chain_for_request(&key, req.headers());
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let metered = budgets.is_some() || chain.has_reactive();
@@ -508,7 +529,9 @@ async fn proxy(state: AppState, req: Request) -> Response {
             // Forwarded unread, it could ask for a stream or a background response that goes
             // uncharged.
             let err = AppError::BodyEncodingUnsupported;
-            return refuse_body(&key.id, &parts, start, err, "bad_request");
+            return early
+                .refuse(&parts.method, parts.uri.path(), err, "bad_request")
+                .await;
         }
         // At most `[server] max_body_mib` is held: a body announced larger is refused before
         // a byte of it is read.
@@ -520,7 +543,9 @@ async fn proxy(state: AppState, req: Request) -> Response {
             .and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
         if announced.is_some_and(|n| n > max_mib << 20) {
             let err = AppError::BodyTooLarge { max_mib };
-            return refuse_body(&key.id, &parts, start, err, "body_too_large");
+            return early
+                .refuse(&parts.method, parts.uri.path(), err, "body_too_large")
+                .await;
         }
         // Read under the header timeout too: a caller trickling its body would otherwise hold
         // the connection (and up to `max` of memory) for as long as it likes.
@@ -532,22 +557,30 @@ async fn proxy(state: AppState, req: Request) -> Response {
                     .is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) =>
             {
                 let err = AppError::BodyTooLarge { max_mib };
-                return refuse_body(&key.id, &parts, start, err, "body_too_large");
+                return early
+                    .refuse(&parts.method, parts.uri.path(), err, "body_too_large")
+                    .await;
             }
             Ok(Err(e)) => {
                 tracing::debug!(key = %key.id, error = %e, "request body unreadable");
                 let err = AppError::BadRequest("The request body could not be read.".into());
-                return refuse_body(&key.id, &parts, start, err, "bad_request");
+                return early
+                    .refuse(&parts.method, parts.uri.path(), err, "bad_request")
+                    .await;
             }
             Err(_) => {
                 let err = AppError::BodyTimeout;
-                return refuse_body(&key.id, &parts, start, err, "body_timeout");
+                return early
+                    .refuse(&parts.method, parts.uri.path(), err, "body_timeout")
+                    .await;
             }
         };
         if responses {
             if let Err(why) = metering::check_responses_request(&bytes) {
                 let err = AppError::BadRequest(why);
-                return refuse_body(&key.id, &parts, start, err, "bad_request");
+                return early
+                    .refuse(&parts.method, parts.uri.path(), err, "bad_request")
+                    .await;
             }
             Body::from(bytes)
         } else {
@@ -555,7 +588,9 @@ async fn proxy(state: AppState, req: Request) -> Response {
                 Ok(prepared) => prepared,
                 Err(why) => {
                     let err = AppError::BadRequest(why);
-                    return refuse_body(&key.id, &parts, start, err, "bad_request");
+                    return early
+                        .refuse(&parts.method, parts.uri.path(), err, "bad_request")
+                        .await;
                 }
             };
             let bytes = prepared.body;

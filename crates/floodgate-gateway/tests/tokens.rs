@@ -389,6 +389,7 @@ async fn a_body_over_the_limit_is_refused_with_413_and_charges_nothing() {
         .await;
     assert_eq!(r.status, 413, "{}", r.text());
     assert_eq!(r.json()["error"]["code"], "request_too_large");
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("5"));
     // Chunked: no length announced, the limit stops the read.
     let chunks = futures_chunks(big.into_bytes());
     let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), "");
