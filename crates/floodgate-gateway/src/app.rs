@@ -390,19 +390,25 @@ pub(crate) fn log_local(
 }
 
 /// What an answer refused before admission needs: the request's key and chain.
-struct Early<'a> {
-    state: &'a AppState,
-    key: &'a str,
-    chain: &'a floodgate::Chain,
-    fixed: &'a ChainHeaders,
-    start: Instant,
+pub(crate) struct Early<'a> {
+    pub(crate) state: &'a AppState,
+    pub(crate) key: &'a str,
+    pub(crate) chain: &'a floodgate::Chain,
+    pub(crate) fixed: &'a ChainHeaders,
+    pub(crate) start: Instant,
 }
 
 impl Early<'_> {
     /// The answer `err` to a request refused before admission (nothing charged), logged, with
     /// the chain's rate-limit state read by an admission of cost 0 (DESIGN 6: every response
     /// carries it). No `Retry-After`: waiting does not mend the request.
-    async fn refuse(&self, method: &Method, path: &str, err: AppError, decision: &str) -> Response {
+    pub(crate) async fn refuse(
+        &self,
+        method: &Method,
+        path: &str,
+        err: AppError,
+        decision: &str,
+    ) -> Response {
         log_line(
             Some(self.key),
             method,
@@ -746,9 +752,6 @@ fn store_error(
     err.into_response()
 }
 
-/// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
-/// until the budget's period ends. No rate limit was consulted, so no rate-limit state headers.
-/// Counted in the refusal tally like a rate-limit refusal.
 /// The chain's rate-limit state, read by an admission of cost 0 (nothing charged), for a
 /// response refused before admission that must still carry it (DESIGN 6: every response
 /// does); `None` when the store cannot say.
@@ -756,11 +759,17 @@ pub(crate) async fn peek_rates(
     state: &AppState,
     chain: &floodgate::Chain,
 ) -> Option<ChainDecision> {
-    chain.admit(state.store(), 0).await.ok()
+    // A limit that no request can pass (`requests = 0`) passes a cost of 0 and would read as
+    // free with a reset of 0, an invitation to retry forever: asked at cost 1 instead, the
+    // chain answers "never" without reading (or charging) the store, as an admission would.
+    let never = chain.limits().iter().any(|l| !l.fits(1));
+    chain.admit(state.store(), u64::from(never)).await.ok()
 }
 
-/// The 429 for a request refused by a spent budget, with the chain's rate-limit state
-/// (`rates`, from [`peek_rates`], and the chain's fixed header values) when it could be read.
+/// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
+/// until the budget's period ends and the chain's rate-limit state (`rates`, from
+/// [`peek_rates`], and the chain's fixed header values) when it could be read. Counted in the
+/// refusal tally like a rate-limit refusal.
 pub(crate) fn refuse_budget(
     state: &AppState,
     key: &KeyEntry,

@@ -61,7 +61,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
 use crate::app::{
-    AppState, CallerGone, count_refusal, latency_ms, log_local, peek_rates, refuse, refuse_budget,
+    AppState, CallerGone, Early, count_refusal, latency_ms, log_local, peek_rates, refuse,
+    refuse_budget,
 };
 use crate::auth::{KeyEntry, PROTOCOL_KEY_PREFIX, ResolvedChain};
 use crate::budgets::{Prices, spend_later, spend_now};
@@ -298,21 +299,23 @@ pub(crate) async fn open(
     mut req: Request,
     start: Instant,
 ) -> Response {
-    if let Some(why) = malformed(&req) {
-        log_local(
-            Some(&key.id),
-            &req,
-            start,
-            StatusCode::BAD_REQUEST,
-            "bad_request",
-        );
-        return AppError::BadRequest(why.into()).into_response();
-    }
     let ResolvedChain {
         chain,
         headers: fixed,
         budgets,
     } = state.keys().chain_for_request(&key, req.headers());
+    if let Some(why) = malformed(&req) {
+        let early = Early {
+            state: &state,
+            key: &key.id,
+            chain: &chain,
+            fixed: &fixed,
+            start,
+        };
+        let err = AppError::BadRequest(why.into());
+        let (method, path) = (req.method(), req.uri().path());
+        return early.refuse(method, path, err, "bad_request").await;
+    }
     let sessions = state.sessions();
     // The cap first: a refusal for a full process charges nothing.
     let Some(slot) = sessions.live().take(sessions.max) else {

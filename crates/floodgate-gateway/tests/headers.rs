@@ -237,6 +237,14 @@ tpm = 1000
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("never"), "{message}");
     assert_eq!(up.seen.hits(), 0);
+    // A request refused before admission says the same, not "free, retry now".
+    let r = gw
+        .send(gw.request("GET", "/v1/./models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 400);
+    assert_eq!(r.header("ratelimit"), Some("\"key\";r=0"));
+    assert_eq!(r.header("x-ratelimit-reset-requests"), None);
+    assert_eq!(r.header("retry-after"), None);
 }
 
 #[tokio::test]

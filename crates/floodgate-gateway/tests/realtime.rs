@@ -872,6 +872,9 @@ async fn malformed_upgrades_charge_nothing() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 400, "no Sec-WebSocket-Key");
+    // With the chain's state, read without charging.
+    let left = resp.headers().get("x-ratelimit-remaining-requests");
+    assert_eq!(left.and_then(|v| v.to_str().ok()), Some("5"));
     assert_eq!(up.seen.count(), 0);
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
