@@ -523,10 +523,12 @@ async fn proxy(state: AppState, req: Request) -> Response {
     }
     let mut stream_req = None;
     let mut request_model = None;
-    let completion = metering::is_completion_path(parts.uri.path());
+    // Read only for a metered POST: every other request passes without looking at its path.
+    let read = metered && parts.method == Method::POST;
+    let completion = read && metering::is_completion_path(parts.uri.path());
     // A Responses API create is read to refuse a background response, which cannot be metered.
-    let responses = !completion && metering::is_responses_path(parts.uri.path());
-    let body = if metered && parts.method == Method::POST && (completion || responses) {
+    let responses = read && !completion && metering::is_responses_path(parts.uri.path());
+    let body = if completion || responses {
         if parts
             .headers
             .get(CONTENT_ENCODING)

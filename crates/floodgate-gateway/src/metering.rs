@@ -363,7 +363,7 @@ pub fn check_responses_request(body: &[u8]) -> Result<(), String> {
 /// checked.
 pub fn is_completion_path(path: &str) -> bool {
     with_segments(path, |s| {
-        s.last()
+        s.next_back()
             .is_some_and(|l| l.eq_ignore_ascii_case(b"completions"))
     })
 }
@@ -372,7 +372,7 @@ pub fn is_completion_path(path: &str) -> bool {
 /// [`is_completion_path`] reads a path.
 pub fn is_responses_path(path: &str) -> bool {
     with_segments(path, |s| {
-        s.last()
+        s.next_back()
             .is_some_and(|l| l.eq_ignore_ascii_case(b"responses"))
     })
 }
@@ -402,25 +402,39 @@ pub fn is_generating_request(method: &Method, path: &str) -> bool {
         |segment: &[u8], names: &[&[u8]]| names.iter().any(|n| segment.eq_ignore_ascii_case(n));
     method == Method::POST
         && with_segments(path, |s| {
-            let Some((last, before)) = s.split_last() else {
+            let Some(last) = s.next_back() else {
                 return true;
             };
-            named(last, &GENERATE)
-                || (!named(last, &[b"cancel"]) && !before.iter().any(|x| named(x, &STORED)))
+            if named(last, &GENERATE) {
+                return true;
+            }
+            if named(last, &[b"cancel"]) {
+                return false;
+            }
+            // A segment after a stored collection's name names a stored one.
+            for segment in &mut *s {
+                if named(segment, &STORED) {
+                    return false;
+                }
+            }
+            true
         })
 }
 
 /// `f` of the path's non-empty segments, read as a lenient upstream may read them (see
 /// [`is_completion_path`]): percent-escapes decoded, `\\` taken for `/`, each segment's `;`
-/// parameters dropped. `false` for a path that does not start with `/`.
-fn with_segments(path: &str, f: impl FnOnce(&[&[u8]]) -> bool) -> bool {
+/// parameters dropped. `false` for a path that does not start with `/`. Nothing is allocated
+/// for a path without percent-escapes.
+fn with_segments(
+    path: &str,
+    f: impl FnOnce(&mut dyn DoubleEndedIterator<Item = &[u8]>) -> bool,
+) -> bool {
     let decoded = percent_decoded(path.as_bytes());
-    let segments: Vec<&[u8]> = decoded
+    let mut segments = decoded
         .split(|&b| b == b'/' || b == b'\\')
         .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
-        .filter(|segment| !segment.is_empty())
-        .collect();
-    decoded.starts_with(b"/") && f(&segments)
+        .filter(|segment| !segment.is_empty());
+    decoded.starts_with(b"/") && f(&mut segments)
 }
 
 /// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
