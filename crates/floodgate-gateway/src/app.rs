@@ -392,7 +392,7 @@ pub(crate) fn log_local(
 /// What an answer refused before admission needs: the request's key and chain.
 pub(crate) struct Early<'a> {
     pub(crate) state: &'a AppState,
-    pub(crate) key: &'a str,
+    pub(crate) key: &'a KeyEntry,
     pub(crate) chain: &'a floodgate::Chain,
     pub(crate) fixed: &'a ChainHeaders,
     pub(crate) start: Instant,
@@ -410,7 +410,7 @@ impl Early<'_> {
         decision: &str,
     ) -> Response {
         log_line(
-            Some(self.key),
+            Some(&self.key.id),
             method,
             path,
             self.start,
@@ -418,12 +418,75 @@ impl Early<'_> {
             decision,
         );
         let mut resp = err.into_response();
-        if let Some(rates) = peek_rates(self.state, self.chain).await {
+        if let Some(rates) = self.rates().await {
             let h = resp.headers_mut();
             headers::apply(h, &rates, self.fixed);
             h.remove(axum::http::header::RETRY_AFTER);
             h.remove("retry-after-ms");
         }
+        resp
+    }
+
+    /// The chain's rate-limit state, read by an admission of cost 0 (nothing charged);
+    /// `None` when the store cannot say.
+    async fn rates(&self) -> Option<ChainDecision> {
+        // A limit that no request can pass (`requests = 0`) passes a cost of 0 and would read
+        // as free with a reset of 0, an invitation to retry forever: asked at cost 1 instead,
+        // the chain answers "never" without reading (or charging) the store, as an admission
+        // would.
+        let never = self.chain.limits().iter().any(|l| !l.fits(1));
+        let cost = u64::from(never);
+        self.chain.admit(self.state.store(), cost).await.ok()
+    }
+
+    /// The 429 for a request refused by a spent budget: `insufficient_quota`, with
+    /// `Retry-After` until the budget's period ends and the chain's rate-limit state when it
+    /// could be read. Counted in the refusal tally like a rate-limit refusal.
+    pub(crate) async fn refuse_budget(
+        &self,
+        (method, path): (&Method, &str),
+        budgets: &Budgets,
+        decision: &BudgetDecision,
+    ) -> Response {
+        let (state, key, start) = (self.state, self.key, self.start);
+        let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
+        let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
+            let err = AppError::Internal("refused without an exceeded budget".into());
+            log_line(Some(&key.id), method, path, start, err.status(), "refused");
+            return err.into_response();
+        };
+        let name = match b.scope() {
+            floodgate::ScopeKind::Key => "budget:key",
+            floodgate::ScopeKind::Project => "budget:project",
+            floodgate::ScopeKind::Team => "budget:team",
+            floodgate::ScopeKind::BusinessUnit => "budget:business_unit",
+            floodgate::ScopeKind::Org => "budget:org",
+            floodgate::ScopeKind::Customer => "budget:customer",
+            floodgate::ScopeKind::Gateway => "budget:gateway",
+        };
+        // The wait is until every exceeded budget's period ends: when another one's ends after
+        // the named one's, the message says which kind it is, or "retry after 23 days" under a
+        // "daily cap" would read as a mistake.
+        let later = decision
+            .waits_for
+            .filter(|&i| Some(i) != decision.exceeded_by)
+            .and_then(|i| budgets.budgets().get(i))
+            .map(|other| (other.scope(), other.period()));
+        let err = AppError::BudgetExceeded {
+            scope: b.scope(),
+            period: b.period(),
+            later,
+            retry_after: wait,
+        };
+        count_refusal(state, key, b.scope());
+        log_line(Some(&key.id), method, path, start, err.status(), name);
+        let mut resp = err.into_response();
+        if let Some(rates) = self.rates().await {
+            // The state only: `Retry-After` is the budget's (a read of cost 0 says what is
+            // left, not when a request of cost 1 would pass; the rate-limit resets say that).
+            headers::apply(resp.headers_mut(), &rates, self.fixed);
+        }
+        headers::apply_retry_after(resp.headers_mut(), wait);
         resp
     }
 }
@@ -477,7 +540,7 @@ async fn proxy(state: AppState, req: Request) -> Response {
     } = state.keys().chain_for_request(&key, req.headers());
     let early = Early {
         state: &state,
-        key: &key.id,
+        key: &key,
         chain: &chain,
         fixed: &fixed,
         start,
@@ -621,10 +684,8 @@ async fn proxy(state: AppState, req: Request) -> Response {
         match budgets.check(state.store()).await {
             Ok(d) if d.allowed() => {}
             Ok(d) => {
-                let req = Request::from_parts(parts, Body::empty());
-                let rates = peek_rates(&state, &chain).await;
-                let rates = rates.as_ref().map(|r| (r, &*fixed));
-                return refuse_budget(&state, &key, &req, start, budgets, &d, rates);
+                let at = (&parts.method, parts.uri.path());
+                return early.refuse_budget(at, budgets, &d).await;
             }
             Err(e) => return store_error(&key.id, parts, start, e),
         }
@@ -752,74 +813,6 @@ fn store_error(
     };
     log_local(Some(key), &req, start, err.status(), "store_error");
     err.into_response()
-}
-
-/// The chain's rate-limit state, read by an admission of cost 0 (nothing charged), for a
-/// response refused before admission that must still carry it (DESIGN 6: every response
-/// does); `None` when the store cannot say.
-pub(crate) async fn peek_rates(
-    state: &AppState,
-    chain: &floodgate::Chain,
-) -> Option<ChainDecision> {
-    // A limit that no request can pass (`requests = 0`) passes a cost of 0 and would read as
-    // free with a reset of 0, an invitation to retry forever: asked at cost 1 instead, the
-    // chain answers "never" without reading (or charging) the store, as an admission would.
-    let never = chain.limits().iter().any(|l| !l.fits(1));
-    chain.admit(state.store(), u64::from(never)).await.ok()
-}
-
-/// The 429 for a request refused by a spent budget: `insufficient_quota`, with `Retry-After`
-/// until the budget's period ends and the chain's rate-limit state (`rates`, from
-/// [`peek_rates`], and the chain's fixed header values) when it could be read. Counted in the
-/// refusal tally like a rate-limit refusal.
-pub(crate) fn refuse_budget(
-    state: &AppState,
-    key: &KeyEntry,
-    req: &Request,
-    start: Instant,
-    budgets: &Budgets,
-    decision: &BudgetDecision,
-    rates: Option<(&ChainDecision, &ChainHeaders)>,
-) -> Response {
-    let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
-    let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
-        let err = AppError::Internal("refused without an exceeded budget".into());
-        log_local(Some(&key.id), req, start, err.status(), "refused");
-        return err.into_response();
-    };
-    let name = match b.scope() {
-        floodgate::ScopeKind::Key => "budget:key",
-        floodgate::ScopeKind::Project => "budget:project",
-        floodgate::ScopeKind::Team => "budget:team",
-        floodgate::ScopeKind::BusinessUnit => "budget:business_unit",
-        floodgate::ScopeKind::Org => "budget:org",
-        floodgate::ScopeKind::Customer => "budget:customer",
-        floodgate::ScopeKind::Gateway => "budget:gateway",
-    };
-    // The wait is until every exceeded budget's period ends: when another one's ends after the
-    // named one's, the message says which kind it is, or "retry after 23 days" under a "daily
-    // cap" would read as a mistake.
-    let later = decision
-        .waits_for
-        .filter(|&i| Some(i) != decision.exceeded_by)
-        .and_then(|i| budgets.budgets().get(i))
-        .map(|other| (other.scope(), other.period()));
-    let err = AppError::BudgetExceeded {
-        scope: b.scope(),
-        period: b.period(),
-        later,
-        retry_after: wait,
-    };
-    count_refusal(state, key, b.scope());
-    log_local(Some(&key.id), req, start, err.status(), name);
-    let mut resp = err.into_response();
-    if let Some((rates, fixed)) = rates {
-        // The state only: `Retry-After` is the budget's (a read of cost 0 says what is left,
-        // not when a request of cost 1 would pass; the rate-limit resets say that).
-        headers::apply(resp.headers_mut(), rates, fixed);
-    }
-    headers::apply_retry_after(resp.headers_mut(), wait);
-    resp
 }
 
 /// Logs the request line of a caller that went away while its request waited for the upstream

@@ -60,10 +60,7 @@ use serde::Deserialize;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::watch;
 
-use crate::app::{
-    AppState, CallerGone, Early, count_refusal, latency_ms, log_local, peek_rates, refuse,
-    refuse_budget,
-};
+use crate::app::{AppState, CallerGone, Early, count_refusal, latency_ms, log_local, refuse};
 use crate::auth::{KeyEntry, PROTOCOL_KEY_PREFIX, ResolvedChain};
 use crate::budgets::{Prices, spend_later, spend_now};
 use crate::config::RealtimeConfig;
@@ -304,14 +301,14 @@ pub(crate) async fn open(
         headers: fixed,
         budgets,
     } = state.keys().chain_for_request(&key, req.headers());
+    let early = Early {
+        state: &state,
+        key: &key,
+        chain: &chain,
+        fixed: &fixed,
+        start,
+    };
     if let Some(why) = malformed(&req) {
-        let early = Early {
-            state: &state,
-            key: &key.id,
-            chain: &chain,
-            fixed: &fixed,
-            start,
-        };
         let err = AppError::BadRequest(why.into());
         let (method, path) = (req.method(), req.uri().path());
         return early.refuse(method, path, err, "bad_request").await;
@@ -347,9 +344,8 @@ pub(crate) async fn open(
         match budgets.check(state.store()).await {
             Ok(d) if d.allowed() => {}
             Ok(d) => {
-                let rates = peek_rates(&state, &chain).await;
-                let rates = rates.as_ref().map(|r| (r, &*fixed));
-                return refuse_budget(&state, &key, &req, start, budgets, &d, rates);
+                let at = (req.method(), req.uri().path());
+                return early.refuse_budget(at, budgets, &d).await;
             }
             Err(e) => return store_error(&req, e),
         }
