@@ -1867,6 +1867,8 @@ async fn a_budget_read_fails_open_or_closed_and_a_spend_fails() {
 struct Relay {
     addr: std::net::SocketAddr,
     silenced: tokio::sync::watch::Sender<u64>,
+    /// Connections that have gone silent.
+    silent: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Relay {
@@ -1874,9 +1876,12 @@ impl Relay {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (silenced, watch) = tokio::sync::watch::channel(0u64);
+        let silent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = Arc::clone(&silent);
         tokio::spawn(async move {
             while let Ok((mut down, _)) = listener.accept().await {
                 let mut watch = watch.clone();
+                let counted = Arc::clone(&counted);
                 tokio::spawn(async move {
                     let mut up = tokio::net::TcpStream::connect(("127.0.0.1", target))
                         .await
@@ -1887,17 +1892,30 @@ impl Relay {
                         _ = watch.wait_for(|&g| g != born) => true,
                     };
                     if silent {
+                        counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                         // Both sockets stay open and unread for as long as the test runs.
                         std::future::pending::<()>().await;
                     }
                 });
             }
         });
-        Relay { addr, silenced }
+        Relay {
+            addr,
+            silenced,
+            silent,
+        }
     }
 
-    fn go_silent(&self) {
+    /// Silences the connections held now, and returns once one of them has stopped relaying
+    /// (the store holds one): nothing written after it gets through.
+    async fn go_silent(&self) {
+        let before = self.silent.load(std::sync::atomic::Ordering::SeqCst);
         self.silenced.send_modify(|g| *g += 1);
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while self.silent.load(std::sync::atomic::Ordering::SeqCst) == before {
+            assert!(Instant::now() < deadline, "the relay did not go silent");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 }
 
@@ -1923,7 +1941,7 @@ async fn a_connection_gone_silent_is_replaced_and_enforcement_resumes() {
     let chain = Chain::new(vec![req("silent", ScopeKind::Key, 1000)]);
     assert!(chain.admit(&store, 1).await.unwrap().enforced);
 
-    relay.go_silent();
+    relay.go_silent().await;
     let d = chain.admit(&store, 1).await.unwrap();
     assert!(d.admitted && !d.enforced, "the timed-out call fails open");
     let deadline = Instant::now() + Duration::from_secs(5);
