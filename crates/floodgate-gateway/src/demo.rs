@@ -22,6 +22,9 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 
+use crate::openai::frames::frame;
+use crate::openai::realtime::query_model;
+
 /// The demo's reply to every chat completion.
 pub const REPLY: &str =
     "Hello from the floodgate demo upstream! This is a fixed reply, not a model.";
@@ -210,7 +213,7 @@ fn realtime_upgrade(mut req: hyper::Request<Incoming>) -> Response {
     };
     let accept = websocket_accept(key.as_bytes());
     // Read as the gateway reads it (it refuses a query that could be read two ways).
-    let model = crate::realtime::query_model(req.uri()).unwrap_or_else(|| MODEL.to_owned());
+    let model = query_model(req.uri()).unwrap_or_else(|| MODEL.to_owned());
     // Offered by OpenAI's browser clients: taken, as the Realtime API does.
     let realtime_protocol = req
         .headers()
@@ -333,21 +336,7 @@ async fn read_message<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S) -> Option<C
 
 /// Writes one unmasked (server) frame; a failure ends the session at the next read.
 async fn send_frame<S: AsyncWrite + Unpin>(io: &mut S, opcode: u8, payload: &[u8]) {
-    let mut out = Vec::with_capacity(payload.len() + 10);
-    out.push(0x80 | opcode);
-    match payload.len() {
-        n if n < 126 => out.push(n as u8),
-        n if n <= 0xffff => {
-            out.push(126);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-        n => {
-            out.push(127);
-            out.extend_from_slice(&(n as u64).to_be_bytes());
-        }
-    }
-    out.extend_from_slice(payload);
-    let _ = io.write_all(&out).await;
+    let _ = io.write_all(&frame(true, opcode, payload, None)).await;
     let _ = io.flush().await;
 }
 

@@ -232,6 +232,17 @@ impl AppError {
     }
 }
 
+/// A store that could not decide: 503 when it fails closed (`Unavailable`), any other failure
+/// an internal error (500, its cause logged, never echoed).
+impl From<floodgate::Error> for AppError {
+    fn from(e: floodgate::Error) -> AppError {
+        match e {
+            floodgate::Error::Unavailable(why) => AppError::StoreUnavailable(why),
+            other => AppError::Internal(other.to_string()),
+        }
+    }
+}
+
 impl IntoResponse for AppError {
     fn into_response(self) -> Response {
         match &self {

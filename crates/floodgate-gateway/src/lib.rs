@@ -1,20 +1,16 @@
 //! The floodgate gateway: an OpenAI-compatible reverse proxy that authenticates callers by key,
 //! resolves each key to its scope chain, and enforces request and token limits on the whole chain
-//! through the [`floodgate`] library.
+//! through the [`floodgate`] library. How it is built, and the flow of one request, is
+//! docs/design.md §8.
 //!
-//! - [`config`]: the TOML config, validated with file/line/field errors;
-//! - [`auth`]: bearer secret -> key -> precomputed chain;
-//! - [`app`](mod@app): the router and the server loop;
-//! - [`server`]: the process: worker threads, store, signals, draining;
-//! - [`proxy`]: forwarding, streaming both ways, over TLS to `https://` upstreams;
-//! - [`metering`]: tokens from JSON bodies and event streams, charged after the response;
-//! - [`budgets`]: spend caps per scope per day or month, priced per model;
-//! - [`realtime`]: Realtime API WebSocket sessions, their cap and their token meter;
-//! - [`headers`]: rate-limit response headers;
-//! - [`demo`]: the built-in demo upstream;
-//! - [`error`]: OpenAI-style errors;
-//! - [`store`]: the store selected by the config;
-//! - [`tally`]: the refusal tally and `/alerts`.
+//! What an embedder (and `floodgate serve`) uses:
+//!
+//! - [`Config`]: the TOML config, validated with file/line/field errors ([`config`]);
+//! - [`store::open`]: the store the config selects;
+//! - [`AppState`]: one worker's state; [`app`] (an axum router) or [`run`] (an accept loop)
+//!   serve it;
+//! - [`server::serve`]: the whole process, with worker threads, signals and draining;
+//! - [`tally`]: the refusal tally and its alerts.
 //!
 //! Embedding the gateway (what `floodgate serve` does, minus worker threads and signals):
 //!
@@ -31,20 +27,29 @@
 //! ```
 #![cfg_attr(not(test), warn(clippy::unwrap_used))]
 
-pub mod app;
+// The request pipeline and what it calls, arrows pointing one way (docs/design.md §8):
+// server -> http -> (realtime, metering, charge, upstream, ...) -> openai.
+mod access_log;
 pub mod auth;
-pub mod budgets;
+mod charge;
 pub mod config;
 pub mod demo;
 pub mod error;
 pub mod headers;
-pub mod metering;
-pub mod proxy;
+pub mod http;
+mod metering;
+mod openai;
+pub mod pricing;
 pub mod realtime;
 pub mod server;
+pub mod startup;
 pub mod store;
 pub mod tally;
 mod tls;
+pub mod upstream;
 
-pub use app::{AppState, app, run};
+pub use charge::Charger;
 pub use config::{Config, ConfigError};
+pub use http::{AppState, app, route};
+pub use server::run;
+pub use startup::StartError;

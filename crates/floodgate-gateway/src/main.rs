@@ -7,10 +7,10 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 use floodgate::ScopeKind;
 use floodgate_gateway::auth::Keys;
-use floodgate_gateway::budgets::Prices;
 use floodgate_gateway::config::{
     Backend, Config, GATEWAY_ID, OnError, UpstreamTarget, per_million,
 };
+use floodgate_gateway::pricing::Prices;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc instead of the system allocator: a proxied request makes some 30 small, short-lived

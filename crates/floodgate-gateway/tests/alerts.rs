@@ -143,7 +143,7 @@ usd = 0.000001
     )
     .await;
     assert_eq!(gw.chat("sk-alice", CHAT).await.status, 200);
-    settle().await;
+    gw.settled().await;
     let refused = gw.chat("sk-alice", CHAT).await;
     assert_eq!(refused.status, 429);
     assert_eq!(refused.json()["error"]["type"], "insufficient_quota");

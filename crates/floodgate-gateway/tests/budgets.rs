@@ -68,7 +68,7 @@ async fn chat_as(gw: &Gateway, key: &str, body: &str, model: &str, tokens: u64) 
         .insert("x-test-tokens", tokens.to_string().parse().unwrap());
     let r = gw.send(req).await;
     // Spend (and tokens) are recorded in the background once the body is done.
-    settle().await;
+    gw.settled().await;
     r
 }
 
@@ -303,7 +303,7 @@ usd = 1000
     req.headers_mut()
         .insert("x-test-tokens", "100".parse().unwrap());
     assert_eq!(gw.send(req).await.status, 200);
-    settle().await;
+    gw.settled().await;
     assert_eq!(spent(&gw, "sk-k", Some("cust")).await, [total + 625, 625]);
 }
 
@@ -332,7 +332,7 @@ async fn a_failed_response_spends_nothing() {
         .send(gw.request("POST", "/v1/nothing/completions", Some("sk-k"), CHAT))
         .await;
     assert_eq!(r.status, 404);
-    settle().await;
+    gw.settled().await;
     assert_eq!(spent(&gw, "sk-k", None).await, [0]);
 }
 
@@ -401,7 +401,7 @@ async fn a_budget_spent_while_a_stream_is_in_flight_does_not_cut_it() {
     let events = events(&r.body);
     assert_eq!(events.len(), 4, "the stream ran to its end: {events:?}");
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    settle().await;
+    gw.settled().await;
     // And its own spend (25 + 25 tokens of gpt-4o: 312.5, so 313) was still recorded.
     assert_eq!(spent(&gw, "sk-k", None).await, [625 + 313]);
 }

@@ -113,7 +113,7 @@ tpm = 1000
     assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("1000"));
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("1000"));
     assert_eq!(r.header("x-ratelimit-reset-tokens"), Some("0s"));
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(
         r.header("x-ratelimit-remaining-tokens"),
@@ -147,7 +147,7 @@ tpm = 120
     .await;
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.status, 200);
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-limit"), Some("120"));
@@ -184,7 +184,7 @@ tpm = 1000
     assert_eq!(r.status, 200);
     let total = r.json()["usage"]["total_tokens"].as_u64().unwrap();
     assert!(total > 0);
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT_STREAM).await;
     assert_eq!(r.status, 200);
     assert_eq!(

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use floodgate_gateway::Config;
 use floodgate_gateway::config::{UpstreamConfig, UpstreamTarget};
-use floodgate_gateway::proxy::Upstream;
+use floodgate_gateway::upstream::Upstream;
 
 /// `{ca}` is replaced by the test CA's path.
 const CONFIG: &str = r#"
@@ -57,7 +57,7 @@ async fn a_trusted_https_upstream_answers_and_tokens_are_metered() {
             r.header("x-ratelimit-remaining-tokens"),
             Some(expected_left)
         );
-        settle().await;
+        gw.settled().await;
     }
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.status, 429, "{}", r.text());
@@ -87,7 +87,7 @@ async fn a_stream_over_https_passes_through_and_is_metered() {
     let events = events(&r.body);
     assert_eq!(events.len(), 4, "3 content chunks and [DONE]: {events:?}");
     assert_eq!(events.last().map(String::as_str), Some("[DONE]"));
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT_STREAM).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("30"));
@@ -225,7 +225,9 @@ fn a_ca_file_gone_by_start_stops_the_gateway() {
         },
         timeout: Duration::from_secs(1),
     };
-    let e = Upstream::from_config(&config).unwrap_err();
+    let e = Upstream::from_config(&config, None)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.starts_with("upstream.ca_file: cannot read /no/such/ca.pem"),
         "{e}"

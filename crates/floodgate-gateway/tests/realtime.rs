@@ -777,16 +777,16 @@ async fn tokens_left_at_the_end_are_charged_once_and_large_messages_pass_unmeter
     );
     ws.send(TEXT, b"usage:50").await;
     ws.message().await.unwrap();
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("1000"));
     ws.send(CLOSE, &1000u16.to_be_bytes()).await;
     assert!(ws.closed_within(Duration::from_secs(2)).await);
     live_sessions_reach(&gw, 0).await;
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("890"));
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(
         r.header("x-ratelimit-remaining-tokens"),
@@ -819,7 +819,7 @@ async fn a_session_to_an_https_upstream_goes_over_tls_and_is_metered() {
     ws.send(CLOSE, &1000u16.to_be_bytes()).await;
     assert!(ws.closed_within(Duration::from_secs(2)).await);
     live_sessions_reach(&gw, 0).await;
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("975"));
 }
@@ -934,7 +934,7 @@ tpm = 1000
     assert_eq!(ws.message().await.unwrap().0, CLOSE);
     assert!(ws.closed_within(Duration::from_secs(2)).await);
     live_sessions_reach(&gw, 0).await;
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(
         r.header("x-ratelimit-remaining-tokens"),
@@ -1258,7 +1258,7 @@ async fn spend_is_priced_by_the_model_the_upstreams_session_events_name() {
     ws.send(CLOSE, &1000u16.to_be_bytes()).await;
     assert!(ws.closed_within(Duration::from_secs(2)).await);
     live_sessions_reach(&gw, 0).await;
-    settle().await;
+    gw.settled().await;
     let spent = open(&gw, Some("sk-k"), &[]).await;
     assert_eq!(
         (spent.status.as_u16(), spent.code()),
@@ -1344,7 +1344,7 @@ async fn a_turn_under_way_when_the_caller_fails_is_charged() {
     send_and_reset(&gw, b"usage-later:33").await;
     tokio::time::sleep(Duration::from_millis(600)).await;
     live_sessions_reach(&gw, 0).await;
-    settle().await;
+    gw.settled().await;
     let r = models(&gw, "sk-k").await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("967"));
 }

@@ -391,7 +391,7 @@ usd = 0.0001
     let mut statuses = Vec::new();
     for gw in [&a, &b, &a, &b, &a] {
         statuses.push(budget_chat(gw).await.status.as_u16());
-        settle().await;
+        gw.settled().await;
     }
     // 38, 76, 114: the third answer passes the cap (admitted at 76); then both refuse.
     assert_eq!(statuses, [200, 200, 200, 429, 429]);

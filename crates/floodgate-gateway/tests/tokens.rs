@@ -3,8 +3,6 @@
 
 mod common;
 
-use std::time::Duration;
-
 use common::*;
 use serde_json::Value;
 
@@ -52,7 +50,7 @@ async fn tokens_from_json_bodies_fill_the_window() {
             Some(expected_left)
         );
         assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("100"));
-        settle().await;
+        gw.settled().await;
     }
     let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT);
     req.headers_mut()
@@ -90,12 +88,12 @@ async fn tokens_from_streams_fill_the_window_and_the_usage_chunk_is_hidden() {
         events.iter().all(|e| !e.contains("usage")),
         "usage was not asked for: {events:?}"
     );
-    settle().await;
+    gw.settled().await;
     // 70 of 100: one more stream starts, then the window is full.
     let r = gw.chat("sk-k", CHAT_STREAM).await;
     assert_eq!(r.status, 200);
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("30"));
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT_STREAM).await;
     assert_eq!(r.status, 429);
 }
@@ -115,7 +113,7 @@ async fn the_usage_chunk_is_kept_when_the_caller_asked_for_it() {
     let usage: Value = serde_json::from_str(&events[3]).unwrap();
     assert_eq!(usage["usage"]["total_tokens"], 50);
     assert_eq!(usage["choices"], Value::Array(vec![]));
-    settle().await;
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("50"));
 }
@@ -229,10 +227,10 @@ async fn a_stream_flag_an_upstream_might_read_either_way_is_refused_and_charges_
     );
 }
 
-/// The org's tokens left, `after` the caller of [`send_and_leave_at`] left.
-async fn tokens_left_after(gw: &Gateway, after: Duration) -> Option<String> {
-    tokio::time::sleep(after).await;
-    settle().await;
+/// The org's tokens left once the charges of every answer so far (that of the caller of
+/// [`send_and_leave_at`] included, however long it is read on) have landed.
+async fn tokens_left(gw: &Gateway) -> Option<String> {
+    gw.settled().await;
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.status, 200);
     r.header("x-ratelimit-remaining-tokens").map(str::to_owned)
@@ -253,7 +251,7 @@ async fn a_json_answer_read_whole_is_charged_when_the_caller_leaves_before_its_e
     .await;
     // Its usage was all there: charged, as a caller that stays would be (well before the
     // upstream's end of body, 5 s on).
-    let left = tokens_left_after(&gw, Duration::from_millis(500)).await;
+    let left = tokens_left(&gw).await;
     assert_eq!(left.as_deref(), Some("40"));
 }
 
@@ -271,7 +269,7 @@ async fn a_stream_left_after_its_answer_is_charged_its_usage_that_came_later() {
         finished,
     )
     .await;
-    let left = tokens_left_after(&gw, Duration::from_millis(800)).await;
+    let left = tokens_left(&gw).await;
     assert_eq!(left.as_deref(), Some("40"));
 }
 
@@ -286,7 +284,7 @@ async fn a_stream_left_mid_answer_is_cut_and_charges_the_chunks_it_passed() {
     // not nothing, which a caller could have by hanging up just before the end.
     let delays = "x-test-last-delay-ms: 1000\r\nx-test-usage-delay-ms: 0\r\n";
     send_and_leave_at(gw.addr, CHAT_STREAM, delays, "Hel").await;
-    let left = tokens_left_after(&gw, Duration::from_millis(1500)).await;
+    let left = tokens_left(&gw).await;
     assert!(matches!(left.as_deref(), Some("99" | "98")), "{left:?}");
 }
 
@@ -309,7 +307,7 @@ async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usa
             50,
             "the body is untouched"
         );
-        settle().await;
+        gw.settled().await;
     }
     let r = gw
         .send(gw.request("POST", "/v1/responses", Some("sk-k"), CHAT))
@@ -320,10 +318,7 @@ async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usa
         Some("100"),
         "the fetches charged nothing"
     );
-    assert_eq!(
-        tokens_left_after(&gw, Duration::ZERO).await.as_deref(),
-        Some("50")
-    );
+    assert_eq!(tokens_left(&gw).await.as_deref(), Some("50"));
 }
 
 /// Any other POST is charged the usage its answer carries, whatever the API: an
@@ -336,7 +331,7 @@ async fn a_post_to_another_api_is_charged_its_usage() {
     req.headers_mut()
         .insert("x-test-tokens", "30".parse().unwrap());
     assert_eq!(gw.send(req).await.status, 200);
-    let left = tokens_left_after(&gw, Duration::ZERO).await;
+    let left = tokens_left(&gw).await;
     assert_eq!(left.as_deref(), Some("70"));
 }
 

@@ -356,6 +356,15 @@ impl Reply {
 }
 
 impl Gateway {
+    /// Resolves once every charge the gateway's answers so far caused has landed (a metered
+    /// body is tracked from its start, so an answer already received counts). Bounded, so that
+    /// a charge that never lands fails the test instead of hanging it.
+    pub async fn settled(&self) {
+        tokio::time::timeout(Duration::from_secs(15), self.state.charges().settled())
+            .await
+            .expect("the gateway's charges landed");
+    }
+
     /// Stops accepting; the server task then drains.
     pub fn shutdown(&self) {
         if let Some(s) = self.stop.lock().unwrap().take() {
@@ -419,11 +428,6 @@ pub const CHAT: &str = r#"{"model":"m","messages":[{"role":"user","content":"hi"
 pub const CHAT_STREAM: &str =
     r#"{"model":"m","stream":true,"messages":[{"role":"user","content":"hi"}]}"#;
 pub const CHAT_STREAM_USAGE: &str = r#"{"model":"m","stream":true,"stream_options":{"include_usage":true},"messages":[{"role":"user","content":"hi"}]}"#;
-
-/// Lets spawned token recording land.
-pub async fn settle() {
-    tokio::time::sleep(Duration::from_millis(100)).await;
-}
 
 /// The `data:` payloads of an event stream.
 pub fn events(body: &[u8]) -> Vec<String> {

@@ -8,6 +8,16 @@
 //! wake other threads. A worker keeps a request's whole life on one thread, as nginx's workers
 //! do. Measured on a loaded 2-core machine against nginx as a plain proxy hop: 77-80% of its
 //! throughput with two workers, 50-85% (erratic) with one work-stealing runtime.
+//!
+//! Each worker serves the pipeline with [`run`] (the accept loop, `accept.rs`); once it has
+//! drained, it waits for the charges its responses caused to land ([`Charger::settled`]), then
+//! stops.
+//!
+//! [`Charger::settled`]: crate::charge::Charger::settled
+
+mod accept;
+
+pub use accept::run;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -17,17 +27,16 @@ use std::time::Duration;
 use tokio::net::TcpSocket;
 use tokio::sync::{mpsc as tmpsc, watch};
 
-use crate::app::{AppState, run};
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
+use crate::http::AppState;
 use crate::metering::LINGER;
 use crate::realtime::LiveSessions;
+use crate::startup::StartError;
 use crate::store::{self, GatewayStore};
 use crate::tally::Tally;
 
 /// How long a graceful shutdown waits for requests in flight before exiting anyway.
 pub const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-/// After a worker has drained, how long its spawned token-recording tasks get to finish.
-const RECORD_GRACE: Duration = Duration::from_millis(300);
 /// How long the tally's flush at exit keeps trying to save (Redis restarting, the file's lock
 /// held by another process's flush) before it gives the counts up, logged.
 const FINAL_FLUSH_WITHIN: Duration = Duration::from_secs(5);
@@ -55,24 +64,24 @@ impl StopClock {
 
 /// Runs the gateway for `config` until SIGTERM or Ctrl-C, then drains. Blocks the calling
 /// thread. Errors are for a gateway that could not start (store, listen address, upstream key).
-pub fn serve(config: &Config) -> Result<(), String> {
+pub fn serve(config: &Config) -> Result<(), StartError> {
     let background = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)
         .thread_name("floodgate-bg")
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))?;
+        .map_err(StartError::Runtime)?;
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_clock = StopClock::default();
     // Read before anything listens: a tally file that cannot be read stops the start.
-    let tally = Arc::new(Tally::open(config)?);
+    let tally = Arc::new(Tally::open(config).map_err(StartError::Tally)?);
     // SIGTERM and Ctrl-C are taken over before anything starts: workers start one at a time
     // (each opening its store: up to the Redis store's 1 s connect timeout with Redis slow to
     // answer), and a signal in that window must stop the start and drain what has started, not
     // kill the process under a worker that already listens.
     let mut signals = {
         let _runtime = background.enter();
-        Signals::new().map_err(|e| format!("cannot install the signal handlers: {e}"))?
+        Signals::new().map_err(StartError::Signals)?
     };
     background.spawn({
         let stop_tx = stop_tx.clone();
@@ -111,7 +120,7 @@ pub fn serve(config: &Config) -> Result<(), String> {
         Backend::Memory => {
             let (store, guard) = background
                 .block_on(store::open(&config.store))
-                .map_err(|e| format!("cannot open the store: {e}"))?;
+                .map_err(StartError::Store)?;
             (Some(store), Some(guard))
         }
         Backend::Redis => (None, None),
@@ -126,12 +135,14 @@ pub fn serve(config: &Config) -> Result<(), String> {
     // the same user) bind it and take half the traffic, each with its own limits. A plain bind
     // first fails if anything listens there already.
     if workers > 1 && config.listen.port() != 0 {
-        std::net::TcpListener::bind(config.listen)
-            .map_err(|e| format!("cannot listen on {}: {e}", config.listen))?;
+        std::net::TcpListener::bind(config.listen).map_err(|source| StartError::Listen {
+            addr: config.listen,
+            source,
+        })?;
     }
     // `[realtime] max_connections` holds for the process: every worker counts on this one.
     let live_sessions = LiveSessions::new();
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, String>>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, StartError>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
     let mut started = 0;
@@ -158,7 +169,9 @@ pub fn serve(config: &Config) -> Result<(), String> {
             .spawn(move || worker.run());
         let ready = match spawned {
             Ok(_) => ready_rx.recv(),
-            Err(e) => Ok(Err(format!("cannot start a worker thread: {e}"))),
+            Err(e) => Ok(Err(StartError::Worker(format!(
+                "cannot start a worker thread: {e}"
+            )))),
         };
         match ready {
             // With `listen = "...:0"` the first worker's port is everyone's.
@@ -171,7 +184,9 @@ pub fn serve(config: &Config) -> Result<(), String> {
                 break;
             }
             Err(_) => {
-                start_failure = Some("a worker thread died at start".to_owned());
+                start_failure = Some(StartError::Worker(
+                    "a worker thread died at start".to_owned(),
+                ));
                 break;
             }
         }
@@ -217,16 +232,13 @@ pub fn serve(config: &Config) -> Result<(), String> {
             tokio::select! {
                 done = done_rx.recv() => match done {
                     Some(Ok(())) => {}
-                    Some(Err(e)) => failure = Some(format!("server failed: {e}")),
+                    Some(Err(e)) => failure = Some(StartError::Server(e)),
                     None => break,
                 },
                 () = &mut deadline => {
                     // Not a clean stop: requests in flight were cut (no log line, no tokens
                     // recorded for them), which a supervisor should see in the exit status.
-                    failure = Some(format!(
-                        "drain timed out after {} s: exiting with requests still in flight",
-                        DRAIN_TIMEOUT.as_secs()
-                    ));
+                    failure = Some(StartError::DrainTimedOut(DRAIN_TIMEOUT));
                     break;
                 }
             }
@@ -258,7 +270,7 @@ struct Worker {
     stop: watch::Receiver<bool>,
     /// When the stop came: the drain deadline counts from it.
     stop_clock: StopClock,
-    ready: mpsc::Sender<Result<SocketAddr, String>>,
+    ready: mpsc::Sender<Result<SocketAddr, StartError>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
 }
 
@@ -270,7 +282,7 @@ impl Worker {
         {
             Ok(rt) => rt,
             Err(e) => {
-                let _ = self.ready.send(Err(format!("cannot start a worker: {e}")));
+                let _ = self.ready.send(Err(StartError::Runtime(e)));
                 return;
             }
         };
@@ -290,7 +302,10 @@ impl Worker {
             let listener = match listen(bind, reuse_port) {
                 Ok(l) => l,
                 Err(e) => {
-                    let _ = ready.send(Err(format!("cannot listen on {bind}: {e}")));
+                    let _ = ready.send(Err(StartError::Listen {
+                        addr: bind,
+                        source: e,
+                    }));
                     return Ok(());
                 }
             };
@@ -304,7 +319,7 @@ impl Worker {
                 None => match store::open(&config.store).await {
                     Ok((s, guard)) => (s, Some(guard)),
                     Err(e) => {
-                        let _ = ready.send(Err(format!("cannot open the store: {e}")));
+                        let _ = ready.send(Err(StartError::Store(e)));
                         return Ok(());
                     }
                 },
@@ -318,21 +333,27 @@ impl Worker {
                     return Ok(());
                 }
             };
-            let _ = ready.send(listener.local_addr().map_err(|e| e.to_string()));
+            let _ = ready.send(listener.local_addr().map_err(StartError::Server));
             let shutdown = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
-            let lingering = state.lingering().clone();
+            let charges = state.charges().clone();
             let result = run(listener, state, shutdown).await;
-            // Bodies read on after their callers left end within LINGER: what they read is
-            // charged by tasks that RECORD_GRACE then lets finish. Both within the process's
-            // drain deadline (with a second to spare), so that a clean drain never overruns it.
+            // Bodies read on after their callers left end within LINGER, and the charges they
+            // and every other response caused are tracked: the worker waits until they have
+            // landed, within the process's drain deadline (with a second to spare), so that a
+            // clean drain never overruns it.
             let left = stop_clock
                 .deadline()
                 .saturating_duration_since(tokio::time::Instant::now())
-                .saturating_sub(RECORD_GRACE + Duration::from_secs(1));
-            let _ = tokio::time::timeout(left.min(LINGER), lingering.idle()).await;
-            tokio::time::sleep(RECORD_GRACE).await;
+                .saturating_sub(Duration::from_secs(1));
+            let charge_wait = LINGER + Duration::from_secs(2);
+            if tokio::time::timeout(left.min(charge_wait), charges.settled())
+                .await
+                .is_err()
+            {
+                tracing::warn!("exiting with charges still in flight");
+            }
             result
         });
         let _ = done.send(result);

@@ -1,21 +1,19 @@
-//! Budgets: spend caps per scope per calendar period (UTC day or month), priced per model.
+//! The price table: what a response spends, priced per model from its usage, for budgets (spend
+//! caps per scope per UTC day or month, docs/design.md §6).
 //!
 //! - Before admission, a request whose chain has budgets reads their spend (charging nothing):
 //!   one that has reached its cap is refused with 429 `insufficient_quota` until its period
-//!   ends, and no rate limit is charged ([`floodgate::Budgets::check`]).
+//!   ends, and no rate limit is charged (`http::admission`).
 //! - After the response, its spend is priced from its usage with the [`Prices`] table and added
-//!   to every budget of the chain once, never replayed ([`spend_later`]).
+//!   to every budget of the chain once, never replayed (`charge`).
 //!
 //! Money is integers: prices in pico-USD per token, spend in micro-USD, rounded up per response.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, PoisonError};
-
-use floodgate::Budgets;
+use std::sync::{Mutex, PoisonError};
 
 use crate::config::{ANY_MODEL, PriceConfig};
-use crate::metering::TokenUsage;
-use crate::store::GatewayStore;
+use crate::openai::usage::TokenUsage;
 
 /// What one model's tokens cost, in pico-USD per token (USD per million tokens × 10^6).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -144,35 +142,6 @@ impl Prices {
             out.push((ANY_MODEL, p));
         }
         out
-    }
-}
-
-/// Adds `micro_usd` to every budget of `budgets`, in the background, once (never replayed).
-pub fn spend_later(store: &GatewayStore, budgets: &Arc<Budgets>, micro_usd: u64) {
-    if micro_usd == 0 || budgets.is_empty() {
-        return;
-    }
-    let Ok(rt) = tokio::runtime::Handle::try_current() else {
-        tracing::warn!(micro_usd, "no runtime to record spend on: dropped");
-        return;
-    };
-    let store = store.clone();
-    let budgets = Arc::clone(budgets);
-    rt.spawn(async move { spend_now(&store, &budgets, micro_usd).await });
-}
-
-/// Adds `micro_usd` to every budget of `budgets` now, once (never replayed).
-pub async fn spend_now(store: &GatewayStore, budgets: &Budgets, micro_usd: u64) {
-    if micro_usd == 0 || budgets.is_empty() {
-        return;
-    }
-    match budgets.spend(store, micro_usd).await {
-        Ok(()) => {}
-        // The store logs an outage (or a dropped connection) once.
-        Err(e @ floodgate::Error::Unavailable(_)) => {
-            tracing::debug!(error = %e, micro_usd, "could not record spend");
-        }
-        Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
     }
 }
 

@@ -1,0 +1,144 @@
+//! The one charger for what responses cost after the fact: tokens to a chain's token limits and
+//! spend to its budgets (docs/design.md §6), each charged once, never replayed on Redis for
+//! spend.
+//!
+//! Every charge is **tracked**: a metered response body holds a [`Held`] from the moment it is
+//! built until its charge has landed (through any read-on after its caller left), and a charge
+//! made in the background holds one until its store call returns. [`Charger::settled`] resolves
+//! once nothing is held, so a draining worker waits for its charges instead of sleeping, and
+//! tests await the charge itself instead of a fixed time.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use floodgate::{Budgets, Chain};
+use tokio::sync::Notify;
+
+use crate::store::GatewayStore;
+
+/// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
+/// clone: every clone tracks into the same count.
+#[derive(Clone, Debug)]
+pub struct Charger {
+    store: GatewayStore,
+    tracked: Arc<Tracked>,
+}
+
+#[derive(Debug, Default)]
+struct Tracked {
+    live: AtomicUsize,
+    idle: Notify,
+}
+
+/// A charge (or a response that will charge) in flight; [`Charger::settled`] waits for it to be
+/// dropped.
+#[derive(Debug)]
+pub struct Held(Arc<Tracked>);
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        if self.0.live.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+impl Charger {
+    /// A charger on `store`, with nothing in flight.
+    pub fn new(store: GatewayStore) -> Charger {
+        Charger {
+            store,
+            tracked: Arc::default(),
+        }
+    }
+
+    /// The store charges go to.
+    pub fn store(&self) -> &GatewayStore {
+        &self.store
+    }
+
+    /// Counts something that will charge until the returned guard is dropped.
+    pub fn hold(&self) -> Held {
+        self.tracked.live.fetch_add(1, Ordering::SeqCst);
+        Held(Arc::clone(&self.tracked))
+    }
+
+    /// Resolves once no charge is in flight and no metered response is still to charge.
+    pub async fn settled(&self) {
+        loop {
+            let idle = self.tracked.idle.notified();
+            if self.tracked.live.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+
+    /// Charges `tokens` to `chain`'s token limits and `micro_usd` to `budgets`, in the
+    /// background, once each; `held` (the response's guard, if any) is released when both have
+    /// landed.
+    pub fn later(
+        &self,
+        chain: Option<&Arc<Chain>>,
+        tokens: u64,
+        budgets: Option<&Arc<Budgets>>,
+        micro_usd: u64,
+        held: Option<Held>,
+    ) {
+        let chain = chain.filter(|c| tokens > 0 && c.has_reactive()).cloned();
+        let budgets = budgets.filter(|b| micro_usd > 0 && !b.is_empty()).cloned();
+        if chain.is_none() && budgets.is_none() {
+            return;
+        }
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped");
+            return;
+        };
+        let held = held.unwrap_or_else(|| self.hold());
+        let charger = self.clone();
+        rt.spawn(async move {
+            if let Some(budgets) = budgets {
+                charger.spend_now(&budgets, micro_usd).await;
+            }
+            if let Some(chain) = chain {
+                charger.tokens_now(&chain, tokens).await;
+            }
+            drop(held);
+        });
+    }
+
+    /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned
+    /// (the response or session it came from is over, or must not be held up by it).
+    pub async fn tokens_now(&self, chain: &Chain, tokens: u64) {
+        if tokens == 0 || !chain.has_reactive() {
+            return;
+        }
+        let _held = self.hold();
+        match chain.record(&self.store, tokens).await {
+            Ok(()) => {}
+            // The store logs an outage (or a dropped connection) once; a line for every
+            // metered response would flood the log for as long as it lasts.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, tokens, "could not record tokens");
+            }
+            Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
+        }
+    }
+
+    /// Adds `micro_usd` to every budget of `budgets` now, once: spend is never replayed, since
+    /// a double-applied increment would corrupt a budget (docs/design.md §5).
+    pub async fn spend_now(&self, budgets: &Budgets, micro_usd: u64) {
+        if micro_usd == 0 || budgets.is_empty() {
+            return;
+        }
+        let _held = self.hold();
+        match budgets.spend(&self.store, micro_usd).await {
+            Ok(()) => {}
+            // The store logs an outage (or a dropped connection) once.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, micro_usd, "could not record spend");
+            }
+            Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
+        }
+    }
+}

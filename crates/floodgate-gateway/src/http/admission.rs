@@ -1,0 +1,256 @@
+//! Admission: the one step that decides whether a request goes on, for every entry point (a
+//! proxied request, a realtime upgrade). docs/design.md §2 and §6.
+//!
+//! A [`Ctx`] is one request's context through the pipeline: the key, its resolved chain and
+//! budgets, the request line and when it arrived. Its answers are the pipeline's only ways to
+//! refuse, each logged once and, for a 429, counted in the refusal tally:
+//!
+//! - [`Ctx::reject`]: refused before admission (a request that cannot be read or forwarded),
+//!   nothing charged, with the chain's rate-limit state read at a cost of 0;
+//! - [`Ctx::admit`]: the chain's budgets read (charging nothing), then the chain admitted in one
+//!   atomic step; a refusal is charged to no limit;
+//! - [`Ctx::upstream_failed`]: the upstream could not answer an admitted request.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, ScopeKind};
+
+use super::state::AppState;
+use crate::access_log::{self, CallerGone, Decision, PendingLine};
+use crate::auth::{KeyEntry, ResolvedChain};
+use crate::error::AppError;
+use crate::headers::{self, ChainHeaders};
+use crate::tally::Subject;
+
+/// One request's context: who sent it, what limits it, what it is.
+pub(super) struct Ctx {
+    pub(super) state: AppState,
+    pub(super) key: Arc<KeyEntry>,
+    pub(super) chain: Arc<Chain>,
+    fixed: Arc<ChainHeaders>,
+    pub(super) budgets: Option<Arc<Budgets>>,
+    pub(super) method: Method,
+    pub(super) uri: Uri,
+    pub(super) start: Instant,
+}
+
+/// An admitted request: the chain's decision (its headers go on every answer) and how the log
+/// line names it.
+pub(super) struct Admitted {
+    decision: ChainDecision,
+    /// [`Decision::Admitted`], or [`Decision::Unenforced`] when the store failed open.
+    pub(super) log_as: Decision,
+}
+
+impl Ctx {
+    /// The context of a request by `key` (authenticated), whose chain is resolved from the
+    /// request's `headers` (the customer it names).
+    pub(super) fn new(
+        state: AppState,
+        key: Arc<KeyEntry>,
+        (method, uri, headers): (&Method, &Uri, &HeaderMap),
+        start: Instant,
+    ) -> Ctx {
+        let ResolvedChain {
+            chain,
+            headers: fixed,
+            budgets,
+        } = state.keys().chain_for_request(&key, headers);
+        Ctx {
+            state,
+            key,
+            chain,
+            fixed,
+            budgets,
+            method: method.clone(),
+            uri: uri.clone(),
+            start,
+        }
+    }
+
+    /// Writes the request's line now.
+    pub(super) fn log(&self, status: StatusCode, decision: Decision) {
+        access_log::write(
+            Some(&self.key.id),
+            &self.method,
+            self.uri.path(),
+            status,
+            self.start,
+            decision,
+            None,
+        );
+    }
+
+    /// The line to write when an admitted request's streaming answer with `status` is done.
+    pub(super) fn pending_line(&self, status: StatusCode, admitted: &Admitted) -> PendingLine {
+        PendingLine {
+            key: Arc::clone(&self.key.id),
+            method: self.method.clone(),
+            uri: self.uri.clone(),
+            status,
+            start: self.start,
+            decision: admitted.log_as,
+        }
+    }
+
+    /// A guard that writes a 499 line if the caller leaves while the upstream is asked.
+    pub(super) fn caller_gone(&self, admitted: &Admitted) -> CallerGone<'_> {
+        CallerGone::new(
+            &self.key.id,
+            &self.method,
+            &self.uri,
+            self.start,
+            admitted.log_as,
+        )
+    }
+
+    /// `err` as the answer, logged as `decision`, without rate-limit headers.
+    pub(super) fn answer(&self, err: AppError, decision: Decision) -> Response {
+        self.log(err.status(), decision);
+        err.into_response()
+    }
+
+    /// Counts a 429 in the refusal tally: against the gateway if its own scope refused, else
+    /// against the key.
+    pub(super) fn count_refusal(&self, refused_by: ScopeKind) {
+        let subject = match refused_by {
+            ScopeKind::Gateway => Subject::Gateway,
+            _ => Subject::Key(self.key.index),
+        };
+        self.state.refusals().refused(subject);
+    }
+
+    /// The answer `err` to a request refused before admission (nothing charged), logged as
+    /// `decision`, with the chain's rate-limit state read by an admission of cost 0
+    /// (docs/design.md §6: every response carries it). No `Retry-After`: waiting does not mend
+    /// the request.
+    pub(super) async fn reject(&self, err: AppError, decision: Decision) -> Response {
+        let mut resp = self.answer(err, decision);
+        if let Some(rates) = self.rates().await {
+            let h = resp.headers_mut();
+            headers::apply(h, &rates, &self.fixed);
+            h.remove(axum::http::header::RETRY_AFTER);
+            h.remove("retry-after-ms");
+        }
+        resp
+    }
+
+    /// The chain's rate-limit state, read by an admission of cost 0 (nothing charged);
+    /// `None` when the store cannot say.
+    async fn rates(&self) -> Option<ChainDecision> {
+        // A limit that no request can pass (`requests = 0`) passes a cost of 0 and would read
+        // as free with a reset of 0, an invitation to retry forever: asked at cost 1 instead,
+        // the chain answers "never" without reading (or charging) the store, as an admission
+        // would.
+        let never = self.chain.limits().iter().any(|l| !l.fits(1));
+        let cost = u64::from(never);
+        self.chain.admit(self.state.store(), cost).await.ok()
+    }
+
+    /// Admits the request: its budgets first, read without charging anything, so that a spent
+    /// budget refuses before any rate limit is charged; then the chain, in one atomic step, at a
+    /// cost of one request. `Err` is the answer to send: a refusal (429, logged and counted in
+    /// the tally) or the store's failure (503 failing closed, else 500), nothing charged.
+    ///
+    /// The budget read is not part of the chain's atomic step because a budget is reactive (a
+    /// response's spend is known only after it), so an atomic check would be no more exact;
+    /// concurrent requests can overrun a budget by what they spend in flight.
+    pub(super) async fn admit(&self) -> Result<Admitted, Response> {
+        if let Some(budgets) = &self.budgets {
+            match budgets.check(self.state.store()).await {
+                Ok(d) if d.allowed() => {}
+                Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
+                Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
+            }
+        }
+        let decision = match self.chain.admit(self.state.store(), 1).await {
+            Ok(d) => d,
+            Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
+        };
+        if !decision.admitted {
+            return Err(self.refuse(&decision));
+        }
+        let log_as = if decision.enforced {
+            Decision::Admitted
+        } else {
+            Decision::Unenforced
+        };
+        Ok(Admitted { decision, log_as })
+    }
+
+    /// The 429 for a request the chain refused, with the refusing limit's headers; counted in
+    /// the refusal tally.
+    fn refuse(&self, decision: &ChainDecision) -> Response {
+        let (err, log_as) = match decision.refusing() {
+            Some(r) => {
+                self.count_refusal(r.scope);
+                let err = AppError::RateLimited {
+                    scope: r.scope,
+                    charge: r.charge,
+                    limit: r.limit,
+                    retry_after: decision.retry_after,
+                };
+                (err, Decision::Refused(r.scope))
+            }
+            None => {
+                let err = AppError::Internal("refused without a refusing limit".into());
+                (err, Decision::RefusedUnnamed)
+            }
+        };
+        let mut resp = self.answer(err, log_as);
+        headers::apply(resp.headers_mut(), decision, &self.fixed);
+        resp
+    }
+
+    /// The 429 for a request refused by a spent budget: `insufficient_quota`, with
+    /// `Retry-After` until the budget's period ends and the chain's rate-limit state when it
+    /// could be read. Counted in the refusal tally like a rate-limit refusal.
+    async fn refuse_budget(&self, budgets: &Budgets, decision: &BudgetDecision) -> Response {
+        let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
+        let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
+            let err = AppError::Internal("refused without an exceeded budget".into());
+            return self.answer(err, Decision::RefusedUnnamed);
+        };
+        // The wait is until every exceeded budget's period ends: when another one's ends after
+        // the named one's, the message says which kind it is, or "retry after 23 days" under a
+        // "daily cap" would read as a mistake.
+        let later = decision
+            .waits_for
+            .filter(|&i| Some(i) != decision.exceeded_by)
+            .and_then(|i| budgets.budgets().get(i))
+            .map(|other| (other.scope(), other.period()));
+        let err = AppError::BudgetExceeded {
+            scope: b.scope(),
+            period: b.period(),
+            later,
+            retry_after: wait,
+        };
+        self.count_refusal(b.scope());
+        let mut resp = self.answer(err, Decision::Budget(b.scope()));
+        if let Some(rates) = self.rates().await {
+            // The state only: `Retry-After` is the budget's (a read of cost 0 says what is
+            // left, not when a request of cost 1 would pass; the rate-limit resets say that).
+            headers::apply(resp.headers_mut(), &rates, &self.fixed);
+        }
+        headers::apply_retry_after(resp.headers_mut(), wait);
+        resp
+    }
+
+    /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
+    /// logged, with the chain's headers. The request stays charged.
+    pub(super) fn upstream_failed(&self, admitted: &Admitted, err: AppError) -> Response {
+        let mut resp = self.answer(err, admitted.log_as);
+        admitted.apply_headers(resp.headers_mut(), self);
+        resp
+    }
+}
+
+impl Admitted {
+    /// Sets the chain's rate-limit headers on an answer to the admitted request.
+    pub(super) fn apply_headers(&self, headers: &mut HeaderMap, ctx: &Ctx) {
+        headers::apply(headers, &self.decision, &ctx.fixed);
+    }
+}

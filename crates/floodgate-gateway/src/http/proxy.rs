@@ -1,0 +1,130 @@
+//! The `/v1/...` handler: authenticate -> guard -> admit -> forward -> meter, each phase once.
+
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::http::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE};
+use axum::response::{IntoResponse, Response};
+
+use super::admission::Ctx;
+use super::guard::{self, Checked, Rules};
+use super::state::AppState;
+use crate::access_log::{self, Decision};
+use crate::error::AppError;
+use crate::metering::{Meter, MeteredBody, Spend};
+use crate::openai::realtime::is_realtime;
+
+/// Answers a request for `/v1/...`.
+pub(super) async fn proxy(state: AppState, req: Request) -> Response {
+    let start = Instant::now();
+    let websocket = guard::asks_for_websocket(&req);
+    let realtime = websocket && is_realtime(req.uri().path());
+    let key = if realtime {
+        state.keys().authenticate_websocket(req.headers())
+    } else {
+        state.keys().authenticate(req.headers())
+    };
+    let Some(key) = key.cloned() else {
+        let (method, path) = (req.method(), req.uri().path());
+        let status = StatusCode::UNAUTHORIZED;
+        access_log::write(
+            None,
+            method,
+            path,
+            status,
+            start,
+            Decision::Unauthenticated,
+            None,
+        );
+        return AppError::Unauthorized.into_response();
+    };
+    let ctx = Ctx::new(state, key, (req.method(), req.uri(), req.headers()), start);
+    if realtime {
+        return super::realtime::open(ctx, req).await;
+    }
+    if websocket {
+        // Stripped as hop-by-hop, the upgrade would reach the upstream as a plain request that
+        // can only fail, and be charged for it: refused plainly instead, uncharged.
+        let err = AppError::UpgradeUnsupported;
+        return ctx.reject(err, Decision::UpgradeUnsupported).await;
+    }
+    // Budgets are charged from usage too: a chain with budgets is metered like one with a
+    // token limit.
+    let rules = Rules {
+        metered: ctx.budgets.is_some() || ctx.chain.has_reactive(),
+        want_model: ctx.budgets.is_some(),
+        max_body_mib: ctx.state.max_body_mib(),
+        body_timeout: ctx.state.header_timeout(),
+    };
+    let Checked {
+        parts,
+        body,
+        stream,
+        model,
+        generating,
+    } = match guard::check(req, &rules).await {
+        Ok(checked) => checked,
+        Err((err, decision)) => return ctx.reject(err, decision).await,
+    };
+    let admitted = match ctx.admit().await {
+        Ok(admitted) => admitted,
+        Err(refused) => return refused,
+    };
+
+    let gone = ctx.caller_gone(&admitted);
+    let sent = ctx
+        .state
+        .upstream()
+        .send(Request::from_parts(parts, body))
+        .await;
+    gone.disarm();
+    let resp = match sent {
+        Ok(r) => r,
+        Err(err) => return ctx.upstream_failed(&admitted, err),
+    };
+
+    let (mut head, body) = resp.into_parts();
+    admitted.apply_headers(&mut head.headers, &ctx);
+    let meter = if !generating || !head.status.is_success() {
+        Meter::None
+    } else if head
+        .headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|e| !e.as_bytes().eq_ignore_ascii_case(b"identity"))
+    {
+        tracing::warn!(key = %ctx.key.id, "compressed response (unasked for): its tokens are not metered");
+        Meter::None
+    } else {
+        let ctype = head
+            .headers
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("");
+        if ctype.starts_with("text/event-stream") {
+            let strip_usage = stream.is_some_and(|s| !s.caller_wants_usage);
+            if strip_usage {
+                head.headers.remove(CONTENT_LENGTH);
+            }
+            Meter::Sse { strip_usage }
+        } else if ctype.starts_with("application/json") {
+            Meter::Json
+        } else {
+            Meter::None
+        }
+    };
+    if matches!(meter, Meter::None) && !access_log::enabled() {
+        // Nothing to read and no line to write when the body ends (the request log is off):
+        // the upstream body goes out as it is, without a wrapper.
+        return Response::from_parts(head, body);
+    }
+    let line = ctx.pending_line(head.status, &admitted);
+    let spend = ctx.budgets.map(|budgets| Spend {
+        budgets,
+        prices: std::sync::Arc::clone(ctx.state.prices()),
+        request_model: model,
+    });
+    let body = MeteredBody::new(body, meter, (ctx.state.charges(), ctx.chain), spend, line);
+    Response::from_parts(head, Body::new(body))
+}

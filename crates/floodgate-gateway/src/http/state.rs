@@ -1,0 +1,164 @@
+//! [`AppState`]: everything a request needs, one per worker, behind a cheap clone.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+
+use crate::auth::Keys;
+use crate::charge::Charger;
+use crate::config::{Config, UpstreamTarget};
+use crate::pricing::Prices;
+use crate::realtime::{LiveSessions, Sessions};
+use crate::startup::StartError;
+use crate::store::GatewayStore;
+use crate::tally::{Counters, Tally};
+use crate::upstream::{InProcess, Upstream};
+
+/// Everything a request needs; cheap to clone.
+#[derive(Clone, Debug)]
+pub struct AppState {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    keys: Keys,
+    prices: Arc<Prices>,
+    charger: Charger,
+    upstream: Upstream,
+    header_timeout: Duration,
+    /// `[server] max_body_mib`.
+    max_body_mib: u64,
+    /// The process's refusal tally (for `/alerts`) and this state's own counters in it.
+    tally: Arc<Tally>,
+    refusals: Arc<Counters>,
+    /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
+    alerts_secret: Option<[u8; 32]>,
+    sessions: Sessions,
+}
+
+impl AppState {
+    /// State for `config` on `store`, with a refusal tally of its own kept in memory and its
+    /// realtime sessions counted alone. Fails if the upstream cannot be set up (its API key's
+    /// variable missing, say).
+    pub fn new(config: &Config, store: GatewayStore) -> Result<AppState, StartError> {
+        AppState::for_worker(
+            config,
+            store,
+            &Arc::new(Tally::in_memory(config)),
+            LiveSessions::new(),
+        )
+    }
+
+    /// State for `config` on `store` that counts its refusals in `tally` (one state per worker,
+    /// one tally per process).
+    pub fn with_tally(
+        config: &Config,
+        store: GatewayStore,
+        tally: &Arc<Tally>,
+    ) -> Result<AppState, StartError> {
+        AppState::for_worker(config, store, tally, LiveSessions::new())
+    }
+
+    /// State for `config` on `store` whose realtime sessions count against `[realtime]
+    /// max_connections` together with every other state given the same `live` (the workers of
+    /// one process).
+    pub fn with_live_sessions(
+        config: &Config,
+        store: GatewayStore,
+        live: LiveSessions,
+    ) -> Result<AppState, StartError> {
+        AppState::for_worker(config, store, &Arc::new(Tally::in_memory(config)), live)
+    }
+
+    /// One worker's state: its refusals counted in the process's `tally`, its realtime sessions
+    /// in the process's `live`.
+    pub fn for_worker(
+        config: &Config,
+        store: GatewayStore,
+        tally: &Arc<Tally>,
+        live: LiveSessions,
+    ) -> Result<AppState, StartError> {
+        // The demo upstream plugs into the upstream client as an in-process target: the client
+        // knows nothing of the demo.
+        let in_process = (config.upstream.target == UpstreamTarget::Demo).then(|| InProcess {
+            router: crate::demo::router(),
+            realtime: |io| Box::pin(crate::demo::serve_realtime(TokioIo::new(io))),
+        });
+        Ok(AppState {
+            inner: Arc::new(Inner {
+                keys: Keys::from_config(config),
+                prices: Arc::new(Prices::new(&config.prices)),
+                charger: Charger::new(store),
+                upstream: Upstream::from_config(&config.upstream, in_process)?,
+                header_timeout: config.header_timeout,
+                max_body_mib: config.max_body_mib,
+                refusals: tally.worker(),
+                tally: Arc::clone(tally),
+                alerts_secret: config.alerts.secret_sha256,
+                sessions: Sessions::new(&config.realtime, live),
+            }),
+        })
+    }
+
+    /// The live realtime sessions counted against `[realtime] max_connections`.
+    pub fn live_sessions(&self) -> &LiveSessions {
+        self.inner.sessions.live()
+    }
+
+    pub(crate) fn sessions(&self) -> &Sessions {
+        &self.inner.sessions
+    }
+
+    /// The charger of this state's responses: [`Charger::settled`] resolves once every charge
+    /// they caused has landed, which a draining worker (and a test) waits for.
+    pub fn charges(&self) -> &Charger {
+        &self.inner.charger
+    }
+
+    /// The store.
+    pub fn store(&self) -> &GatewayStore {
+        self.inner.charger.store()
+    }
+
+    /// The keys and their chains.
+    pub fn keys(&self) -> &Keys {
+        &self.inner.keys
+    }
+
+    /// The price table budgets are charged from.
+    pub fn prices(&self) -> &Arc<Prices> {
+        &self.inner.prices
+    }
+
+    /// The upstream.
+    pub fn upstream(&self) -> &Upstream {
+        &self.inner.upstream
+    }
+
+    /// `[server] header_timeout_sec`.
+    pub fn header_timeout(&self) -> Duration {
+        self.inner.header_timeout
+    }
+
+    /// `[server] max_body_mib`.
+    pub(crate) fn max_body_mib(&self) -> u64 {
+        self.inner.max_body_mib
+    }
+
+    /// The process's refusal tally.
+    pub(crate) fn tally(&self) -> &Tally {
+        &self.inner.tally
+    }
+
+    /// This state's counters in the refusal tally.
+    pub(crate) fn refusals(&self) -> &Counters {
+        &self.inner.refusals
+    }
+
+    /// The SHA-256 of `[alerts] secret`; `None`: no `/alerts`.
+    pub(crate) fn alerts_secret(&self) -> Option<&[u8; 32]> {
+        self.inner.alerts_secret.as_ref()
+    }
+}

@@ -1,0 +1,230 @@
+//! Request paths as a lenient upstream reads them: which name a completion or a Responses
+//! create, which make the upstream generate (and so are charged their usage), and which carry a
+//! dot segment.
+
+use axum::http::Method;
+
+/// Whether a request path names a completion endpoint (`.../completions`), as a lenient
+/// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), in any case
+/// (`/v1/chat/Completions`), with trailing slashes (`/v1/chat/completions/`) or empty segments,
+/// with backslashes for slashes (as the dot-segment check takes them), and with path
+/// parameters (`/v1/chat/completions;v=1`: servlet containers and some routers drop a
+/// segment's `;...`). A path taken for a completion that is not one only has its body
+/// checked.
+pub fn is_completion_path(path: &str) -> bool {
+    with_segments(path, |s| {
+        s.next_back()
+            .is_some_and(|l| l.eq_ignore_ascii_case(b"completions"))
+    })
+}
+
+/// Whether a request path names the Responses API's create endpoint (`.../responses`), read as
+/// [`is_completion_path`] reads a path.
+pub fn is_responses_path(path: &str) -> bool {
+    with_segments(path, |s| {
+        s.next_back()
+            .is_some_and(|l| l.eq_ignore_ascii_case(b"responses"))
+    })
+}
+
+/// Whether the usage in the answer to this request is charged: a `POST`, except one that acts
+/// on a stored object. Such answers carry the usage of work done, and charged, before: a stored
+/// response, chat completion, run or batch fetched (`GET /v1/responses/{id}`, also as a resumed
+/// stream), cancelled (`POST /v1/responses/{id}/cancel`, any `.../cancel`) or updated
+/// (`POST /v1/chat/completions/{id}`, `POST /v1/threads/{t}/runs/{r}`: a segment after
+/// `completions`, `responses`, `runs` or `batches` names a stored one). Charging those would
+/// charge the same tokens at every fetch. Every other `POST` is charged the usage its answer
+/// carries (chat completions, responses, embeddings, audio, images, streamed runs and their
+/// `submit_tool_outputs`, a response's `compact`, other APIs an upstream serves).
+pub fn is_generating_request(method: &Method, path: &str) -> bool {
+    const STORED: [&[u8]; 4] = [b"completions", b"responses", b"runs", b"batches"];
+    // The creates themselves, however the path starts (read as `is_completion_path` reads it,
+    // so a body rewritten to ask for usage always has its answer read), and the actions on a
+    // stored one that make the upstream generate: a run's tool outputs, a response's
+    // compaction.
+    const GENERATE: [&[u8]; 4] = [
+        b"completions",
+        b"responses",
+        b"submit_tool_outputs",
+        b"compact",
+    ];
+    let named =
+        |segment: &[u8], names: &[&[u8]]| names.iter().any(|n| segment.eq_ignore_ascii_case(n));
+    method == Method::POST
+        && with_segments(path, |s| {
+            let Some(last) = s.next_back() else {
+                return true;
+            };
+            if named(last, &GENERATE) {
+                return true;
+            }
+            if named(last, &[b"cancel"]) {
+                return false;
+            }
+            // A segment after a stored collection's name names a stored one.
+            for segment in &mut *s {
+                if named(segment, &STORED) {
+                    return false;
+                }
+            }
+            true
+        })
+}
+
+/// `f` of the path's non-empty segments, read as a lenient upstream may read them (see
+/// [`is_completion_path`]): percent-escapes decoded, `\\` taken for `/`, each segment's `;`
+/// parameters dropped. `false` for a path that does not start with `/`. Nothing is allocated
+/// for a path without percent-escapes.
+fn with_segments(
+    path: &str,
+    f: impl FnOnce(&mut dyn DoubleEndedIterator<Item = &[u8]>) -> bool,
+) -> bool {
+    let decoded = percent_decoded(path.as_bytes());
+    let mut segments = decoded
+        .split(|&b| b == b'/' || b == b'\\')
+        .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
+        .filter(|segment| !segment.is_empty());
+    decoded.starts_with(b"/") && f(&mut segments)
+}
+
+/// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
+/// borrowed when it has none.
+pub fn percent_decoded(raw: &[u8]) -> std::borrow::Cow<'_, [u8]> {
+    if !raw.contains(&b'%') {
+        return std::borrow::Cow::Borrowed(raw);
+    }
+    let mut decoded = Vec::with_capacity(raw.len());
+    let mut i = 0;
+    while i < raw.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            raw[i],
+            raw.get(i + 1).copied().and_then(hex),
+            raw.get(i + 2).copied().and_then(hex),
+        ) {
+            (b'%', Some(h), Some(l)) => {
+                decoded.push((h * 16 + l) as u8);
+                i += 3;
+            }
+            (b, ..) => {
+                decoded.push(b);
+                i += 1;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(decoded)
+}
+
+/// Whether `path` has a `.` or `..` segment, percent-encoded or not (`/v1/%2e%2e/admin`).
+pub fn has_dot_segment(path: &str) -> bool {
+    let raw = path.as_bytes();
+    if !raw.contains(&b'.') && !raw.contains(&b'%') {
+        return false;
+    }
+    // Decoded twice (`%252e`), split on either slash (`..%2f`, `..\`), each segment cut at a
+    // path parameter (`..;/`): the ways servers and proxies in front of them have resolved
+    // dot segments that a plain check would not see.
+    let once = percent_decoded(raw);
+    let twice = percent_decoded(&once);
+    twice.split(|&b| b == b'/' || b == b'\\').any(|segment| {
+        let segment = segment.split(|&b| b == b';').next().unwrap_or_default();
+        segment == b"." || segment == b".."
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_creating_posts_are_charged_their_usage() {
+        let post = |p| is_generating_request(&Method::POST, p);
+        for path in [
+            "/v1/chat/completions",
+            "/v1/completions",
+            "/v1/responses",
+            "/v1/Responses/",
+            "/v1/embeddings",
+            "/v1/audio/transcriptions",
+            "/v1/audio/speech",
+            "/v1/images/generations",
+            "/v1/respons%65s",
+            "/v1/threads/runs",
+            "/v1/threads/t/runs",
+            "/v1/threads/t/runs/r/submit_tool_outputs",
+            "/v1/responses/compact",
+            "/v1/messages",
+            "/v1/batches",
+            // A path whose last segment is a create is one, whatever comes before it.
+            "/v1/runs/chat/completions",
+        ] {
+            assert!(post(path), "{path}");
+        }
+        for path in [
+            "/v1/responses/resp_1",
+            "/v1/responses/resp_1/cancel",
+            "/v1/responses%2Fresp_1",
+            "/v1/chat/completions/chatcmpl-1",
+            "/v1/threads/t/runs/r",
+            "/v1/threads/t/runs/r/cancel",
+            "/v1/batches/b/cancel",
+            "/v1/fine_tuning/jobs/j/cancel",
+        ] {
+            assert!(!post(path), "{path}");
+        }
+        assert!(!is_generating_request(&Method::GET, "/v1/responses"));
+        assert!(!is_generating_request(&Method::GET, "/v1/chat/completions"));
+    }
+
+    #[test]
+    fn completion_paths_are_matched_as_a_lenient_upstream_reads_them() {
+        assert!(is_completion_path("/v1/chat/completions"));
+        assert!(is_completion_path("/v1/completions"));
+        assert!(is_completion_path("/v1/chat/completion%73"));
+        assert!(is_completion_path("/v1/chat%2Fcompletions"));
+        assert!(is_completion_path("/v1/chat/Completions"));
+        assert!(is_completion_path("/v1/chat/completions/"));
+        assert!(is_completion_path("/v1/chat/COMPLETION%53//"));
+        assert!(is_completion_path("/v1/chat/completions;v=1"));
+        assert!(is_completion_path("/v1/chat/completions%3Bx/"));
+        assert!(is_completion_path("/v1/chat/completions/;x"));
+        assert!(is_completion_path("/v1//completions"));
+        assert!(is_completion_path("/v1/chat%5Ccompletions"));
+        assert!(is_completion_path("/v1/chat\\completions"));
+        assert!(is_completion_path("/completions"));
+        assert!(!is_completion_path("/v1/completions-like"));
+        assert!(!is_completion_path("/v1/embeddings"));
+        assert!(!is_completion_path("/"));
+        assert!(!is_completion_path("completions"));
+        assert!(!is_completion_path("/v1/chat/completions%2"));
+        assert!(!is_completion_path("/v1/models%"));
+    }
+
+    #[test]
+    fn dot_segments_are_found_encoded_or_not() {
+        for path in [
+            "/v1/../metrics",
+            "/v1/./models",
+            "/v1/chat/completions/.",
+            "/v1/chat/completions/..",
+            "/v1/%2e%2e/admin",
+            "/v1/%2E./admin",
+            "/v1/chat/completions/%2e",
+            "/v1/..;/admin",
+            "/v1/..%2fadmin",
+            "/v1/..\\admin",
+            "/v1/%252e%252e/admin",
+        ] {
+            assert!(has_dot_segment(path), "{path}");
+        }
+        for path in [
+            "/v1/models",
+            "/v1/models/gpt-4.1",
+            "/v1/files/a..b",
+            "/v1/x/.well-known",
+            "/v1/%2e%2e%2e",
+        ] {
+            assert!(!has_dot_segment(path), "{path}");
+        }
+    }
+}

@@ -1,0 +1,234 @@
+//! Request bodies the gateway reads before admission: a streaming completion rewritten to ask
+//! the upstream for its usage, a Responses API create checked for what cannot be metered.
+
+use bytes::Bytes;
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+/// A streaming completion request, as the gateway forwards it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamRequest {
+    /// Whether the caller itself asked for the usage chunk.
+    pub caller_wants_usage: bool,
+}
+
+/// A JSON object's top-level fields in the order they came, each value kept as its raw text: a
+/// request is rewritten without building a tree of its (possibly large) values.
+struct TopLevel(Vec<(String, Box<RawValue>)>);
+
+impl<'de> Deserialize<'de> for TopLevel {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Fields;
+        impl<'de> serde::de::Visitor<'de> for Fields {
+            type Value = TopLevel;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<TopLevel, A::Error> {
+                let mut fields = Vec::new();
+                while let Some(field) = map.next_entry::<String, Box<RawValue>>()? {
+                    fields.push(field);
+                }
+                Ok(TopLevel(fields))
+            }
+        }
+        d.deserialize_map(Fields)
+    }
+}
+
+/// A metered completion request, prepared for the upstream.
+#[derive(Debug)]
+pub struct Prepared {
+    /// The body to forward.
+    pub body: Bytes,
+    /// For a streaming request, what the caller asked for.
+    pub stream: Option<StreamRequest>,
+    /// The `model` the request names (a string), which prices its spend when the response
+    /// names none.
+    pub model: Option<String>,
+}
+
+/// Prepares a metered completion request body: a streaming request (`"stream": true`) is
+/// rewritten to ask the upstream for usage. Returns the body to forward, what a streaming
+/// request's caller asked for, and (with `want_model`: for a chain with budgets) the model named.
+///
+/// Refused (the caller gets 400, nothing is charged) where the gateway cannot tell for sure
+/// whether the upstream will stream, since a stream it did not ask usage for would go
+/// uncharged: a body that is not a strict JSON object (a lenient upstream may still read one
+/// with a byte-order mark or a `NaN` in it), a `stream` that is not `true`, `false` or `null`
+/// (some servers take `1` or `"true"` for true), and a body that names `stream` or
+/// `stream_options` twice (servers differ on which one counts).
+pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String> {
+    let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
+        return Err("The request body is not a JSON object.".into());
+    };
+    let field = |name: &str| unique_field(&fields, name);
+    let stream = field("stream")?;
+    let options = field("stream_options")?;
+    // Read only to price a response that names no model: a duplicate or a non-string is no
+    // model rather than an error.
+    let model = if want_model {
+        field("model")
+            .ok()
+            .flatten()
+            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+    } else {
+        None
+    };
+    match stream.map(RawValue::get) {
+        Some("true") => {}
+        None | Some("false" | "null") => {
+            return Ok(Prepared {
+                body,
+                stream: None,
+                model,
+            });
+        }
+        Some(_) => return Err("`stream` must be true or false.".into()),
+    }
+    // The caller's options, with include_usage set; each field once (a duplicate
+    // include_usage would leave the choice to the upstream's parser).
+    let mut opts: serde_json::Map<String, serde_json::Value> = options
+        .and_then(|o| serde_json::from_str(o.get()).ok())
+        .unwrap_or_default();
+    let asked = StreamRequest {
+        caller_wants_usage: opts.get("include_usage") == Some(&serde_json::Value::Bool(true)),
+    };
+    opts.insert("include_usage".into(), serde_json::Value::Bool(true));
+    let opts = serde_json::to_string(&opts).map_err(|e| e.to_string())?;
+    let mut out = Vec::with_capacity(body.len() + 32);
+    out.push(b'{');
+    for (k, v) in &fields {
+        if k == "stream_options" {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        serde_json::to_writer(&mut out, k).map_err(|e| e.to_string())?;
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"stream_options\":");
+    out.extend_from_slice(opts.as_bytes());
+    out.push(b'}');
+    Ok(Prepared {
+        body: Bytes::from(out),
+        stream: Some(asked),
+        model,
+    })
+}
+
+/// The top-level field `name` of a request body, if present; an error (for a 400) if it is
+/// named twice, since servers differ on which one counts.
+fn unique_field<'a>(
+    fields: &'a [(String, Box<RawValue>)],
+    name: &str,
+) -> Result<Option<&'a RawValue>, String> {
+    let mut found = fields.iter().filter(|(k, _)| k == name);
+    let first = found.next().map(|(_, v)| &**v);
+    match found.next() {
+        Some(_) => Err(format!(
+            "The request body has more than one `{name}` field."
+        )),
+        None => Ok(first),
+    }
+}
+
+/// Checks a metered Responses API create body. Refused (the caller gets 400, nothing is
+/// charged): a background response (`"background": true`), which is answered at once without
+/// usage and finishes later, its usage then only in fetches of the stored response, which are
+/// never charged (see [`is_generating_request`]): the gateway could not charge it at all. Also
+/// refused, as for completions, where the upstream's reading is not certain: a body that is not
+/// a strict JSON object, a `background` other than `true`, `false` or `null`, or one named
+/// twice. The body is forwarded as sent.
+pub fn check_responses_request(body: &[u8]) -> Result<(), String> {
+    let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(body) else {
+        return Err("The request body is not a JSON object.".into());
+    };
+    match unique_field(&fields, "background")?.map(RawValue::get) {
+        None | Some("false" | "null") => Ok(()),
+        Some("true") => Err(
+            "Background responses are not available through this gateway: their tokens could \
+             not be counted against your limits. Send the request without `background`."
+                .into(),
+        ),
+        Some(_) => Err("`background` must be true or false.".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stream_requests_ask_for_usage() {
+        let ask = |body: &'static [u8]| {
+            prepare_request(Bytes::from_static(body), false).map(|p| (p.body, p.stream))
+        };
+        let (b, s) = ask(br#"{"stream":true,"model":"m"}"#).unwrap();
+        assert_eq!(
+            s,
+            Some(StreamRequest {
+                caller_wants_usage: false
+            })
+        );
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"model":"m","stream_options":{"include_usage":true}}"#
+        );
+        let (b, s) =
+            ask(br#"{"stream": true, "stream_options": {"include_usage": true}}"#).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(
+            s,
+            Some(StreamRequest {
+                caller_wants_usage: true
+            })
+        );
+        // Other options stay; a non-object is replaced.
+        let (b, _) =
+            ask(br#"{"stream_options":{"x":1,"include_usage":false},"stream":true}"#).unwrap();
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#
+        );
+        let (b, _) = ask(br#"{"stream":true,"stream_options":3}"#).unwrap();
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true}}"#
+        );
+        // Not streaming: forwarded as it came.
+        for body in [
+            &br#"{"model":"m"}"#[..],
+            b"{\"stream\":false}",
+            b"{\"stream\" : null}",
+        ] {
+            let p = prepare_request(Bytes::copy_from_slice(body), false).unwrap();
+            let (b, s) = (p.body, p.stream);
+            assert_eq!((&b[..], s), (body, None));
+        }
+        // Whether the upstream streams would be its guess: refused.
+        for body in [
+            &b"[1]"[..],
+            b"not json",
+            b"\xef\xbb\xbf{\"stream\":true}",
+            b"{\"stream\":true,\"x\":NaN}",
+            b"",
+            b"{\"stream\":1}",
+            b"{\"stream\":\"true\"}",
+        ] {
+            assert!(prepare_request(Bytes::copy_from_slice(body), false).is_err());
+        }
+        // Which `stream` counts depends on the server's parser: refused.
+        assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
+        assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
+    }
+}

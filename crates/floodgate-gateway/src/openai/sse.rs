@@ -1,0 +1,545 @@
+//! A byte-level server-sent event filter: a stream split into whole events as it comes, the
+//! last usage and the model read, the usage-only chunk dropped on demand.
+
+use bytes::{Bytes, BytesMut};
+
+use super::usage::{TokenUsage, UsageCarrier};
+
+/// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
+/// say) is forwarded as it arrives, uninspected, and filtering resumes with the next event.
+const MAX_SSE_EVENT: usize = 8 * 1024 * 1024;
+
+/// Splits an event stream into whole events, reads usage, drops the usage-only chunk on demand.
+pub(crate) struct SseFilter {
+    /// The start of an event not yet complete. (While `oversized`: only the last few bytes, to
+    /// find the event's end if it straddles two frames.)
+    pub(crate) pending: BytesMut,
+    /// How much of `pending` holds no event end: a later search starts near there, so each byte
+    /// is searched about once however the stream is split.
+    searched: usize,
+    /// Forwarding an event too large to hold until its end.
+    oversized: bool,
+    pub(crate) strip_usage: bool,
+    pub(crate) tokens: Option<u64>,
+    /// The last usage read, in detail (what budgets price).
+    pub(crate) usage: Option<TokenUsage>,
+    /// Whether to look for the model that answered (budgets price by it).
+    pub(crate) want_model: bool,
+    /// The model named by the stream's chunks: the usage chunk's, else the first named.
+    pub(crate) model: Option<String>,
+    /// Whether a chunk has given a choice its `finish_reason`: the answer is complete, and only
+    /// the usage chunk (and `[DONE]`) may follow.
+    pub(crate) answered: bool,
+    /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
+    /// tokens (a chunk carries about one).
+    pub(crate) events: u64,
+}
+
+/// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
+/// `event:` line does not).
+fn is_data_event(event: &[u8]) -> bool {
+    event
+        .split(|&b| b == b'\n' || b == b'\r')
+        .filter_map(|line| line.strip_prefix(b"data:"))
+        .any(|data| data.trim_ascii() != b"[DONE]")
+}
+
+/// The length of the line terminator at `buf[i]`: CRLF, LF or CR (the event stream format allows
+/// all three); `Some(0)` if none starts there; `None` if it cannot be told yet (the buffer ends
+/// there, or ends after a CR that a LF may follow).
+fn terminator(buf: &[u8], i: usize) -> Option<usize> {
+    match buf.get(i)? {
+        b'\n' => Some(1),
+        b'\r' => match buf.get(i + 1)? {
+            b'\n' => Some(2),
+            _ => Some(1),
+        },
+        _ => Some(0),
+    }
+}
+
+/// The end (exclusive) of the first complete event in `buf`: the index after the blank line
+/// (two line terminators in a row) that ends it.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    loop {
+        let line_end = i + buf[i..].iter().position(|&b| b == b'\n' || b == b'\r')?;
+        let next = line_end + terminator(buf, line_end)?;
+        match terminator(buf, next)? {
+            0 => i = next,
+            blank => return Some(next + blank),
+        }
+    }
+}
+
+/// The end of the last complete event in `buf[from..]`, as an index into `buf` (0 if none).
+fn last_event_end(buf: &[u8], from: usize) -> usize {
+    let (mut end, mut at) = (0, from);
+    while let Some(e) = event_end(&buf[at..]) {
+        end = at + e;
+        at = end;
+    }
+    end
+}
+
+/// How far back a search resumes: a blank line's terminators, split by a frame boundary.
+const TERMINATOR_LOOKBACK: usize = 3;
+
+impl SseFilter {
+    pub(crate) fn new(strip_usage: bool) -> SseFilter {
+        SseFilter {
+            pending: BytesMut::new(),
+            searched: 0,
+            oversized: false,
+            strip_usage,
+            tokens: None,
+            usage: None,
+            want_model: false,
+            model: None,
+            answered: false,
+            events: 0,
+        }
+    }
+
+    /// Takes the next bytes of the stream; returns what to forward now: the complete events
+    /// among them (possibly none), filtered.
+    pub(crate) fn push(&mut self, data: Bytes) -> Bytes {
+        if self.oversized {
+            return self.push_oversized(data);
+        }
+        if self.pending.is_empty() {
+            let end = last_event_end(&data, 0);
+            self.pending.extend_from_slice(&data[end..]);
+            self.searched = self.pending.len();
+            let out = self.filter(data.slice(..end));
+            if self.pending.len() > MAX_SSE_EVENT {
+                return self.overflow(out);
+            }
+            return out;
+        }
+        self.pending.extend_from_slice(&data);
+        let end = last_event_end(
+            &self.pending,
+            self.searched.saturating_sub(TERMINATOR_LOOKBACK),
+        );
+        let complete = self.pending.split_to(end).freeze();
+        self.searched = self.pending.len();
+        let out = self.filter(complete);
+        if self.pending.len() > MAX_SSE_EVENT {
+            return self.overflow(out);
+        }
+        out
+    }
+
+    /// The event in `pending` is too large to hold: forwards it (after `out`) as it is and what
+    /// follows of it as it comes, keeping only a tail to find its end.
+    fn overflow(&mut self, out: Bytes) -> Bytes {
+        tracing::warn!(
+            max_bytes = MAX_SSE_EVENT,
+            "event stream: an event too large to inspect is forwarded as it comes"
+        );
+        self.oversized = true;
+        let held = self.pending.split().freeze();
+        let mut joined = BytesMut::with_capacity(out.len() + held.len());
+        joined.extend_from_slice(&out);
+        joined.extend_from_slice(&held);
+        self.keep_tail(&held);
+        joined.freeze()
+    }
+
+    fn keep_tail(&mut self, forwarded: &[u8]) {
+        let tail = &forwarded[forwarded.len().saturating_sub(TERMINATOR_LOOKBACK)..];
+        self.pending.clear();
+        self.pending.extend_from_slice(tail);
+    }
+
+    /// Forwards the rest of an oversized event as it comes; once it ends, filtering resumes.
+    fn push_oversized(&mut self, data: Bytes) -> Bytes {
+        // The tail of what was forwarded, then the new bytes: where does the event end?
+        let tail = self.pending.len();
+        let mut window = BytesMut::with_capacity(tail + data.len());
+        window.extend_from_slice(&self.pending);
+        window.extend_from_slice(&data);
+        match event_end(&window) {
+            None => {
+                self.keep_tail(&window);
+                data
+            }
+            Some(e) => {
+                // The tail alone held no event end (at most an undecided one ending with it).
+                let split = e.saturating_sub(tail);
+                self.oversized = false;
+                self.pending.clear();
+                self.searched = 0;
+                let rest = self.push(data.slice(split..));
+                let mut out = BytesMut::with_capacity(split + rest.len());
+                out.extend_from_slice(&data[..split]);
+                out.extend_from_slice(&rest);
+                out.freeze()
+            }
+        }
+    }
+
+    /// What is left when the stream ends (an event without its final blank line).
+    pub(crate) fn flush(&mut self) -> Bytes {
+        if self.oversized {
+            // Its bytes went out already; `pending` only held a copy of the tail.
+            self.pending.clear();
+            return Bytes::new();
+        }
+        let rest = self.pending.split().freeze();
+        self.filter(rest)
+    }
+
+    /// Forwards whole events, inspecting those that mention `usage`.
+    fn filter(&mut self, events: Bytes) -> Bytes {
+        let mut out: Option<BytesMut> = None;
+        let mut start = 0;
+        while start < events.len() {
+            let end = event_end(&events[start..]).map_or(events.len(), |e| start + e);
+            let event = &events[start..end];
+            let action = self.inspect(event);
+            if out.is_none() && !matches!(action, Action::Keep) {
+                // The first change: copy what came before, then build the rest.
+                let mut b = BytesMut::with_capacity(events.len());
+                b.extend_from_slice(&events[..start]);
+                out = Some(b);
+            }
+            if let Some(b) = &mut out {
+                match action {
+                    Action::Keep => b.extend_from_slice(event),
+                    Action::Drop => {}
+                    Action::StripNullUsage(fields) => strip_null_usage(event, &fields, b),
+                }
+            }
+            start = end;
+        }
+        out.map_or(events, BytesMut::freeze)
+    }
+
+    /// Reads an event's usage; says what to forward.
+    fn inspect(&mut self, event: &[u8]) -> Action {
+        if is_data_event(event) {
+            self.events += 1;
+        }
+        if !self.answered {
+            self.answered = has_finish_reason(event);
+        }
+        if self.want_model && self.model.is_none() {
+            // Until one chunk names it: the first chunk usually does, so this is one search.
+            self.model = model_in(event);
+        }
+        let fields = usage_fields(event);
+        if fields.is_empty() {
+            return Action::Keep;
+        }
+        // With include_usage, every chunk carries `"usage": null`; a caller that did not ask
+        // for usage would not have seen that field. (JSON may put spaces around the colon.)
+        if self.strip_usage && !fields.iter().any(|f| event[f.value] == b'{') {
+            return if fields.iter().any(|f| f.is_null(event)) {
+                Action::StripNullUsage(fields)
+            } else {
+                Action::Keep
+            };
+        }
+        let mut data: Vec<u8> = Vec::new();
+        for line in event.split(|&b| b == b'\n' || b == b'\r') {
+            if let Some(payload) = line.strip_prefix(b"data:") {
+                if !data.is_empty() {
+                    data.push(b'\n');
+                }
+                data.extend_from_slice(payload.strip_prefix(b" ").unwrap_or(payload));
+            }
+        }
+        let Ok(chunk) = serde_json::from_slice::<UsageCarrier>(&data) else {
+            return Action::Keep;
+        };
+        let Some(usage) = chunk.usage() else {
+            return Action::Keep;
+        };
+        self.tokens = Some(usage.total);
+        self.usage = Some(usage);
+        let usage_only = chunk.choices.as_ref().is_none_or(Vec::is_empty) && chunk.usage.is_some();
+        if self.want_model
+            && let Some(model) = chunk.into_model()
+        {
+            // The usage chunk's model wins: it is the one the usage is of.
+            self.model = Some(model);
+        }
+        if self.strip_usage && usage_only {
+            Action::Drop
+        } else {
+            Action::Keep
+        }
+    }
+}
+
+/// What to do with one event.
+enum Action {
+    Keep,
+    Drop,
+    /// Drop the `"usage": null` fields among these (found by `inspect`, not searched again).
+    StripNullUsage(Vec<UsageField>),
+}
+
+/// A `"usage": value` field found in an event's bytes.
+struct UsageField {
+    /// Where the `"usage"` key starts.
+    key: usize,
+    /// Where its value starts.
+    value: usize,
+}
+
+impl UsageField {
+    fn is_null(&self, event: &[u8]) -> bool {
+        event[self.value..].starts_with(b"null")
+    }
+}
+
+const USAGE_KEY: &[u8] = b"\"usage\"";
+const FINISH_REASON_KEY: &[u8] = b"\"finish_reason\"";
+
+/// Whether `event` has a `"finish_reason"` whose value is a string (not `null`): a choice of the
+/// answer is complete.
+fn has_finish_reason(event: &[u8]) -> bool {
+    fields(event, FINISH_REASON_KEY).any(|(_, value)| event.get(value) == Some(&b'"'))
+}
+
+/// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
+/// the key and of its value (`event.len()` if the event ends there). (A key inside a string
+/// value has its quotes escaped, so it is not found.)
+fn fields<'a>(event: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = (usize, usize)> + 'a {
+    let mut from = 0;
+    std::iter::from_fn(move || {
+        while let Some(p) = find(&event[from..], key) {
+            let at = from + p;
+            from = at + key.len();
+            let colon = skip_space(event, from);
+            if event.get(colon) == Some(&b':') {
+                return Some((at, skip_space(event, colon + 1)));
+            }
+        }
+        None
+    })
+}
+const MODEL_KEY: &[u8] = b"\"model\"";
+
+/// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
+/// (A `"model"` inside a string value has its quotes escaped, so it is not found.)
+pub(super) fn model_in(event: &[u8]) -> Option<String> {
+    let (_, value) = fields(event, MODEL_KEY).next()?;
+    if event.get(value) != Some(&b'"') {
+        return None;
+    }
+    // The closing quote: the first one not escaped.
+    let mut i = value + 1;
+    while i < event.len() {
+        match event[i] {
+            b'\\' => i += 2,
+            b'"' => return serde_json::from_slice(&event[value..=i]).ok(),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+fn skip_space(buf: &[u8], mut i: usize) -> usize {
+    while buf
+        .get(i)
+        .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+    {
+        i += 1;
+    }
+    i
+}
+
+/// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
+/// `"usage"` inside a string value has its quotes escaped, so it is not found.)
+fn usage_fields(event: &[u8]) -> Vec<UsageField> {
+    fields(event, USAGE_KEY)
+        .filter(|&(_, value)| value < event.len())
+        .map(|(key, value)| UsageField { key, value })
+        .collect()
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Appends `event` to `out` without its `"usage": null` fields among `fields` (and the comma
+/// that joined each to its neighbour).
+fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
+    let mut kept = 0;
+    for f in fields.iter().filter(|f| f.is_null(event)) {
+        let end = f.value + b"null".len();
+        // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after.
+        let before = event[..f.key].iter().rposition(|b| !b" \t\r\n".contains(b));
+        let (from, to) = match before {
+            Some(c) if event[c] == b',' => (c, end),
+            _ => {
+                let after = skip_space(event, end);
+                match event.get(after) {
+                    Some(b',') => (f.key, skip_space(event, after + 1)),
+                    _ => (f.key, end),
+                }
+            }
+        };
+        if from < kept {
+            continue;
+        }
+        out.extend_from_slice(&event[kept..from]);
+        kept = to;
+    }
+    out.extend_from_slice(&event[kept..]);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_finished_choice_is_found_at_any_spacing_and_null_is_not_one() {
+        assert!(has_finish_reason(
+            br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#
+        ));
+        assert!(has_finish_reason(br#"data: {"finish_reason" : "length"}"#));
+        assert!(!has_finish_reason(br#"data: {"finish_reason":null}"#));
+        assert!(!has_finish_reason(
+            br#"data: {"delta":{"content":"say \"finish_reason\":\"stop\""},"finish_reason":null}"#
+        ));
+    }
+
+    #[test]
+    fn data_events_are_told_from_comments_and_the_end() {
+        assert!(is_data_event(b"data: {\"choices\":[]}\n\n"));
+        assert!(is_data_event(
+            b"event: response.output_text.delta\r\ndata: {}\r\n\r\n"
+        ));
+        assert!(!is_data_event(b"data: [DONE]\n\n"));
+        assert!(!is_data_event(b": keep-alive\n\n"));
+        assert!(!is_data_event(b"event: ping\n\n"));
+    }
+
+    #[test]
+    fn sse_split_across_frames_and_usage_stripped() {
+        let mut f = SseFilter::new(true);
+        let a = f.push(Bytes::from_static(
+            b"data: {\"choices\":[{}],\"usage\":null}\n\ndata: {\"cho",
+        ));
+        assert_eq!(
+            &a[..],
+            b"data: {\"choices\":[{}]}\n\n",
+            "usage: null not asked for"
+        );
+        let b = f.push(Bytes::from_static(
+            b"ices\":[],\"usage\":{\"total_tokens\":9}}\n\ndata: [DONE]\n\n",
+        ));
+        assert_eq!(&b[..], b"data: [DONE]\n\n");
+        assert_eq!(f.tokens, Some(9));
+        assert!(f.flush().is_empty());
+
+        // Python's json.dumps (and others) put a space after each colon and comma.
+        let mut spaced = SseFilter::new(true);
+        let out = spaced.push(Bytes::from_static(
+            b"data: {\"choices\": [{}], \"usage\": null}\n\n\
+              data: {\"usage\" : null , \"choices\": [{}]}\n\n\
+              data: {\"choices\": [], \"usage\": {\"total_tokens\": 11}}\n\n\
+              data: [DONE]\n\n",
+        ));
+        assert_eq!(
+            std::str::from_utf8(&out).unwrap(),
+            "data: {\"choices\": [{}]}\n\ndata: {\"choices\": [{}]}\n\ndata: [DONE]\n\n"
+        );
+        assert_eq!(spaced.tokens, Some(11));
+        // A "usage" in the text is not a field.
+        let mut text = SseFilter::new(true);
+        let said = Bytes::from_static(
+            b"data: {\"choices\":[{\"delta\":{\"content\":\"\\\"usage\\\": null\"}}]}\n\n",
+        );
+        assert_eq!(text.push(said.clone()), said);
+        assert_eq!(text.tokens, None);
+
+        let mut keep = SseFilter::new(false);
+        let input =
+            Bytes::from_static(b"data: {\"choices\":[],\"usage\":{\"total_tokens\":2}}\r\n\r\n");
+        let c = keep.push(input.clone());
+        assert_eq!(c, input);
+        assert_eq!(keep.tokens, Some(2));
+    }
+
+    /// Feeds `stream` to a filter in pieces of the sizes `sizes` (cycled), then ends it;
+    /// returns what was forwarded and the tokens read.
+    fn feed(stream: &[u8], sizes: &[usize], strip_usage: bool) -> (Vec<u8>, Option<u64>) {
+        let mut f = SseFilter::new(strip_usage);
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &n in sizes.iter().cycle() {
+            if at >= stream.len() {
+                break;
+            }
+            let end = (at + n).min(stream.len());
+            out.extend_from_slice(&f.push(Bytes::copy_from_slice(&stream[at..end])));
+            at = end;
+        }
+        out.extend_from_slice(&f.flush());
+        (out, f.tokens)
+    }
+
+    #[test]
+    fn every_line_ending_and_every_split_gives_the_same_stream() {
+        // LF, CRLF and bare CR line endings (all three are valid event stream syntax).
+        for nl in ["\n", "\r\n", "\r"] {
+            let event = |data: &str| format!("data: {data}{nl}{nl}");
+            let chunk = event(r#"{"choices":[{"delta":{"content":"hi"}}],"usage":null}"#);
+            let usage = event(r#"{"choices":[],"usage":{"total_tokens":13}}"#);
+            let done = event("[DONE]");
+            let stream = format!("{chunk}{chunk}{usage}{done}");
+            let kept = event(r#"{"choices":[{"delta":{"content":"hi"}}]}"#);
+            let expected = format!("{kept}{kept}{done}");
+            for sizes in [&[usize::MAX][..], &[1], &[2], &[3, 7], &[5, 1, 64]] {
+                let (out, tokens) = feed(stream.as_bytes(), sizes, true);
+                assert_eq!(
+                    String::from_utf8(out).unwrap(),
+                    expected,
+                    "line ending {nl:?}, pieces {sizes:?}"
+                );
+                assert_eq!(tokens, Some(13), "line ending {nl:?}, pieces {sizes:?}");
+                let (out, _) = feed(stream.as_bytes(), sizes, false);
+                assert_eq!(out, stream.as_bytes(), "kept whole: {nl:?}, {sizes:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn an_event_too_large_to_hold_goes_out_as_it_comes_and_filtering_resumes() {
+        let big = format!(
+            "data: {{\"image\":\"{}\"}}\n\n",
+            "A".repeat(MAX_SSE_EVENT + 1000)
+        );
+        let usage = "data: {\"choices\":[],\"usage\":{\"total_tokens\":21}}\n\n";
+        let stream = format!("data: {{\"choices\":[{{}}]}}\n\n{big}{usage}data: [DONE]\n\n");
+        let mut f = SseFilter::new(true);
+        let mut out = Vec::new();
+        let (mut fed, mut held_back) = (0, 0);
+        for piece in stream.as_bytes().chunks(64 * 1024) {
+            fed += piece.len();
+            out.extend_from_slice(&f.push(Bytes::copy_from_slice(piece)));
+            held_back = held_back.max(fed - out.len());
+        }
+        out.extend_from_slice(&f.flush());
+        let expected = format!("data: {{\"choices\":[{{}}]}}\n\n{big}data: [DONE]\n\n");
+        assert!(
+            out == expected.as_bytes(),
+            "the stream changed beyond the usage chunk"
+        );
+        assert_eq!(
+            f.tokens,
+            Some(21),
+            "usage after the large event is still read"
+        );
+        assert!(
+            held_back <= MAX_SSE_EVENT + 64 * 1024,
+            "held back {held_back} bytes"
+        );
+    }
+}

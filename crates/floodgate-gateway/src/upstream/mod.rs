@@ -1,0 +1,395 @@
+//! Forwarding to the upstream: a pool of kept-alive HTTP/1 connections per worker, bodies
+//! streamed both ways; over TLS (rustls) for an `https://` upstream.
+//!
+//! The caller's `Authorization` (the gateway key) and `X-Floodgate-Customer` never leave the
+//! gateway; the upstream's own key, if configured, is sent instead. Hop-by-hop headers are
+//! dropped in both directions. Connect failures (TLS handshakes included) answer 502; no response
+//! headers within `[upstream] timeout_sec` answer 504.
+//!
+//! An in-process target ([`InProcess`]) stands in for a remote upstream: the demo plugs into
+//! it, so that this client knows nothing of what serves it.
+
+mod pool;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::header::{self, HeaderName};
+use axum::http::uri::{Authority, PathAndQuery, Scheme};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioIo;
+use tokio::io::DuplexStream;
+use tower::ServiceExt;
+
+use crate::auth::CUSTOMER_HEADER;
+use crate::config::{UpstreamConfig, UpstreamTarget};
+use crate::error::AppError;
+use crate::startup::StartError;
+
+use pool::{CONNECT_TIMEOUT, Pool, Tls, cause, handshake};
+
+/// Headers that describe one connection, not the message: never forwarded. (A `static`: a
+/// `const` array would be built anew at each use.)
+static HOP_BY_HOP: [HeaderName; 8] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Where admitted requests go.
+#[derive(Clone, Debug)]
+pub struct Upstream {
+    target: Target,
+    timeout: Duration,
+}
+
+// One per process: the size difference between the variants does not matter.
+#[allow(clippy::large_enum_variant)]
+#[derive(Clone)]
+enum Target {
+    Http {
+        pool: Arc<Pool>,
+        base: String,
+        /// The `Host` header for the upstream's authority, built once.
+        host: HeaderValue,
+        /// The path prefix of `base` (may be empty), split off once at load.
+        prefix: String,
+        auth: Option<HeaderValue>,
+    },
+    InProcess(InProcess),
+}
+
+/// An upstream served in this process (the built-in demo): a router for plain requests, and a
+/// server for the in-process pipe that a realtime upgrade opens.
+#[derive(Clone)]
+pub struct InProcess {
+    /// Answers plain requests.
+    pub router: Router,
+    /// Serves HTTP/1.1 (and the WebSocket upgrade) on one end of a pipe.
+    pub realtime: fn(DuplexStream) -> Pin<Box<dyn Future<Output = ()> + Send>>,
+}
+
+impl std::fmt::Debug for Target {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Target::Http { base, auth, .. } => f
+                .debug_struct("Http")
+                .field("base", base)
+                .field("auth", &auth.as_ref().map(|_| "<redacted>"))
+                .finish(),
+            Target::InProcess(_) => f.write_str("InProcess"),
+        }
+    }
+}
+
+impl Upstream {
+    /// The upstream `config` names; reads the API key from its environment variable. The demo
+    /// target is served by `in_process`.
+    pub fn from_config(
+        config: &UpstreamConfig,
+        in_process: Option<InProcess>,
+    ) -> Result<Upstream, StartError> {
+        Upstream::build(config, in_process).map_err(StartError::Upstream)
+    }
+
+    fn build(config: &UpstreamConfig, in_process: Option<InProcess>) -> Result<Upstream, String> {
+        let target = match &config.target {
+            UpstreamTarget::Demo => Target::InProcess(
+                in_process.ok_or("upstream: the demo upstream needs its in-process server")?,
+            ),
+            UpstreamTarget::Http {
+                base_url,
+                api_key_env,
+                ca_file,
+            } => {
+                let auth = match api_key_env {
+                    None => None,
+                    Some(var) => {
+                        let key = std::env::var(var).map_err(|_| {
+                            format!(
+                                "upstream.api_key_env: the environment variable {var} is not set"
+                            )
+                        })?;
+                        // Set but empty (or blank): every request would go out with
+                        // `Authorization: Bearer ` and be charged for the upstream's 401.
+                        let key = key.trim();
+                        if key.is_empty() {
+                            return Err(format!(
+                                "upstream.api_key_env: the environment variable {var} is empty"
+                            ));
+                        }
+                        let mut v = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+                            format!("upstream.api_key_env: {var} holds characters not allowed in a header")
+                        })?;
+                        v.set_sensitive(true);
+                        Some(v)
+                    }
+                };
+                let (scheme, rest) = match base_url.strip_prefix("https://") {
+                    Some(rest) => (Scheme::HTTPS, rest),
+                    None => (
+                        Scheme::HTTP,
+                        base_url.strip_prefix("http://").unwrap_or(base_url),
+                    ),
+                };
+                let (host, prefix) = match rest.find('/') {
+                    Some(i) => (&rest[..i], rest[i..].trim_end_matches('/')),
+                    None => (rest, ""),
+                };
+                let authority = host
+                    .parse::<Authority>()
+                    .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
+                let host = HeaderValue::from_str(authority.as_str())
+                    .map_err(|e| format!("upstream.base_url: bad host `{host}`: {e}"))?;
+                let tls = if scheme == Scheme::HTTPS {
+                    Some(Tls::new(&authority, ca_file.as_deref())?)
+                } else {
+                    None
+                };
+                let mut connector = HttpConnector::new();
+                connector.set_nodelay(true);
+                connector.set_connect_timeout(Some(CONNECT_TIMEOUT));
+                // The connector only opens the TCP connection (to port 443 when an https URL
+                // names none); TLS is layered on top in `Pool::connect`.
+                connector.enforce_http(tls.is_none());
+                let connect_uri = Uri::builder()
+                    .scheme(scheme)
+                    .authority(authority.clone())
+                    .path_and_query("/")
+                    .build()
+                    .map_err(|e| format!("upstream.base_url: {e}"))?;
+                Target::Http {
+                    pool: Arc::new(Pool::new(connector, connect_uri, tls)),
+                    base: base_url.clone(),
+                    host,
+                    prefix: prefix.to_owned(),
+                    auth,
+                }
+            }
+        };
+        Ok(Upstream {
+            target,
+            timeout: config.timeout,
+        })
+    }
+
+    /// Forwards `req` and returns the upstream's response head with its body still streaming.
+    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, AppError> {
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(CUSTOMER_HEADER);
+        match &self.target {
+            Target::InProcess(target) => {
+                let resp = target
+                    .router
+                    .clone()
+                    .oneshot(req)
+                    .await
+                    .map_err(|e| AppError::Internal(format!("demo upstream: {e}")))?;
+                Ok(resp)
+            }
+            Target::Http {
+                pool,
+                host,
+                prefix,
+                auth,
+                ..
+            } => {
+                headers.insert(header::HOST, host.clone());
+                if let Some(auth) = auth {
+                    headers.insert(header::AUTHORIZATION, auth.clone());
+                }
+                to_origin_form(&mut req, prefix)?;
+                let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
+                    Err(_) => return Err(AppError::UpstreamTimeout),
+                    Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
+                    Ok(Ok(resp)) => resp,
+                };
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Ok(Response::from_parts(parts, body))
+            }
+        }
+    }
+}
+
+impl Upstream {
+    /// Forwards a WebSocket upgrade request (`GET` with `Upgrade: websocket`) on a new
+    /// connection of its own, which an upgrade consumes and no pool could reuse (for the demo
+    /// upstream, an in-process pipe to its server). Headers are treated as
+    /// in [`Upstream::send`], then `Connection: upgrade` and `Upgrade: websocket` are set again.
+    /// Returns the upstream's answer, whose hop-by-hop headers are dropped: on a 101,
+    /// [`hyper::upgrade::on`] gives the upgraded connection.
+    pub async fn upgrade(&self, mut req: Request<Body>) -> Result<Response<Incoming>, AppError> {
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(CUSTOMER_HEADER);
+        headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+        headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+        let pool = match &self.target {
+            Target::InProcess(target) => Err(target.realtime),
+            Target::Http {
+                pool,
+                host,
+                prefix,
+                auth,
+                ..
+            } => {
+                let headers = req.headers_mut();
+                headers.insert(header::HOST, host.clone());
+                if let Some(auth) = auth {
+                    headers.insert(header::AUTHORIZATION, auth.clone());
+                }
+                to_origin_form(&mut req, prefix)?;
+                Ok(pool)
+            }
+        };
+        let send = async {
+            let mut conn = match pool {
+                Ok(pool) => pool.connect(true).await?,
+                Err(serve) => {
+                    // A pipe as wide as a socket's buffer: the demo's frames are small.
+                    let (ours, theirs) = tokio::io::duplex(64 * 1024);
+                    tokio::spawn(serve(theirs));
+                    handshake(TokioIo::new(ours), true).await?
+                }
+            };
+            conn.ready()
+                .await
+                .map_err(|_| "the upstream closed a new connection".to_owned())?;
+            conn.send_request(req).await.map_err(|e| cause(&e))
+        };
+        let mut resp = match tokio::time::timeout(self.timeout, send).await {
+            Err(_) => return Err(AppError::UpstreamTimeout),
+            Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
+            Ok(Ok(resp)) => resp,
+        };
+        strip_hop_by_hop(resp.headers_mut());
+        Ok(resp)
+    }
+}
+
+/// Points `req` at the upstream: its path and query after the base URL's `prefix`, in origin
+/// form (`/v1/...`: the connection already names the upstream), over HTTP/1.1.
+fn to_origin_form<B>(req: &mut Request<B>, prefix: &str) -> Result<(), AppError> {
+    let path_and_query = match (prefix.is_empty(), req.uri().path_and_query()) {
+        // The common case: no prefix; the request's path is reused as is.
+        (true, Some(pq)) => pq.clone(),
+        (_, pq) => {
+            let pq = pq.map_or("/", PathAndQuery::as_str);
+            format!("{prefix}{pq}")
+                .parse::<PathAndQuery>()
+                .map_err(|e| AppError::BadRequest(format!("cannot forward this path: {e}")))?
+        }
+    };
+    *req.uri_mut() = Uri::from(path_and_query);
+    *req.version_mut() = Version::HTTP_11;
+    Ok(())
+}
+
+fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // One pass over the few headers present decides: most requests carry none, and most
+    // responses only `Connection: keep-alive`. Nine hashed removals per message cost more than
+    // the rest of the header handling.
+    if !headers.keys().any(|n| HOP_BY_HOP.contains(n)) {
+        return;
+    }
+    // Headers named in `Connection` are hop-by-hop too. Its usual tokens name none to look for:
+    // `close`, and `keep-alive` (the header of that name is removed below anyway).
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
+        .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+        .collect();
+    for name in named {
+        headers.remove(name);
+    }
+    // A message framed by `Transfer-Encoding` (hyper decoded it so) that also names a
+    // `Content-Length`: the length is not the body's and must not frame the next hop's message
+    // (RFC 9112, 6.3: a proxy removes it; a sign of request smuggling, too).
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    while let Some(name) = headers.keys().find(|n| HOP_BY_HOP.contains(n)).cloned() {
+        headers.remove(name);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
+        pairs
+            .iter()
+            .map(|(n, v)| {
+                (
+                    HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                    HeaderValue::from_str(v).unwrap(),
+                )
+            })
+            .collect()
+    }
+
+    fn names(h: &HeaderMap) -> Vec<&str> {
+        let mut n: Vec<&str> = h.keys().map(HeaderName::as_str).collect();
+        n.sort_unstable();
+        n
+    }
+
+    #[test]
+    fn hop_by_hop_headers_and_those_connection_names_are_dropped() {
+        let mut h = headers(&[
+            ("content-type", "application/json"),
+            ("connection", "keep-alive, X-Trace , close"),
+            ("connection", "x-other"),
+            ("keep-alive", "timeout=5"),
+            ("x-trace", "1"),
+            ("x-other", "2"),
+            ("transfer-encoding", "chunked"),
+            ("upgrade", "websocket"),
+            ("te", "trailers"),
+            ("x-kept", "3"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["content-type", "x-kept"]);
+    }
+
+    #[test]
+    fn a_length_beside_a_transfer_encoding_goes_with_it() {
+        let mut h = headers(&[
+            ("transfer-encoding", "chunked"),
+            ("content-length", "5"),
+            ("x-kept", "1"),
+        ]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["x-kept"]);
+    }
+
+    #[test]
+    fn a_message_without_hop_by_hop_headers_is_untouched() {
+        let mut h = headers(&[("content-type", "text/event-stream"), ("x-kept", "1")]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["content-type", "x-kept"]);
+        let mut h = headers(&[("connection", "keep-alive"), ("x-kept", "1")]);
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["x-kept"]);
+    }
+}
