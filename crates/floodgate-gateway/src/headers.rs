@@ -86,10 +86,10 @@ impl LimitHeaders {
     }
 }
 
-/// The limit the generic headers describe (DESIGN 6): the refusing one on a refusal, else the
-/// one with the fewest whole units left after this request's charge, request or token limit
-/// alike (a token window all but spent refuses the next request however many requests are
-/// left); ties go to the narrowest scope.
+/// The limit the generic headers describe (docs/design.md §6): the refusing one on a refusal,
+/// else the one with the fewest whole units left after this request's charge, request or token
+/// limit alike (a token window all but spent refuses the next request however many requests
+/// are left); ties go to the narrowest scope.
 pub fn primary(decision: &ChainDecision) -> Option<&LimitStatus> {
     primary_index(decision).map(|i| &decision.statuses[i])
 }

@@ -1,4 +1,4 @@
-//! The refusal tally (DESIGN.md section 6): how many requests the gateway refused with 429, per
+//! The refusal tally (docs/design.md §6): how many requests the gateway refused with 429, per
 //! local calendar day and per throttled subject (the gateway, or the caller's key), shown as
 //! `rate_limit` alerts.
 //!

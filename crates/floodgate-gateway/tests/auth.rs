@@ -77,7 +77,7 @@ async fn a_path_with_dot_segments_is_refused_and_charges_nothing() {
     ] {
         let r = gw.send(gw.request("GET", path, Some("sk-k"), "")).await;
         assert_eq!(r.status, 400, "{path}: {}", r.text());
-        // Every response carries the chain's state (DESIGN 6), read without charging; no
+        // Every response carries the chain's state (docs/design.md §6), read without charging; no
         // Retry-After, since waiting does not mend the request.
         assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("5"));
         assert_eq!(r.header("ratelimit-policy"), Some("\"key\";q=5;w=60"));

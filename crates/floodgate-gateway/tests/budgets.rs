@@ -136,7 +136,7 @@ async fn a_spent_daily_budget_refuses_until_midnight_utc_and_charges_no_rate_lim
         );
         assert_eq!(r.header("retry-after"), Some("100"));
         assert_eq!(r.header("retry-after-ms"), Some("100000"));
-        // The chain's rate-limit state, read without charging (DESIGN 6: every response
+        // The chain's rate-limit state, read without charging (docs/design.md §6: every response
         // carries it): the 7 requests left after the last admitted one.
         assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("7"));
         assert!(r.header("x-ratelimit-limit").is_some());

@@ -122,9 +122,9 @@ tpm = 1000
     );
 }
 
-/// The generic headers describe the limit with the fewest whole units left (DESIGN 6), a token
-/// limit too: a client pacing on `X-RateLimit-Remaining` learns that the org's token window is
-/// nearly spent, not that 998 requests are left.
+/// The generic headers describe the limit with the fewest whole units left (docs/design.md §6),
+/// a token limit too: a client pacing on `X-RateLimit-Remaining` learns that the org's token
+/// window is nearly spent, not that 998 requests are left.
 #[tokio::test]
 async fn the_generic_headers_describe_a_token_limit_with_fewer_units_left() {
     let up = fake_upstream().await;
@@ -278,7 +278,7 @@ rpm = 2
     assert_eq!(
         refused.header("ratelimit"),
         Some(format!("\"key\";r=0;t={wait}").as_str()),
-        "the first refusal (DESIGN §2), with the wait a client must keep"
+        "the first refusal (docs/design.md §2), with the wait a client must keep"
     );
     assert_eq!(refused.header("ratelimit-policy"), Some("\"key\";q=2;w=10"));
     assert_eq!(refused.header("x-ratelimit-limit-requests"), Some("2"));

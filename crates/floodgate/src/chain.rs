@@ -190,8 +190,8 @@ pub struct ChainDecision {
     /// wall clock for a decision taken without the store (no limits, or a request that can never
     /// pass).
     pub now: Timestamp,
-    /// Index into the chain of the first limit that refused, in chain order (DESIGN §2); for a
-    /// request that can never pass, the first limit it can never fit. The `reset` of every
+    /// Index into the chain of the first limit that refused, in chain order (docs/design.md §2);
+    /// for a request that can never pass, the first limit it can never fit. The `reset` of every
     /// refusing limit's status is the chain's [`retry_after`](Self::retry_after): the wait until
     /// this request would pass, which a later limit of the chain may decide.
     pub refused_by: Option<usize>,

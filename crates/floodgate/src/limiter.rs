@@ -96,8 +96,8 @@ impl Chain {
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
         if self.limits.is_empty() {
-            // Nothing to decide (DESIGN §2: a scope with no limit is skipped), so nothing to ask
-            // the store: an unlimited caller neither waits for it nor fails with it.
+            // Nothing to decide (docs/design.md §2: a scope with no limit is skipped), so nothing
+            // to ask the store: an unlimited caller neither waits for it nor fails with it.
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::unlimited(now));
         }
