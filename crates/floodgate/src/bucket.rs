@@ -13,7 +13,7 @@
 //!
 //! Tokens are fractional. The memory store keeps the `f64`; the Redis script stores it with 17
 //! significant digits, which round-trips every `f64` exactly, and evaluates the same operations
-//! in the same order (`store/acquire.lua`).
+//! in the same order (`store/redis/acquire.lua`).
 
 use std::time::Duration;
 
@@ -79,7 +79,7 @@ impl Rate {
     /// Tokens refilled over `micros` microseconds.
     #[inline]
     fn refill(&self, micros: f64) -> f64 {
-        // Keep in step with store/acquire.lua: multiply first, then divide.
+        // Keep in step with store/redis/acquire.lua: multiply first, then divide.
         micros * self.tokens as f64 / self.period_us as f64
     }
 

@@ -14,8 +14,8 @@
 //! # Exactness and the Redis scripts
 //!
 //! The admission test is evaluated as `(cur + cost - max) * W + prev * (W - e) <= 0` in `f64`:
-//! the same four IEEE operations in the same order as `store/admit.lua`, so both stores reach
-//! the same decision bit for bit. Every term is an integer, so the test is exact while the
+//! the same four IEEE operations in the same order as `store/redis/admit.lua`, so both stores
+//! reach the same decision bit for bit. Every term is an integer, so the test is exact while the
 //! products stay below 2^53 (a minute window up to 150 million units; a day window up to
 //! 100 thousand per microsecond of precision lost, which rounds toward neither side in
 //! particular but identically on both stores). Retry times are computed exactly in integers and
@@ -184,7 +184,7 @@ impl Snapshot {
     /// A reactive limit ignores `cost` (its units come later) and needs `estimate < max`.
     #[inline]
     pub fn admits(&self, limit: WindowLimit, charge: Charge, cost: u64) -> bool {
-        // Keep in step with store/admit.lua: the same operations in the same order.
+        // Keep in step with store/redis/admit.lua: the same operations in the same order.
         let w = limit.window_us as f64;
         let carried = self.prev as f64 * (w - self.elapsed as f64);
         match charge {

@@ -1,0 +1,154 @@
+//! How to reach Redis and what to do when it cannot be reached: [`RedisConfig`], its
+//! [`OnError`] and [`RedisClock`], and the URL handling that never shows a password.
+
+use std::fmt;
+use std::time::Duration;
+
+use ::redis::{IntoConnectionInfo, RedisError};
+
+use crate::Error;
+
+/// What a decision does when Redis cannot be reached.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnError {
+    /// Admit unchecked (`enforced: false`): an outage of the limiter is not an outage of the
+    /// service. The default.
+    #[default]
+    Open,
+    /// Refuse with [`Error::Unavailable`].
+    Closed,
+}
+
+/// Which clock decides when a call does not pin the time.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum RedisClock {
+    /// The Redis server's `TIME`, read inside each script: one clock for every replica, so skew
+    /// between them cannot split a bucket or distort a rate. The default.
+    #[default]
+    Server,
+    /// The calling process's wall clock, sent with each call, for managed services that refuse
+    /// `TIME` inside scripts. Replicas' clocks must then agree.
+    Client,
+}
+
+/// How to reach Redis and how to behave when it cannot be reached.
+#[derive(Clone)]
+pub struct RedisConfig {
+    /// `redis://[:password@]host:port[/db]`, or `rediss://` with the `tls` feature.
+    pub url: String,
+    /// Prepended to every key; default `fg:`.
+    pub prefix: String,
+    /// Fail open (default) or closed when Redis is unreachable.
+    pub on_error: OnError,
+    /// The clock that decides when a call does not pin the time.
+    pub clock: RedisClock,
+    /// The longest one call may take, replay included; default 200 ms.
+    pub timeout: Duration,
+    /// The longest one connection attempt may take; default 1 s.
+    pub connect_timeout: Duration,
+    /// How often the circuit breaker probes Redis during an outage; default 250 ms.
+    pub probe_interval: Duration,
+}
+
+impl RedisConfig {
+    /// The defaults, for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisConfig {
+            url: url.into(),
+            prefix: "fg:".into(),
+            on_error: OnError::Open,
+            clock: RedisClock::Server,
+            timeout: Duration::from_millis(200),
+            connect_timeout: Duration::from_secs(1),
+            probe_interval: Duration::from_millis(250),
+        }
+    }
+
+    /// Whether [`RedisStore::connect`](super::RedisStore::connect) would take this URL, without
+    /// connecting: for config checks. The error never shows the URL's password.
+    pub fn check_url(&self) -> Result<(), Error> {
+        self.connection_info().map(drop)
+    }
+
+    /// The URL parsed, or an error that names it with its password hidden.
+    pub(super) fn connection_info(&self) -> Result<::redis::ConnectionInfo, Error> {
+        self.url
+            .as_str()
+            .into_connection_info()
+            .map_err(|e| self.invalid(e))
+    }
+
+    pub(super) fn invalid(&self, e: RedisError) -> Error {
+        Error::Backend(format!("invalid Redis URL {}: {e}", redacted(&self.url)))
+    }
+}
+
+impl fmt::Debug for RedisConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The URL may carry a password: never print it.
+        f.debug_struct("RedisConfig")
+            .field("url", &redacted(&self.url))
+            .field("prefix", &self.prefix)
+            .field("on_error", &self.on_error)
+            .field("clock", &self.clock)
+            .field("timeout", &self.timeout)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("probe_interval", &self.probe_interval)
+            .finish()
+    }
+}
+
+/// `url` with its credentials replaced: those between `://` and `@`, and a `pass` or `password`
+/// query parameter (how a `unix://` URL carries its password).
+fn redacted(url: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, Some(query)),
+        None => (url, None),
+    };
+    let mut out = match (base.find("://"), base.rfind('@')) {
+        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &base[..s], &base[at + 1..]),
+        _ => base.to_owned(),
+    };
+    if let Some(query) = query {
+        out.push('?');
+        for (i, param) in query.split('&').enumerate() {
+            if i > 0 {
+                out.push('&');
+            }
+            match param.split_once('=') {
+                Some((name @ ("pass" | "password"), _)) => {
+                    out.push_str(name);
+                    out.push_str("=***");
+                }
+                _ => out.push_str(param),
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_redacted() {
+        assert_eq!(
+            redacted("redis://:hunter2@db:6379/0"),
+            "redis://***@db:6379/0"
+        );
+        assert_eq!(redacted("redis://db:6379"), "redis://db:6379");
+        assert_eq!(
+            redacted("unix:///run/redis.sock?db=one&pass=hunter2"),
+            "unix:///run/redis.sock?db=one&pass=***"
+        );
+        assert_eq!(
+            redacted("redis+unix:///r.sock?password=hunter2&user=u"),
+            "redis+unix:///r.sock?password=***&user=u"
+        );
+        assert_eq!(
+            redacted("rediss://u:p@db/0?protocol=resp3"),
+            "rediss://***@db/0?protocol=resp3"
+        );
+    }
+}

@@ -1,0 +1,320 @@
+//! Calls to Redis and what happens when they fail: the connection and its settings, one
+//! deadline per call, the classification of errors (replayed, an outage, or an answer), and the
+//! circuit breaker with the probe that closes it. The state all this keeps lives in the store's
+//! [`Inner`].
+
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::io::tcp::TcpSettings;
+use ::redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
+
+use super::Inner;
+use super::config::RedisConfig;
+use super::scripts::{Op, Replay, evalsha};
+use super::stats::bump;
+use crate::Error;
+
+/// The client for `config.url`, and the settings of every connection made from it (see
+/// [`RedisStore::connect`](super::RedisStore::connect)): fails only on a configuration that can
+/// never work.
+pub(super) fn client(config: &RedisConfig) -> Result<(Client, ConnectionManagerConfig), Error> {
+    #[cfg(feature = "tls")]
+    if config.url.starts_with("rediss://") {
+        install_crypto_provider();
+    }
+    // TCP_NODELAY (the redis crate leaves Nagle on): a call written while another is in
+    // flight (a token record beside an admission batch) must not wait for the first's ACK.
+    let info = config
+        .connection_info()?
+        .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+    let client = Client::open(info).map_err(|e| config.invalid(e))?;
+    let manager = ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(config.connect_timeout))
+        // No per-request timer inside the connection: every call already runs under one
+        // deadline of its own (see `Inner::run`), which also covers connecting.
+        .set_response_timeout(None)
+        // Reconnection is driven by calls and by the breaker's probe, not by a long
+        // backoff inside the connection manager that requests would queue behind.
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(20))
+        .set_max_delay(Duration::from_millis(200));
+    Ok((client, manager))
+}
+
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // Fails only if the process already chose a provider, which then serves as well.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    });
+}
+
+/// Why a call failed.
+pub(super) enum Failure {
+    /// Redis could not be reached in time: the failure policy applies.
+    Unavailable(String),
+    /// Redis answered with an error: a bug or a misconfiguration, not an outage.
+    Backend(String),
+}
+
+impl Failure {
+    /// The same failure, for another request of the same batch.
+    pub(super) fn again(&self) -> Failure {
+        match self {
+            Failure::Unavailable(why) => Failure::Unavailable(why.clone()),
+            Failure::Backend(why) => Failure::Backend(why.clone()),
+        }
+    }
+}
+
+impl From<Failure> for Error {
+    fn from(f: Failure) -> Error {
+        match f {
+            Failure::Unavailable(why) => Error::Unavailable(why),
+            Failure::Backend(why) => Error::Backend(why),
+        }
+    }
+}
+
+/// Reads a script's reply as an integer.
+pub(super) fn int(v: &::redis::Value) -> Result<u64, Failure> {
+    match v {
+        ::redis::Value::Int(i) => u64::try_from(*i).map_err(|_| bad_reply()),
+        _ => Err(bad_reply()),
+    }
+}
+
+/// A script's reply that is not what the script returns.
+pub(super) fn bad_reply() -> Failure {
+    Failure::Backend("unexpected script reply".into())
+}
+
+/// How a Redis error counts.
+enum Class {
+    /// The connection was lost under the call: a replayable operation may run again.
+    Dropped,
+    /// Redis is unreachable, too slow, or not serving (loading, failing over).
+    Unavailable,
+    /// Redis answered with an error.
+    Answered,
+}
+
+fn classify(e: &RedisError) -> Class {
+    // redis-rs classifies its own errors; never match on message text.
+    if e.is_timeout() {
+        // The server may be slow rather than gone: another attempt would double the wait.
+        Class::Unavailable
+    } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
+        Class::Dropped
+    } else if matches!(
+        e.kind(),
+        ErrorKind::Server(
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::ClusterDown
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+        )
+    ) {
+        Class::Unavailable
+    } else {
+        Class::Answered
+    }
+}
+
+impl Inner {
+    /// The connection calls go through now, and its generation.
+    fn connection(&self) -> (u64, ConnectionManager) {
+        self.conn
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Replaces the connection after a call or a probe timed out on it. The connection manager
+    /// reconnects only on an error, and a connection whose path went silent (a failed-over
+    /// primary's old address, a NAT or firewall that dropped its entry: no reset, no reply)
+    /// yields none until TCP gives up on it, many minutes later; every probe on it would time
+    /// out meanwhile and the breaker would stay open with Redis healthy. Calls still in flight
+    /// on the old connection end with their own deadlines. Only the connection of generation
+    /// `timed_out` is replaced: the other calls that timed out on it with the first find it
+    /// replaced already.
+    pub(super) fn fresh_connection(&self, timed_out: u64) {
+        let mut current = self
+            .conn
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != timed_out {
+            return;
+        }
+        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
+            Ok(conn) => *current = (timed_out + 1, conn),
+            // Not reached with a client that made the first connection; the old one stays.
+            Err(e) => tracing::debug!(error = %e, "floodgate: cannot make a new Redis connection"),
+        }
+    }
+
+    pub(super) async fn ping(&self) -> Result<(), String> {
+        ping(&mut self.connection().1).await
+    }
+
+    /// Opens the breaker and starts the probe; the first failure of an outage logs it.
+    pub(super) fn trip(self: &Arc<Self>, why: &str) {
+        if self.open.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        if self.unconfirmed.swap(false, Ordering::AcqRel) {
+            // A probe's PING answered, but no call has since: the outage goes on.
+            tracing::debug!(error = why, "floodgate: Redis answers PING but not calls");
+        } else {
+            bump(&self.counters.outages);
+            *self.since() = Some(Instant::now());
+            tracing::warn!(
+                error = why,
+                on_error = ?self.config.on_error,
+                "floodgate: Redis unreachable; deciding without it until it answers again"
+            );
+        }
+        tokio::spawn(probe(Arc::downgrade(self)));
+    }
+
+    /// Closes the breaker after a probe: calls go to Redis again; the first that succeeds logs
+    /// the end of the outage, and a failure before that continues it (see `trip`).
+    fn reopen(&self) {
+        self.unconfirmed.store(true, Ordering::Release);
+        self.open.store(false, Ordering::Release);
+    }
+
+    /// A call succeeded: the first after a probe ends the outage.
+    fn confirm(&self) {
+        if self.unconfirmed.load(Ordering::Relaxed)
+            && self.unconfirmed.swap(false, Ordering::AcqRel)
+        {
+            let outage = self.since().take().map(|t| t.elapsed());
+            tracing::info!(?outage, "floodgate: Redis answers again; enforcing limits");
+        }
+    }
+
+    fn since(&self) -> std::sync::MutexGuard<'_, Option<Instant>> {
+        self.outage_since
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Runs `op` (the command `cmd`) once, or twice if its connection dropped and its policy
+    /// allows a replay.
+    pub(super) async fn run<T: FromRedisValue>(
+        self: &Arc<Self>,
+        op: &'static Op,
+        cmd: &Cmd,
+    ) -> Result<T, Failure> {
+        if self.open.load(Ordering::Acquire) {
+            // The breaker answers at once; the probe task closes it when Redis is back.
+            return Err(Failure::Unavailable("circuit breaker open".into()));
+        }
+        // One deadline for the whole call, replay included.
+        let deadline = tokio::time::Instant::now() + self.config.timeout;
+        let mut replays = match op.replay {
+            Replay::Once => 1,
+            Replay::Never => 0,
+        };
+        loop {
+            let (generation, mut conn) = self.connection();
+            let attempt = tokio::time::timeout_at(deadline, evalsha(op, cmd, &mut conn));
+            let err = match attempt.await {
+                Ok(Ok(value)) => {
+                    self.confirm();
+                    return Ok(value);
+                }
+                Ok(Err(e)) => e,
+                Err(_) => {
+                    let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
+                    self.fresh_connection(generation);
+                    self.trip(&why);
+                    return Err(Failure::Unavailable(why));
+                }
+            };
+            match classify(&err) {
+                Class::Dropped if replays > 0 => {
+                    // The connection manager is already reconnecting; the replay waits for
+                    // the new connection (within the same deadline).
+                    replays -= 1;
+                    bump(&self.counters.replays);
+                }
+                Class::Dropped if op.replay == Replay::Never => {
+                    // A call that may not run twice fails. Whether Redis is gone or only the
+                    // connection was cut (a CLIENT KILL, an idle timeout), a PING on the
+                    // reconnected connection says, within the same deadline: only an outage
+                    // opens the breaker, which would let admissions through unchecked.
+                    let why = format!("{}: {err}", op.name);
+                    let answers = tokio::time::timeout_at(deadline, self.ping()).await;
+                    if matches!(answers, Ok(Ok(()))) {
+                        tracing::debug!(
+                            error = why,
+                            "floodgate: a call that is never replayed was lost with its connection"
+                        );
+                    } else {
+                        self.trip(&why);
+                    }
+                    return Err(Failure::Unavailable(why));
+                }
+                Class::Dropped | Class::Unavailable => {
+                    let why = format!("{}: {err}", op.name);
+                    self.trip(&why);
+                    return Err(Failure::Unavailable(why));
+                }
+                Class::Answered => return Err(Failure::Backend(format!("{}: {err}", op.name))),
+            }
+        }
+    }
+}
+
+/// `PING` on `conn`.
+async fn ping(conn: &mut ConnectionManager) -> Result<(), String> {
+    ::redis::cmd("PING")
+        .query_async::<()>(conn)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
+async fn probe(inner: Weak<Inner>) {
+    // Dropped before Redis answered (its runtime shut down, with a store shared across
+    // runtimes), the probe would leave the breaker open for good: it closes it instead, so the
+    // next call tries Redis and, if Redis is still down, trips it again with a new probe.
+    struct Unprobed(Weak<Inner>);
+    impl Drop for Unprobed {
+        fn drop(&mut self) {
+            if let Some(inner) = self.0.upgrade() {
+                inner.reopen();
+            }
+        }
+    }
+    let _close = Unprobed(inner.clone());
+    loop {
+        let Some(interval) = inner.upgrade().map(|i| i.config.probe_interval) else {
+            return;
+        };
+        tokio::time::sleep(interval).await;
+        let Some(inner) = inner.upgrade() else {
+            return;
+        };
+        // The connection pinged is the one replaced if the ping times out.
+        let (generation, mut conn) = inner.connection();
+        let answered = tokio::time::timeout(inner.config.connect_timeout, ping(&mut conn)).await;
+        match answered {
+            Ok(Ok(())) => {
+                inner.reopen();
+                tracing::debug!("floodgate: Redis answers PING; trying calls again");
+                return;
+            }
+            // The next probe goes over a new connection (see `fresh_connection`).
+            Err(_) => inner.fresh_connection(generation),
+            Ok(Err(_)) => {}
+        }
+    }
+}

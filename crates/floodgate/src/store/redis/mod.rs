@@ -1,0 +1,506 @@
+//! The Redis store: many replicas, one shared truth.
+//!
+//! Each decision is one Lua script (`store/redis/*.lua`, hashed and loaded by
+//! [`redis::Script`], run with EVALSHA, and loaded again and retried, up to three times, on
+//! NOSCRIPT, as after a restart). Redis runs a script to completion before any other command,
+//! so a chain's reads, decision and increments cannot interleave with another request's: no two
+//! requests, on one replica or many, take the same free slot. The scripts mirror
+//! [`window`](crate::window) and [`bucket`](crate::bucket) operation for operation, so the same
+//! operations with the same clock give bit-identical decisions on this store and on the
+//! [`MemoryStore`](super::MemoryStore).
+//!
+//! Connections, failures and time:
+//!
+//! - one multiplexed, auto-reconnecting connection per store (a [`ConnectionManager`]), a timeout
+//!   on every call, connected lazily so that a process can start while Redis is down;
+//! - an operation that is safe to run twice (admission, acquire, reset, reading period counters)
+//!   is replayed once when its connection dropped under it; an increment (recording tokens,
+//!   adding spend to period counters) never is (each script declares its replay policy beside
+//!   its source);
+//! - when Redis is unreachable, admissions fail open (or closed, by [`OnError`]), a circuit
+//!   breaker answers at once instead of waiting for a timeout on every request, and a background
+//!   task probes Redis until it answers. One warning per outage, one info line when it ends;
+//! - the scripts read the server's `TIME` ([`RedisClock::Server`]) unless the caller pins the
+//!   time or the store sends its own ([`RedisClock::Client`]).
+//!
+//! ```no_run
+//! use floodgate::{Chain, ChainLimit, Charge, ScopeKind, WindowLimit};
+//! use floodgate::store::redis::{RedisConfig, RedisStore};
+//!
+//! # async fn demo() -> Result<(), floodgate::Error> {
+//! let store = RedisStore::connect(RedisConfig::new("redis://127.0.0.1:6379")).await?;
+//! let chain = Chain::new(vec![ChainLimit::new(
+//!     "org:acme", ScopeKind::Key, "alice", Charge::Admission, WindowLimit::per_minute(5),
+//! )]);
+//! let decision = chain.admit(&store, 1).await?;
+//! println!("admitted: {}, enforced: {}", decision.admitted, decision.enforced);
+//! # Ok(()) }
+//! ```
+//!
+//! The module, one file per concern: this one holds the store and its [`Store`] operations;
+//! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
+//! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
+//! circuit breaker; `batch.rs` the batching of admissions; `stats.rs` the counters.
+
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock};
+use std::time::Instant;
+
+use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::{Client, Cmd, RedisWrite};
+
+mod batch;
+mod config;
+mod conn;
+mod scripts;
+mod stats;
+
+pub use config::{OnError, RedisClock, RedisConfig};
+pub use scripts::script_source;
+pub use stats::RedisStats;
+
+use batch::AdmitQueue;
+use conn::{Failure, bad_reply, int};
+use scripts::{ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, RECORD, RESET};
+use stats::{Counters, bump};
+
+use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
+use crate::Error;
+use crate::bucket::BucketLimit;
+use crate::chain::{ChainLimit, ScopeKind};
+use crate::clock::Timestamp;
+use crate::period::{Period, PeriodCounter};
+use crate::window::{Charge, MAX_COUNT, WindowLimit};
+
+/// The Redis store. Cheap to clone: clones share the connection, the breaker and the counters.
+///
+/// See the [module documentation](self) for how it decides and fails.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+/// What a store's clones share: the connection and the circuit breaker's state (kept by
+/// `conn.rs`), the admission queue (`batch.rs`) and the counters (`stats.rs`).
+struct Inner {
+    /// The connection calls go through, with its generation: replaced by
+    /// [`Inner::fresh_connection`] when a call or a probe times out on it.
+    conn: std::sync::RwLock<(u64, ConnectionManager)>,
+    /// How a fresh connection is made.
+    client: Client,
+    manager: ConnectionManagerConfig,
+    config: RedisConfig,
+    /// Admissions waiting for the next batch (see [`RedisStore::admit_inner`]).
+    admissions: std::sync::Mutex<AdmitQueue>,
+    /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
+    open: AtomicBool,
+    /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
+    /// until then a failure is the same outage (a server that answers `PING` but not scripts,
+    /// such as a read-only replica, would otherwise log an outage at every probe).
+    unconfirmed: AtomicBool,
+    /// When the outage being logged began.
+    outage_since: std::sync::Mutex<Option<Instant>>,
+    counters: Counters,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("config", &self.inner.config)
+            .field("breaker_open", &self.inner.open.load(Ordering::Relaxed))
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// A store for the server `config.url` names.
+    ///
+    /// Fails only on a configuration that can never work (a malformed URL, `rediss://` without
+    /// the `tls` feature). An unreachable server is not an error: the store starts with its
+    /// circuit breaker open, applies [`OnError`] and connects as soon as Redis answers, so a
+    /// service can start before its Redis. Must be called within a Tokio runtime.
+    pub async fn connect(config: RedisConfig) -> Result<RedisStore, Error> {
+        let (client, manager) = conn::client(&config)?;
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager.clone())
+            .map_err(|e| Error::Backend(format!("Redis client: {e}")))?;
+        let store = RedisStore {
+            inner: Arc::new(Inner {
+                conn: std::sync::RwLock::new((0, conn)),
+                client,
+                manager,
+                config,
+                admissions: std::sync::Mutex::new(AdmitQueue::default()),
+                open: AtomicBool::new(false),
+                unconfirmed: AtomicBool::new(false),
+                outage_since: std::sync::Mutex::new(None),
+                counters: Counters::default(),
+            }),
+        };
+        let first = tokio::time::timeout(store.inner.config.connect_timeout, store.inner.ping());
+        match first.await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => store.inner.trip(&e),
+            Err(_) => {
+                store.inner.fresh_connection(0);
+                store.inner.trip("connection timed out");
+            }
+        }
+        Ok(store)
+    }
+
+    /// Readiness: whether the store can decide now. One admission, on a limit of its own that
+    /// never refuses (`{floodgate}:gateway:readiness:req:1000000us`, after the prefix), goes the
+    /// way every decision goes: while the breaker is open it fails at once, and a Redis that
+    /// answers `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no
+    /// scripting) is not ready. A success after an outage ends it (see the breaker). It counts
+    /// in [`RedisStats`] as an admission.
+    pub async fn ready(&self) -> Result<(), Error> {
+        static PROBE: LazyLock<[ChainLimit; 1]> = LazyLock::new(|| {
+            [ChainLimit::new(
+                "floodgate",
+                ScopeKind::Gateway,
+                "readiness",
+                Charge::Admission,
+                WindowLimit::per_second(MAX_COUNT),
+            )]
+        });
+        self.admit_inner(&*PROBE, 1, None)
+            .await
+            .map(|_| ())
+            .map_err(Error::from)
+    }
+
+    /// Whether Redis answers `PING` within the timeout now (it may still fail every script: see
+    /// [`ready`](Self::ready)).
+    pub async fn ping(&self) -> Result<(), Error> {
+        match tokio::time::timeout(self.inner.config.timeout, self.inner.ping()).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(Error::Unavailable(e)),
+            Err(_) => Err(Error::Unavailable("PING timed out".into())),
+        }
+    }
+
+    /// The store's configuration.
+    pub fn config(&self) -> &RedisConfig {
+        &self.inner.config
+    }
+
+    /// The full Redis key for a storage key: the prefix prepended.
+    pub fn redis_key(&self, key: &str) -> String {
+        let prefix = &self.inner.config.prefix;
+        let mut k = String::with_capacity(prefix.len() + key.len());
+        k.push_str(prefix);
+        k.push_str(key);
+        k
+    }
+
+    /// The time to send: pinned, the client's clock, or none for the server's `TIME`.
+    fn time_of(&self, now: Option<Timestamp>) -> Option<u64> {
+        match (now, self.inner.config.clock) {
+            (Some(t), _) => Some(t.as_micros()),
+            (None, RedisClock::Client) => Some(Timestamp::now().as_micros()),
+            (None, RedisClock::Server) => None,
+        }
+    }
+
+    /// `EVALSHA sha numkeys`: keys and arguments follow, written straight into the command's one
+    /// buffer (a [`ScriptInvocation`](::redis::ScriptInvocation) would hold each in a `Vec` of
+    /// its own and copy them all again into a command on every call).
+    fn evalsha(&self, op: &Op, keys: usize, args: usize) -> Cmd {
+        let mut cmd = Cmd::with_capacity(3 + keys + args, 64 + 48 * (keys + args));
+        cmd.arg("EVALSHA").arg(op.script.get_hash()).arg(keys);
+        cmd
+    }
+
+    /// Appends a key: the prefix and `parts`, as one argument.
+    fn key_arg(&self, cmd: &mut Cmd, parts: &[&str]) {
+        let mut w = cmd.writer_for_next_arg();
+        let mut put = |b: &str| {
+            // Writing into a Vec cannot fail.
+            let _ = std::io::Write::write_all(&mut w, b.as_bytes());
+        };
+        put(&self.inner.config.prefix);
+        for part in parts {
+            put(part);
+        }
+    }
+
+    /// Appends `ARGV[1]`: the pinned time, the client's clock, or empty for the server's `TIME`.
+    fn time_arg(&self, cmd: &mut Cmd, now: Option<Timestamp>) {
+        match self.time_of(now) {
+            Some(t) => cmd.arg(t),
+            None => cmd.arg(""),
+        };
+    }
+
+    /// Appends a token bucket's key, `{tb:limiter:name}` after the prefix.
+    fn bucket_key_arg(&self, cmd: &mut Cmd, key: BucketKey<'_>) {
+        let name = match key.name {
+            NameRef::Text(text) => Cow::Borrowed(text),
+            number => Cow::Owned(number.to_string()),
+        };
+        self.key_arg(cmd, &["{tb:", key.limiter, ":", &name, "}"]);
+    }
+
+    /// The decision a failed admission or acquire gets: unchecked, or an error.
+    fn fail(&self, failure: Failure) -> Result<(), Error> {
+        let c = &self.inner.counters;
+        match failure {
+            Failure::Unavailable(_) if self.inner.config.on_error == OnError::Open => {
+                bump(&c.failed_open);
+                Ok(())
+            }
+            Failure::Unavailable(why) => {
+                bump(&c.failed_closed);
+                Err(Error::Unavailable(why))
+            }
+            Failure::Backend(why) => {
+                bump(&c.errors);
+                Err(Error::Backend(why))
+            }
+        }
+    }
+
+    fn count(&self, admitted: bool) {
+        let c = &self.inner.counters;
+        bump(if admitted { &c.admitted } else { &c.refused });
+    }
+}
+
+impl RedisStore {
+    async fn acquire_inner(
+        &self,
+        key: BucketKey<'_>,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<BucketObservation, Failure> {
+        let mut cmd = self.evalsha(&ACQUIRE, 1, 5);
+        self.bucket_key_arg(&mut cmd, key);
+        self.time_arg(&mut cmd, now);
+        cmd.arg(limit.capacity)
+            .arg(limit.rate.tokens())
+            .arg(limit.rate.period_micros())
+            .arg(cost);
+        let (allowed, tokens, t): (u64, String, u64) = self.inner.run(&ACQUIRE, &cmd).await?;
+        // 17 significant digits: parses back to the very f64 the script computed.
+        let tokens: f64 = tokens.parse().map_err(|_| bad_reply())?;
+        let allowed = allowed == 1;
+        self.count(allowed);
+        Ok(BucketObservation {
+            now: Timestamp::from_micros(t),
+            allowed,
+            tokens,
+            enforced: true,
+        })
+    }
+}
+
+/// A window's state lives `2W` after its last write, rounded up to whole milliseconds.
+fn ttl_millis(window_us: u64) -> u64 {
+    window_us.saturating_mul(2).div_ceil(1000)
+}
+
+impl Store for RedisStore {
+    async fn admit(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        match self.admit_inner(limits, cost, now).await {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                self.fail(failure)?;
+                Ok(Observation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    admitted: true,
+                    enforced: false,
+                    snapshots: Vec::new(),
+                })
+            }
+        }
+    }
+
+    async fn record(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        let reactive = || limits.iter().filter(|l| l.charge() == Charge::Reactive);
+        let n = reactive().count();
+        if n == 0 {
+            return Ok(());
+        }
+        let mut cmd = self.evalsha(&RECORD, n, 2 + 2 * n);
+        for l in reactive() {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(units);
+        for l in reactive() {
+            let w = l.limit().window_micros();
+            cmd.arg(w).arg(ttl_millis(w));
+        }
+        self.inner.run::<()>(&RECORD, &cmd).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
+    }
+
+    async fn acquire(
+        &self,
+        key: BucketKey<'_>,
+        limit: BucketLimit,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<BucketObservation, Error> {
+        match self.acquire_inner(key, limit, cost, now).await {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                self.fail(failure)?;
+                Ok(BucketObservation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    allowed: true,
+                    tokens: limit.capacity as f64,
+                    enforced: false,
+                })
+            }
+        }
+    }
+
+    async fn reset(
+        &self,
+        key: BucketKey<'_>,
+        limit: BucketLimit,
+        now: Option<Timestamp>,
+    ) -> Result<bool, Error> {
+        let mut cmd = self.evalsha(&RESET, 1, 4);
+        self.bucket_key_arg(&mut cmd, key);
+        self.time_arg(&mut cmd, now);
+        cmd.arg(limit.capacity)
+            .arg(limit.rate.tokens())
+            .arg(limit.rate.period_micros());
+        match self.inner.run::<u64>(&RESET, &cmd).await {
+            Ok(used) => Ok(used == 1),
+            Err(f) => {
+                bump(&self.inner.counters.errors);
+                Err(f.into())
+            }
+        }
+    }
+
+    async fn read_periods(
+        &self,
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            // Nothing to read (and MGET takes at least one key).
+            return Ok(no_periods(now));
+        }
+        let cmd = self.periods_cmd(&PERIODS_READ, counters, None, now);
+        let seen = self
+            .inner
+            .run::<Vec<::redis::Value>>(&PERIODS_READ, &cmd)
+            .await
+            .and_then(|reply| periods_reply(&reply, counters.len()));
+        match seen {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                // Unreachable: as for an admission, unchecked (open) or an error (closed).
+                self.fail(failure)?;
+                Ok(PeriodObservation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    enforced: false,
+                    totals: vec![0; counters.len()],
+                })
+            }
+        }
+    }
+
+    async fn add_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            return Ok(no_periods(now));
+        }
+        let cmd = self.periods_cmd(&PERIODS_ADD, counters, Some(amount), now);
+        self.inner
+            .run::<Vec<::redis::Value>>(&PERIODS_ADD, &cmd)
+            .await
+            .and_then(|reply| periods_reply(&reply, counters.len()))
+            .map_err(|f| {
+                bump(&self.inner.counters.errors);
+                f.into()
+            })
+    }
+}
+
+impl RedisStore {
+    /// The call of a period counter script: the counters' keys; the time; the amount, for an
+    /// add; each counter's period.
+    fn periods_cmd(
+        &self,
+        op: &Op,
+        counters: &[PeriodCounter],
+        amount: Option<u64>,
+        now: Option<Timestamp>,
+    ) -> Cmd {
+        let n = counters.len();
+        let mut cmd = self.evalsha(op, n, 1 + usize::from(amount.is_some()) + n);
+        for c in counters {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        if let Some(amount) = amount {
+            cmd.arg(amount);
+        }
+        for c in counters {
+            cmd.arg(match c.period() {
+                Period::Day => "day",
+                Period::Month => "month",
+            });
+        }
+        cmd
+    }
+}
+
+/// The observation of an operation on no counters, which needs no call.
+fn no_periods(now: Option<Timestamp>) -> PeriodObservation {
+    PeriodObservation {
+        now: now.unwrap_or_else(Timestamp::now),
+        enforced: true,
+        totals: Vec::new(),
+    }
+}
+
+/// Reads a period counter script's reply: `{now, total_1, ..., total_n}`.
+fn periods_reply(reply: &[::redis::Value], n: usize) -> Result<PeriodObservation, Failure> {
+    let (now, totals) = reply.split_first().ok_or_else(bad_reply)?;
+    if totals.len() != n {
+        return Err(bad_reply());
+    }
+    Ok(PeriodObservation {
+        now: Timestamp::from_micros(int(now)?),
+        enforced: true,
+        totals: totals.iter().map(int).collect::<Result<_, _>>()?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_ttl_is_two_windows_in_whole_ms() {
+        assert_eq!(ttl_millis(60_000_000), 120_000);
+        assert_eq!(ttl_millis(1), 1);
+    }
+}
