@@ -179,32 +179,23 @@ impl Config {
     /// A warning for each limit on a team, project, business unit or org that no key belongs
     /// to: its limits apply to nobody (a typo in an id, most likely).
     pub fn unused_limit_warnings(&self) -> Vec<String> {
+        // A group (team, project, business unit, org) that no key names.
+        let unused = |(kind, id): &&(ScopeKind, String)| match kind {
+            ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => false,
+            _ => !self
+                .keys
+                .iter()
+                .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
+        };
         self.limits
             .keys()
-            .filter(|(kind, id)| match kind {
-                ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => false,
-                _ => !self
-                    .keys
-                    .iter()
-                    .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
-            })
+            .filter(unused)
             .map(|(kind, id)| {
                 format!("no key belongs to {kind} `{id}`: its limits apply to nobody")
             })
-            .chain(
-                self.budgets
-                    .keys()
-                    .filter(|(kind, id)| match kind {
-                        ScopeKind::Gateway | ScopeKind::Customer | ScopeKind::Key => false,
-                        _ => !self
-                            .keys
-                            .iter()
-                            .any(|k| k.scopes().contains(&(*kind, id.as_str()))),
-                    })
-                    .map(|(kind, id)| {
-                        format!("no key belongs to {kind} `{id}`: its budgets apply to nobody")
-                    }),
-            )
+            .chain(self.budgets.keys().filter(unused).map(|(kind, id)| {
+                format!("no key belongs to {kind} `{id}`: its budgets apply to nobody")
+            }))
             .chain(self.budget_price_warning())
             .chain(self.memory_budget_warning())
             .collect()
