@@ -1,0 +1,217 @@
+//! Limits: the two seed shapes, `rate_limit = { requests, window_sec }` on `[gateway]` and on a
+//! key, and `[[rate_limits]]` entries, resolved into each scope's [`ScopeLimit`]s and merged.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::time::Duration;
+
+use floodgate::{Charge, ScopeKind, WindowLimit};
+use toml::Spanned;
+
+use super::raw::{RawGateway, RawRateLimit, RawWindow};
+use super::validate::Validator;
+use super::{ConfigError, GATEWAY_ID};
+
+/// Requests allowed by a `rate_limit` object that omits `requests`.
+pub const DEFAULT_REQUESTS: u64 = 100;
+/// Window of a `rate_limit` object that omits `window_sec`, in seconds.
+pub const DEFAULT_WINDOW_SEC: u64 = 60;
+
+/// One limit of a scope.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScopeLimit {
+    /// Requests (at admission) or tokens (reactive).
+    pub charge: Charge,
+    /// The limit.
+    pub limit: WindowLimit,
+}
+
+impl fmt::Display for ScopeLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.charge {
+            Charge::Admission => "requests",
+            Charge::Reactive => "tokens",
+        };
+        write!(
+            f,
+            "{} {unit} / {}s",
+            self.limit.max(),
+            self.limit.window().as_secs()
+        )
+    }
+}
+
+/// Limits per scope, as [`super::Config::limits`] keeps them: `(scope, id) -> limits`.
+pub(super) type Limits = BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>;
+
+impl Validator<'_> {
+    /// `[gateway] rate_limit`, if any: the gateway scope's request limit.
+    pub(super) fn gateway_limit(
+        &self,
+        raw: Option<RawGateway>,
+        limits: &mut Limits,
+    ) -> Result<(), ConfigError> {
+        if let Some(w) = raw.and_then(|g| g.rate_limit) {
+            self.seed_limit(
+                &w,
+                "gateway.rate_limit",
+                (ScopeKind::Gateway, GATEWAY_ID.into()),
+                limits,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// A seed-shape `rate_limit` object at `field`, merged into `scope`'s limits as a request
+    /// limit.
+    pub(super) fn seed_limit(
+        &self,
+        w: &Spanned<RawWindow>,
+        field: &str,
+        scope: (ScopeKind, String),
+        limits: &mut Limits,
+    ) -> Result<(), ConfigError> {
+        let limit = self.window(w, field)?;
+        merge(
+            limits,
+            scope,
+            ScopeLimit {
+                charge: Charge::Admission,
+                limit,
+            },
+        );
+        Ok(())
+    }
+
+    /// `[[rate_limits]]`, in the order written: at most one entry per scope, each with `rpm`,
+    /// `tpm` or both (60 s windows), merged into `limits`. `keys` maps key ids to their index.
+    pub(super) fn rate_limits(
+        &self,
+        raw: Vec<Spanned<RawRateLimit>>,
+        keys: &HashMap<String, usize>,
+        limits: &mut Limits,
+    ) -> Result<(), ConfigError> {
+        let mut seen: HashMap<(ScopeKind, String), usize> = HashMap::new();
+        for (i, r) in raw.into_iter().enumerate() {
+            let span = r.span();
+            let r = r.into_inner();
+            let field = |f: &str| format!("rate_limits[{i}].{f}");
+            let (kind, id) = self.scope_target(
+                &r.scope,
+                r.id,
+                span.clone(),
+                &format!("rate_limits[{i}]."),
+                "rate limit needs the id of the {kind} it limits",
+                keys,
+            )?;
+            if r.rpm.is_none() && r.tpm.is_none() {
+                return Err(self.error(span, field("rpm"), "set `rpm`, `tpm` or both"));
+            }
+            if let Some(first) = seen.insert((kind, id.clone()), i) {
+                return Err(self.error(
+                    r.scope.span(),
+                    field("scope"),
+                    format!("rate_limits[{first}] already limits this {kind}: merge the two"),
+                ));
+            }
+            if let Some(rpm) = r.rpm {
+                merge(
+                    limits,
+                    (kind, id.clone()),
+                    ScopeLimit {
+                        charge: Charge::Admission,
+                        limit: WindowLimit::per_minute(rpm),
+                    },
+                );
+            }
+            if let Some(tpm) = r.tpm {
+                merge(
+                    limits,
+                    (kind, id),
+                    ScopeLimit {
+                        charge: Charge::Reactive,
+                        limit: WindowLimit::per_minute(tpm),
+                    },
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// A seed-shape `rate_limit` object: missing fields fall back to 100 / 60.
+    fn window(&self, w: &Spanned<RawWindow>, field: &str) -> Result<WindowLimit, ConfigError> {
+        let raw = w.get_ref();
+        let requests = raw.requests.unwrap_or(DEFAULT_REQUESTS);
+        let secs = match &raw.window_sec {
+            Some(s) if *s.get_ref() == 0 => {
+                return Err(self.error(
+                    s.span(),
+                    format!("{field}.window_sec"),
+                    "must be at least 1",
+                ));
+            }
+            Some(s) if *s.get_ref() > 366 * 86_400 => {
+                return Err(self.error(
+                    s.span(),
+                    format!("{field}.window_sec"),
+                    "must be at most a year",
+                ));
+            }
+            Some(s) => *s.get_ref(),
+            None => DEFAULT_WINDOW_SEC,
+        };
+        Ok(WindowLimit::new(requests, Duration::from_secs(secs)))
+    }
+}
+
+/// Adds `limit` to `scope`'s limits; for the same charge and window the smaller max is kept
+/// (storage keys of one chain must be distinct).
+fn merge(limits: &mut Limits, scope: (ScopeKind, String), limit: ScopeLimit) {
+    let list = limits.entry(scope).or_default();
+    match list
+        .iter_mut()
+        .find(|l| l.charge == limit.charge && l.limit.window() == limit.limit.window())
+    {
+        Some(existing) if limit.limit.max() < existing.limit.max() => *existing = limit,
+        Some(_) => {}
+        None => list.push(limit),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    #[test]
+    fn fallbacks_and_merging() {
+        let c = Config::parse_with_env(
+            "test.toml",
+            r#"
+[upstream]
+demo = true
+[gateway]
+rate_limit = {}
+[[keys]]
+id = "a"
+secret = "s"
+rate_limit = { requests = 5 }
+[[rate_limits]]
+scope = "key"
+id = "a"
+rpm = 3
+tpm = 10
+"#,
+            None,
+        )
+        .unwrap();
+        assert_eq!(
+            c.scope_limits(ScopeKind::Gateway, GATEWAY_ID)[0].limit,
+            WindowLimit::per_minute(100)
+        );
+        let key = c.scope_limits(ScopeKind::Key, "a");
+        assert_eq!(key.len(), 2);
+        assert_eq!(key[0].limit, WindowLimit::per_minute(3));
+        assert_eq!(key[1].charge, Charge::Reactive);
+    }
+}
