@@ -1,48 +1,17 @@
 //! Limits: the two seed shapes, `rate_limit = { requests, window_sec }` on `[gateway]` and on a
 //! key, and `[[rate_limits]]` entries, resolved into each scope's [`ScopeLimit`]s and merged.
 
-use std::collections::{BTreeMap, HashMap};
-use std::fmt;
+use std::collections::HashMap;
 use std::time::Duration;
 
 use floodgate::{Charge, ScopeKind, WindowLimit};
 use toml::Spanned;
 
 use super::raw::{RawGateway, RawRateLimit, RawWindow};
+use super::types::{
+    ConfigError, DEFAULT_REQUESTS, DEFAULT_WINDOW_SEC, GATEWAY_ID, Limits, ScopeLimit,
+};
 use super::validate::Validator;
-use super::{ConfigError, GATEWAY_ID};
-
-/// Requests allowed by a `rate_limit` object that omits `requests`.
-pub const DEFAULT_REQUESTS: u64 = 100;
-/// Window of a `rate_limit` object that omits `window_sec`, in seconds.
-pub const DEFAULT_WINDOW_SEC: u64 = 60;
-
-/// One limit of a scope.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ScopeLimit {
-    /// Requests (at admission) or tokens (reactive).
-    pub charge: Charge,
-    /// The limit.
-    pub limit: WindowLimit,
-}
-
-impl fmt::Display for ScopeLimit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let unit = match self.charge {
-            Charge::Admission => "requests",
-            Charge::Reactive => "tokens",
-        };
-        write!(
-            f,
-            "{} {unit} / {}s",
-            self.limit.max(),
-            self.limit.window().as_secs()
-        )
-    }
-}
-
-/// Limits per scope, as [`super::Config::limits`] keeps them: `(scope, id) -> limits`.
-pub(super) type Limits = BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>;
 
 impl Validator<'_> {
     /// `[gateway] rate_limit`, if any: the gateway scope's request limit.

@@ -5,7 +5,7 @@
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::{Backend, OnError};
+use super::types::{Backend, OnError};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a TOML document of tables")]

@@ -11,16 +11,16 @@ use floodgate::{Period, ScopeKind};
 use sha2::{Digest, Sha256};
 use toml::Spanned;
 
-use super::limits::Limits;
+use super::money::{MAX_BUDGET_USD, MAX_PRICE_PER_MILLION};
 use super::raw::{
     RawAlerts, RawBudget, RawConfig, RawKey, RawPrice, RawRealtime, RawServer, RawStore,
     RawUpstream,
 };
-use super::{
+use super::types::{
     AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_HEADER_TIMEOUT_SEC,
     DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig,
-    MAX_BUDGET_USD, MAX_PRICE_PER_MILLION, MAX_REALTIME_DRAIN_SEC, OnError, PriceConfig,
-    REDIS_URL_ENV, RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget,
+    Limits, MAX_REALTIME_DRAIN_SEC, OnError, PriceConfig, REDIS_URL_ENV, RealtimeConfig,
+    StoreConfig, UpstreamConfig, UpstreamTarget,
 };
 
 /// The text of one config file being validated: what turns a span into a line and column.
