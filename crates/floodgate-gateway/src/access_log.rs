@@ -43,6 +43,8 @@ pub enum Decision {
     TooManyConnections,
     /// The store could not decide and fails closed (503), or failed otherwise (500).
     StoreError,
+    /// No room for the body among those the process holds before admission (503).
+    ServerBusy,
 }
 
 impl Decision {
@@ -79,6 +81,7 @@ impl Decision {
             Decision::BodyTimeout => "body_timeout",
             Decision::TooManyConnections => "too_many_connections",
             Decision::StoreError => "store_error",
+            Decision::ServerBusy => "server_busy",
         }
     }
 }
@@ -236,6 +239,7 @@ mod tests {
             Decision::BodyTimeout,
             Decision::TooManyConnections,
             Decision::StoreError,
+            Decision::ServerBusy,
         ];
         for scope in ScopeKind::ALL {
             all.push(Decision::Refused(scope));

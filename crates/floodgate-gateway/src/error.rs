@@ -69,6 +69,13 @@ pub enum AppError {
         /// The `Retry-After` to send.
         retry_after: Duration,
     },
+    /// The process holds `[server] max_buffered_mib` of request bodies read before admission
+    /// (or the key holds half of it), and this request's body found no room in time (503
+    /// `server_busy`; nothing charged).
+    ServerBusy {
+        /// The `Retry-After` to send.
+        retry_after: Duration,
+    },
     /// No such route (404).
     NotFound,
     /// The rate-limit store is unavailable and configured to fail closed (503; nothing charged).
@@ -100,12 +107,22 @@ impl AppError {
             }
             AppError::TooManyConnections { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::NotFound => StatusCode::NOT_FOUND,
-            AppError::StoreUnavailable(_) | AppError::TallyUnavailable => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            AppError::StoreUnavailable(_)
+            | AppError::TallyUnavailable
+            | AppError::ServerBusy { .. } => StatusCode::SERVICE_UNAVAILABLE,
             AppError::UpstreamUnavailable(_) => StatusCode::BAD_GATEWAY,
             AppError::UpstreamTimeout => StatusCode::GATEWAY_TIMEOUT,
             AppError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The wait an answer of its own says to keep (`Retry-After`), for an error that waiting
+    /// mends that is no limit's refusal (those carry the limit's wait in its headers).
+    pub fn retry_after(&self) -> Option<Duration> {
+        match self {
+            AppError::TooManyConnections { retry_after, .. }
+            | AppError::ServerBusy { retry_after } => Some(*retry_after),
+            _ => None,
         }
     }
 
@@ -198,6 +215,14 @@ impl AppError {
                 "rate_limit_exceeded",
                 "too_many_connections",
             ),
+            AppError::ServerBusy { retry_after } => (
+                format!(
+                    "The gateway is holding as many request bodies as it may. Please retry after {}s.",
+                    crate::headers::ceil_secs(*retry_after)
+                ),
+                "api_error",
+                "server_busy",
+            ),
             AppError::NotFound => (
                 "Unknown path: the gateway serves /v1/..., /healthz and /readyz.".into(),
                 "invalid_request_error",
@@ -267,16 +292,8 @@ impl IntoResponse for AppError {
                 axum::http::HeaderValue::from_static("identity"),
             );
         }
-        if let AppError::TooManyConnections { retry_after, .. } = &self {
-            let h = resp.headers_mut();
-            h.insert(
-                axum::http::header::RETRY_AFTER,
-                crate::headers::ceil_secs(*retry_after).into(),
-            );
-            h.insert(
-                "retry-after-ms",
-                crate::headers::ceil_millis(*retry_after).into(),
-            );
+        if let Some(wait) = self.retry_after() {
+            crate::headers::apply_retry_after(resp.headers_mut(), wait);
         }
         resp
     }

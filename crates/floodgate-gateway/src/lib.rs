@@ -31,6 +31,7 @@
 // server -> http -> (realtime, metering, charge, upstream, ...) -> openai.
 mod access_log;
 pub mod auth;
+pub mod buffers;
 mod charge;
 pub mod config;
 pub mod demo;
@@ -50,6 +51,6 @@ pub mod upstream;
 
 pub use charge::Charger;
 pub use config::{Config, ConfigError};
-pub use http::{AppState, app, route};
+pub use http::{AppState, Process, app, route};
 pub use server::run;
 pub use startup::StartError;

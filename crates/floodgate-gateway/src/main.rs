@@ -81,6 +81,12 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
         "max body read before admission: {} MiB",
         config.max_body_mib
     )?;
+    writeln!(
+        out,
+        "max bodies held before admission: {} MiB (a key at most half)",
+        config.max_buffered_mib
+    )?;
+    writeln!(out, "max open connections: {}", config.max_connections)?;
     let on_error = match config.store.on_error {
         OnError::Open => "open",
         OnError::Closed => "closed",

@@ -49,16 +49,18 @@ pub(super) struct RawBudget {
     pub(super) usd: Spanned<f64>,
 }
 
-#[derive(Deserialize)]
+#[derive(Default, Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [server] table (listen, workers, header_timeout_sec, max_body_mib)"
+    expecting = "a [server] table (listen, workers, header_timeout_sec, max_body_mib, max_buffered_mib, max_connections)"
 )]
 pub(super) struct RawServer {
     pub(super) listen: Option<Spanned<String>>,
     pub(super) workers: Option<Spanned<usize>>,
     pub(super) header_timeout_sec: Option<Spanned<u64>>,
     pub(super) max_body_mib: Option<Spanned<u64>>,
+    pub(super) max_buffered_mib: Option<Spanned<u64>>,
+    pub(super) max_connections: Option<Spanned<usize>>,
 }
 
 #[derive(Deserialize)]

@@ -15,6 +15,8 @@ use super::money::usd;
 
 /// Where the gateway listens when `[server] listen` is absent.
 pub const DEFAULT_LISTEN: &str = "127.0.0.1:8080";
+/// `[server] max_connections` when absent.
+pub const DEFAULT_MAX_CONNECTIONS: usize = 10_000;
 /// `[server] max_body_mib` when absent: room for a few base64 images in a chat completion.
 pub const DEFAULT_MAX_BODY_MIB: u64 = 32;
 
@@ -102,6 +104,12 @@ pub struct Config {
     /// The largest request body the gateway reads before admission (a completion of a metered
     /// key), in MiB: a larger one is refused with 413, uncharged.
     pub max_body_mib: u64,
+    /// The most the process holds of request bodies read before admission, all callers
+    /// together, in MiB (`[server] max_buffered_mib`); one key holds at most half of it.
+    pub max_buffered_mib: u64,
+    /// The most client connections the process keeps open at once (`[server]
+    /// max_connections`); past it, new ones wait in the listen backlog.
+    pub max_connections: usize,
     /// Where limit state lives.
     pub store: StoreConfig,
     /// Where admitted requests go.
@@ -361,6 +369,19 @@ impl KeyConfig {
         }
         out
     }
+}
+
+/// `[server] max_buffered_mib` when absent: a quarter of the machine's memory, at most 4096 MiB
+/// (and 4096 where the memory cannot be read).
+pub fn default_max_buffered_mib() -> u64 {
+    let total_mib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|info| {
+            let line = info.lines().find(|l| l.starts_with("MemTotal:"))?;
+            let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib / 1024)
+        });
+    total_mib.map_or(4096, |mib| (mib / 4).clamp(1, 4096))
 }
 
 /// Worker threads when `[server] workers` is absent: one per CPU.

@@ -18,9 +18,9 @@ use super::raw::{
 };
 use super::types::{
     AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_HEADER_TIMEOUT_SEC,
-    DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig,
-    Limits, MAX_REALTIME_DRAIN_SEC, OnError, PriceConfig, REDIS_URL_ENV, RealtimeConfig,
-    StoreConfig, UpstreamConfig, UpstreamTarget,
+    DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS, DEFAULT_UPSTREAM_TIMEOUT_SEC,
+    GATEWAY_ID, KeyConfig, Limits, MAX_REALTIME_DRAIN_SEC, OnError, PriceConfig, REDIS_URL_ENV,
+    RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget, default_max_buffered_mib,
 };
 
 /// The text of one config file being validated: what turns a span into a line and column.
@@ -37,6 +37,8 @@ struct ServerSettings {
     workers: Option<usize>,
     header_timeout: Duration,
     max_body_mib: u64,
+    max_buffered_mib: u64,
+    max_connections: usize,
 }
 
 /// `[[keys]]`, resolved, with what the later steps check against.
@@ -160,6 +162,8 @@ impl Validator<'_> {
             workers: server.workers,
             header_timeout: server.header_timeout,
             max_body_mib: server.max_body_mib,
+            max_buffered_mib: server.max_buffered_mib,
+            max_connections: server.max_connections,
             store,
             upstream,
             realtime,
@@ -171,12 +175,26 @@ impl Validator<'_> {
         })
     }
 
-    /// `[server]`: the body cap, the header timeout, the workers and the listen address, checked
-    /// in that order.
+    /// `[server]`: the body cap, the bound on bodies held, the header timeout, the workers and
+    /// the listen address, checked in that order.
     fn server(&self, raw: Option<RawServer>) -> Result<ServerSettings, ConfigError> {
-        let (listen, workers, header_timeout, max_body_mib) = match raw {
-            None => (None, None, None, None),
-            Some(s) => (s.listen, s.workers, s.header_timeout_sec, s.max_body_mib),
+        let s = raw.unwrap_or_default();
+        let (listen, workers, header_timeout, max_body_mib, max_buffered_mib) = (
+            s.listen,
+            s.workers,
+            s.header_timeout_sec,
+            s.max_body_mib,
+            s.max_buffered_mib,
+        );
+        let max_connections = match s.max_connections {
+            Some(m) if *m.get_ref() == 0 || *m.get_ref() > 1_000_000 => {
+                return Err(self.error(
+                    m.span(),
+                    "server.max_connections",
+                    "must be between 1 and 1000000",
+                ));
+            }
+            m => m.map_or(DEFAULT_MAX_CONNECTIONS, Spanned::into_inner),
         };
         let max_body_mib = match max_body_mib {
             Some(m) if *m.get_ref() == 0 || *m.get_ref() > 1024 => {
@@ -187,6 +205,20 @@ impl Validator<'_> {
                 ));
             }
             m => m.map_or(DEFAULT_MAX_BODY_MIB, Spanned::into_inner),
+        };
+        // A key holds at most half of the bound, and a chunked body counts twice while it is
+        // read: a key's half must hold one largest body twice over.
+        let least = 4 * max_body_mib;
+        let max_buffered_mib = match max_buffered_mib {
+            Some(m) if *m.get_ref() < least || *m.get_ref() > 1 << 20 => {
+                return Err(self.error(
+                    m.span(),
+                    "server.max_buffered_mib",
+                    format!("must be between {least} (four times server.max_body_mib) and 1048576"),
+                ));
+            }
+            Some(m) => m.into_inner(),
+            None => default_max_buffered_mib().max(least),
         };
         let header_timeout = match header_timeout {
             Some(t) if *t.get_ref() == 0 || *t.get_ref() > 3600 => {
@@ -221,6 +253,8 @@ impl Validator<'_> {
             workers,
             header_timeout,
             max_body_mib,
+            max_buffered_mib,
+            max_connections,
         })
     }
 

@@ -125,15 +125,20 @@ impl Ctx {
 
     /// The answer `err` to a request refused before admission (nothing charged), logged as
     /// `decision`, with the chain's rate-limit state read by an admission of cost 0
-    /// (docs/design.md §6: every response carries it). No `Retry-After`: waiting does not mend
-    /// the request.
+    /// (docs/design.md §6: every response carries it). No limit's `Retry-After`: waiting for a
+    /// limit does not mend the request; an error that waiting mends (a busy gateway) keeps its
+    /// own.
     pub(super) async fn reject(&self, err: AppError, decision: Decision) -> Response {
+        let own_wait = err.retry_after();
         let mut resp = self.answer(err, decision);
         if let Some(rates) = self.rates().await {
             let h = resp.headers_mut();
             headers::apply(h, &rates, &self.fixed);
             h.remove(axum::http::header::RETRY_AFTER);
             h.remove("retry-after-ms");
+            if let Some(wait) = own_wait {
+                headers::apply_retry_after(h, wait);
+            }
         }
         resp
     }

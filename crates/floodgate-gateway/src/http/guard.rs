@@ -12,16 +12,23 @@ use axum::http::header::{
 };
 use axum::http::request::Parts;
 use axum::http::{HeaderValue, Method};
+use bytes::{Bytes, BytesMut};
+use http_body_util::BodyExt;
 
 use crate::access_log::Decision;
+use crate::buffers::{Buffers, HeldBody, Room};
 use crate::error::AppError;
 use crate::openai::paths::{
     has_dot_segment, is_completion_path, is_generating_request, is_responses_path,
 };
 use crate::openai::request::{StreamRequest, check_responses_request, prepare_request};
 
+/// The `Retry-After` of a body refused for want of room: bodies are read in seconds, and a short
+/// wait spreads the retries of a crowd of callers.
+pub(super) const BUSY_RETRY_AFTER: Duration = Duration::from_secs(5);
+
 /// What the checks need to know of the chain and the server.
-pub(super) struct Rules {
+pub(super) struct Rules<'a> {
     /// The chain meters its answers (a token limit or a budget).
     pub(super) metered: bool,
     /// The chain has budgets: the request's model is read to price a response that names none.
@@ -30,6 +37,10 @@ pub(super) struct Rules {
     pub(super) max_body_mib: u64,
     /// `[server] header_timeout_sec`: a body read before admission must arrive within it.
     pub(super) body_timeout: Duration,
+    /// The process's room for bodies read before admission.
+    pub(super) buffers: &'a Buffers,
+    /// The key's index, for its share of that room.
+    pub(super) key: usize,
 }
 
 /// A request that passed the checks, ready to be admitted and forwarded.
@@ -68,7 +79,7 @@ pub(super) fn asks_for_websocket(req: &Request) -> bool {
 /// Checks `req` (not a WebSocket upgrade) under `rules`, and for a metered completion or
 /// Responses create reads its body: a streaming completion is rewritten to ask the upstream for
 /// its usage.
-pub(super) async fn check(req: Request, rules: &Rules) -> Result<Checked, Refusal> {
+pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Refusal> {
     if req
         .headers()
         .get_all(TRANSFER_ENCODING)
@@ -112,10 +123,10 @@ pub(super) async fn check(req: Request, rules: &Rules) -> Result<Checked, Refusa
         checked.body = body;
         return Ok(checked);
     }
-    let bytes = read_body(&checked.parts, body, rules).await?;
+    let (bytes, room) = read_body(&checked.parts, body, rules).await?;
     if responses {
         check_responses_request(&bytes).map_err(bad_request)?;
-        checked.body = Body::from(bytes);
+        checked.body = Body::new(HeldBody::new(bytes, room));
         return Ok(checked);
     }
     let prepared = prepare_request(bytes, rules.want_model).map_err(bad_request)?;
@@ -125,7 +136,7 @@ pub(super) async fn check(req: Request, rules: &Rules) -> Result<Checked, Refusa
         .parts
         .headers
         .insert(CONTENT_LENGTH, HeaderValue::from(prepared.body.len()));
-    checked.body = Body::from(prepared.body);
+    checked.body = Body::new(HeldBody::new(prepared.body, room));
     Ok(checked)
 }
 
@@ -135,8 +146,9 @@ fn bad_request(why: String) -> Refusal {
 
 /// Reads a body that must be read before admission: uncompressed, at most `[server]
 /// max_body_mib` (a body announced larger is refused before a byte of it is read), within the
-/// header timeout.
-async fn read_body(parts: &Parts, body: Body, rules: &Rules) -> Result<bytes::Bytes, Refusal> {
+/// header timeout, in room taken from the process's [`Buffers`] before its bytes are read (a
+/// body with no room by the deadline is 503 `server_busy`). Returns the body and its room.
+async fn read_body(parts: &Parts, body: Body, rules: &Rules<'_>) -> Result<(Bytes, Room), Refusal> {
     if parts
         .headers
         .get(CONTENT_ENCODING)
@@ -159,21 +171,53 @@ async fn read_body(parts: &Parts, body: Body, rules: &Rules) -> Result<bytes::By
     if announced.is_some_and(|n| n > max_mib << 20) {
         return Err(too_large());
     }
-    // Read under the header timeout too: a caller trickling its body would otherwise hold the
-    // connection (and up to `max` of memory) for as long as it likes.
-    let read = axum::body::to_bytes(body, max);
-    match tokio::time::timeout(rules.body_timeout, read).await {
-        Ok(Ok(b)) => Ok(b),
-        Ok(Err(e))
-            if std::error::Error::source(&e)
-                .is_some_and(|s| s.is::<http_body_util::LengthLimitError>()) =>
-        {
-            Err(too_large())
+    let announced = announced.and_then(|n| usize::try_from(n).ok());
+    // A body waits for room up to the header timeout; then it is read under the header timeout
+    // too: a caller trickling its body would otherwise hold the connection (and its room) for
+    // as long as it likes. A body of unknown length takes room as it comes, within one timeout.
+    let mut deadline = tokio::time::Instant::now() + rules.body_timeout;
+    let busy = || {
+        let retry_after = BUSY_RETRY_AFTER;
+        (AppError::ServerBusy { retry_after }, Decision::ServerBusy)
+    };
+    let (buffers, key) = (rules.buffers, rules.key);
+    let mut room = buffers.room();
+    if let Some(n) = announced {
+        buffers
+            .take(&mut room, key, n, deadline)
+            .await
+            .map_err(|_| busy())?;
+        deadline = tokio::time::Instant::now() + rules.body_timeout;
+    }
+    let read = async {
+        let mut body = body;
+        let mut data = BytesMut::with_capacity(announced.unwrap_or(0));
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| {
+                tracing::debug!(error = %e, "request body unreadable");
+                bad_request("The request body could not be read.".into())
+            })?;
+            let Ok(chunk) = frame.into_data() else {
+                continue;
+            };
+            if data.len() + chunk.len() > max {
+                return Err(too_large());
+            }
+            if announced.is_none() {
+                // A body of unknown length grows its buffer as it comes, up to twice its
+                // length: it takes room for twice what it reads.
+                buffers
+                    .take(&mut room, key, 2 * chunk.len(), deadline)
+                    .await
+                    .map_err(|_| busy())?;
+            }
+            data.extend_from_slice(&chunk);
         }
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "request body unreadable");
-            Err(bad_request("The request body could not be read.".into()))
-        }
+        Ok(data.freeze())
+    };
+    match tokio::time::timeout_at(deadline, read).await {
+        Ok(Ok(bytes)) => Ok((bytes, room)),
+        Ok(Err(refusal)) => Err(refusal),
         Err(_) => Err((AppError::BodyTimeout, Decision::BodyTimeout)),
     }
 }

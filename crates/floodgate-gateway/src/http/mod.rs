@@ -20,7 +20,7 @@ use axum::Router;
 use axum::extract::{Request, State};
 use axum::response::Response;
 
-pub use state::AppState;
+pub use state::{AppState, Process};
 
 /// The gateway's routes as an axum [`Router`], for embedding the gateway in an axum application:
 /// `/v1/*` is proxied under the rate limits, `/healthz` and `/readyz` answer probes, `/alerts`

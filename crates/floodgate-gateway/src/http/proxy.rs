@@ -57,6 +57,8 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         want_model: ctx.budgets.is_some(),
         max_body_mib: ctx.state.max_body_mib(),
         body_timeout: ctx.state.header_timeout(),
+        buffers: ctx.state.buffers(),
+        key: ctx.key.index,
     };
     let Checked {
         parts,

@@ -4,8 +4,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
+use tokio::sync::Semaphore;
 
 use crate::auth::Keys;
+use crate::buffers::Buffers;
 use crate::charge::Charger;
 use crate::config::{Config, UpstreamTarget};
 use crate::pricing::Prices;
@@ -36,6 +38,42 @@ struct Inner {
     /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
     alerts_secret: Option<[u8; 32]>,
     sessions: Sessions,
+    /// The process's room for request bodies read before admission.
+    buffers: Buffers,
+    /// The process's open client connections.
+    connections: Arc<Semaphore>,
+}
+
+/// What every worker of one process shares: the refusal tally, the count of live realtime
+/// sessions (`[realtime] max_connections` holds for the process) and the room for request
+/// bodies (`[server] max_buffered_mib` does too).
+#[derive(Clone, Debug)]
+pub struct Process {
+    /// The refusal tally; each worker counts into counters of its own in it.
+    pub tally: Arc<Tally>,
+    /// The live realtime sessions.
+    pub live_sessions: LiveSessions,
+    /// The room for bodies read before admission.
+    pub buffers: Buffers,
+    /// The open client connections, counted against `[server] max_connections`.
+    pub connections: Arc<Semaphore>,
+}
+
+/// `mib` MiB in bytes, saturating where `usize` is narrower.
+fn mib_to_bytes(mib: u64) -> usize {
+    usize::try_from(mib.saturating_mul(1 << 20)).unwrap_or(usize::MAX)
+}
+
+impl Process {
+    /// What the workers of a process for `config` share, counting refusals in `tally`.
+    pub fn new(config: &Config, tally: Arc<Tally>) -> Process {
+        Process {
+            tally,
+            live_sessions: LiveSessions::new(),
+            buffers: Buffers::new(mib_to_bytes(config.max_buffered_mib), config.keys.len()),
+            connections: Arc::new(Semaphore::new(config.max_connections)),
+        }
+    }
 }
 
 impl AppState {
@@ -43,12 +81,8 @@ impl AppState {
     /// realtime sessions counted alone. Fails if the upstream cannot be set up (its API key's
     /// variable missing, say).
     pub fn new(config: &Config, store: GatewayStore) -> Result<AppState, StartError> {
-        AppState::for_worker(
-            config,
-            store,
-            &Arc::new(Tally::in_memory(config)),
-            LiveSessions::new(),
-        )
+        let process = Process::new(config, Arc::new(Tally::in_memory(config)));
+        AppState::for_worker(config, store, &process)
     }
 
     /// State for `config` on `store` that counts its refusals in `tally` (one state per worker,
@@ -58,7 +92,7 @@ impl AppState {
         store: GatewayStore,
         tally: &Arc<Tally>,
     ) -> Result<AppState, StartError> {
-        AppState::for_worker(config, store, tally, LiveSessions::new())
+        AppState::for_worker(config, store, &Process::new(config, Arc::clone(tally)))
     }
 
     /// State for `config` on `store` whose realtime sessions count against `[realtime]
@@ -69,16 +103,17 @@ impl AppState {
         store: GatewayStore,
         live: LiveSessions,
     ) -> Result<AppState, StartError> {
-        AppState::for_worker(config, store, &Arc::new(Tally::in_memory(config)), live)
+        let mut process = Process::new(config, Arc::new(Tally::in_memory(config)));
+        process.live_sessions = live;
+        AppState::for_worker(config, store, &process)
     }
 
-    /// One worker's state: its refusals counted in the process's `tally`, its realtime sessions
-    /// in the process's `live`.
+    /// One worker's state: its refusals counted in the process's tally, its realtime sessions
+    /// and its bodies in the process's counts.
     pub fn for_worker(
         config: &Config,
         store: GatewayStore,
-        tally: &Arc<Tally>,
-        live: LiveSessions,
+        process: &Process,
     ) -> Result<AppState, StartError> {
         // The demo upstream plugs into the upstream client as an in-process target: the client
         // knows nothing of the demo.
@@ -94,10 +129,12 @@ impl AppState {
                 upstream: Upstream::from_config(&config.upstream, in_process)?,
                 header_timeout: config.header_timeout,
                 max_body_mib: config.max_body_mib,
-                refusals: tally.worker(),
-                tally: Arc::clone(tally),
+                refusals: process.tally.worker(),
+                tally: Arc::clone(&process.tally),
                 alerts_secret: config.alerts.secret_sha256,
-                sessions: Sessions::new(&config.realtime, live),
+                sessions: Sessions::new(&config.realtime, process.live_sessions.clone()),
+                buffers: process.buffers.clone(),
+                connections: Arc::clone(&process.connections),
             }),
         })
     }
@@ -145,6 +182,17 @@ impl AppState {
     /// `[server] max_body_mib`.
     pub(crate) fn max_body_mib(&self) -> u64 {
         self.inner.max_body_mib
+    }
+
+    /// The process's room for request bodies read before admission.
+    pub fn buffers(&self) -> &Buffers {
+        &self.inner.buffers
+    }
+
+    /// The process's open client connections: a permit each, `[server] max_connections` in
+    /// all.
+    pub fn connections(&self) -> &Arc<Semaphore> {
+        &self.inner.connections
     }
 
     /// The process's refusal tally.

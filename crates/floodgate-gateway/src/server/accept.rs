@@ -3,6 +3,7 @@
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Body;
@@ -36,7 +37,17 @@ pub async fn run(
     // for a head from the end of the previous response).
     http.timer(TokioTimer::new())
         .header_read_timeout(state.header_timeout());
+    let connections = state.connections();
     loop {
+        // At `[server] max_connections` open connections the loop stops accepting until one
+        // closes: new callers wait in the listen backlog, as with nginx's worker_connections.
+        let slot = tokio::select! {
+            slot = Arc::clone(connections).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
+            },
+            () = &mut shutdown => break,
+        };
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => tcp,
@@ -74,6 +85,7 @@ pub async fn run(
             if let Err(e) = ended {
                 tracing::debug!(error = %e, "client connection ended");
             }
+            drop(slot);
             // Held to here: the drain waits for this connection.
             drop(drain);
         });

@@ -28,9 +28,8 @@ use tokio::net::TcpSocket;
 use tokio::sync::{mpsc as tmpsc, watch};
 
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
-use crate::http::AppState;
+use crate::http::{AppState, Process};
 use crate::metering::LINGER;
-use crate::realtime::LiveSessions;
 use crate::startup::StartError;
 use crate::store::{self, GatewayStore};
 use crate::tally::Tally;
@@ -141,7 +140,9 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
         })?;
     }
     // `[realtime] max_connections` holds for the process: every worker counts on this one.
-    let live_sessions = LiveSessions::new();
+    // `[realtime] max_connections` and `[server] max_buffered_mib` hold for the process: every
+    // worker counts on these.
+    let process = Process::new(config, Arc::clone(&tally));
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, StartError>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
@@ -157,8 +158,7 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             reuse_port: workers > 1,
             config: config.clone(),
             store: shared.clone(),
-            tally: Arc::clone(&tally),
-            live_sessions: live_sessions.clone(),
+            process: process.clone(),
             stop: stop_rx.clone(),
             stop_clock: stop_clock.clone(),
             ready: ready_tx.clone(),
@@ -263,10 +263,9 @@ struct Worker {
     config: Config,
     /// The shared store; `None`: the worker opens its own (Redis).
     store: Option<GatewayStore>,
-    /// The process's refusal tally; the worker counts into counters of its own.
-    tally: Arc<Tally>,
-    /// The process's realtime sessions.
-    live_sessions: LiveSessions,
+    /// What the workers share: the refusal tally (the worker counts into counters of its own),
+    /// the live realtime sessions, the room for bodies.
+    process: Process,
     stop: watch::Receiver<bool>,
     /// When the stop came: the drain deadline counts from it.
     stop_clock: StopClock,
@@ -291,8 +290,7 @@ impl Worker {
             reuse_port,
             config,
             store,
-            tally,
-            live_sessions,
+            process,
             mut stop,
             stop_clock,
             ready,
@@ -326,7 +324,7 @@ impl Worker {
             };
             // Each worker has its own upstream client (and connection pool): no cross-thread
             // hand-offs on the hot path.
-            let state = match AppState::for_worker(&config, store, &tally, live_sessions) {
+            let state = match AppState::for_worker(&config, store, &process) {
                 Ok(s) => s,
                 Err(e) => {
                     let _ = ready.send(Err(e));

@@ -1,0 +1,321 @@
+//! The bounds on what callers can make the process hold.
+//!
+//! - `[server] max_buffered_mib`: the bodies a process holds before admission are bounded all
+//!   together, one key holds at most half of the bound, and a body with no room in time is 503
+//!   `server_busy`, charged nothing. Measured on the binary: its resident memory under a flood
+//!   of large bodies from one key.
+//! - `[server] max_connections`: past it, a new connection waits until one closes.
+
+mod common;
+
+use std::convert::Infallible;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use common::*;
+
+/// An upstream that reads each body whole and answers a completion with a usage of 10.
+async fn reading_upstream() -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(
+                    |req: hyper::Request<hyper::body::Incoming>| async move {
+                        let _ = req.into_body().collect().await;
+                        let body = r#"{"id":"x","object":"chat.completion","model":"m","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":5,"total_tokens":10}}"#;
+                        Ok::<_, Infallible>(
+                            hyper::Response::builder()
+                                .header("content-type", "application/json")
+                                .body(http_body_util::Full::new(Bytes::from_static(
+                                    body.as_bytes(),
+                                )))
+                                .unwrap(),
+                        )
+                    },
+                );
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// The gateway binary on `config`, killed when dropped.
+struct Binary(Child);
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Its resident memory, in bytes.
+fn rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Sends `body` as a chat completion for `key` on a connection of its own, reading the answer
+/// while it writes; the answer's status (0 if the connection ended without one).
+async fn post(addr: &str, key: &str, body: Bytes) -> u16 {
+    let Ok(tcp) = TcpStream::connect(addr).await else {
+        return 0;
+    };
+    let (mut rd, mut wr) = tcp.into_split();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    let writer = tokio::spawn(async move {
+        if wr.write_all(head.as_bytes()).await.is_ok() {
+            let _ = wr.write_all(&body).await;
+        }
+        wr
+    });
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let status = loop {
+        match rd.read(&mut buf).await {
+            Ok(0) | Err(_) => break 0,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+        }
+        if let Some(line) = seen
+            .split(|&b| b == b'\n')
+            .next()
+            .filter(|_| seen.contains(&b'\n'))
+        {
+            let line = String::from_utf8_lossy(line);
+            break line
+                .split_whitespace()
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+        }
+    };
+    writer.abort();
+    status
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_large_bodies_stays_within_the_bound_and_others_are_served() {
+    let upstream = reading_upstream().await;
+    let port = free_port();
+    let config = format!(
+        r#"
+[server]
+listen = "127.0.0.1:{port}"
+workers = 2
+header_timeout_sec = 2
+max_buffered_mib = 512
+[upstream]
+base_url = "{upstream}"
+[[keys]]
+id = "big"
+secret = "sk-big"
+rate_limit = {{ requests = 1000, window_sec = 60 }}
+[[keys]]
+id = "small"
+secret = "sk-small"
+[[rate_limits]]
+scope = "key"
+id = "big"
+tpm = 100000000
+[[rate_limits]]
+scope = "key"
+id = "small"
+tpm = 100000000
+"#
+    );
+    let path = std::env::temp_dir().join(format!("floodgate-bound-{}.toml", std::process::id()));
+    std::fs::write(&path, config).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&path)
+        .env_remove("FLOODGATE_REDIS_URL")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let _gateway = Binary(child);
+    let addr = format!("127.0.0.1:{port}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while TcpStream::connect(&addr).await.is_err() {
+        assert!(Instant::now() < deadline, "the gateway did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await,
+        200
+    );
+    let own = rss(pid);
+    assert!(own > 0, "the gateway's memory can be read");
+
+    // Its peak, sampled while the flood lasts.
+    let peak = Arc::new(AtomicU64::new(own));
+    let sampler = tokio::spawn({
+        let peak = Arc::clone(&peak);
+        async move {
+            loop {
+                peak.fetch_max(rss(pid), Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    });
+    // 100 bodies of 30 MiB at once from one key: 3000 MiB, where the key may hold 256.
+    let content = "x".repeat(30 * 1024 * 1024 - 100);
+    let large = Bytes::from(format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#
+    ));
+    assert!(large.len() <= 30 * 1024 * 1024);
+    let flood: Vec<_> = (0..100)
+        .map(|_| tokio::spawn(post_owned(addr.clone(), "sk-big", large.clone())))
+        .collect();
+    // Meanwhile another key's small request is served at once.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await;
+    let small_took = started.elapsed();
+    let mut statuses = Vec::new();
+    for f in flood {
+        statuses.push(f.await.unwrap());
+    }
+    sampler.abort();
+    let peak = peak.load(Ordering::SeqCst);
+
+    assert_eq!(small, 200);
+    assert!(small_took < Duration::from_secs(1), "{small_took:?}");
+    let admitted = statuses.iter().filter(|&&s| s == 200).count();
+    let busy = statuses.iter().filter(|&&s| s == 503).count();
+    // A body that had room but did not arrive in time after it is a 408, uncharged too.
+    let late = statuses.iter().filter(|&&s| s == 408).count();
+    assert_eq!(
+        admitted + busy + late,
+        100,
+        "every body is answered: {statuses:?}"
+    );
+    assert!(busy > 0, "the bound refused some: {statuses:?}");
+    eprintln!(
+        "{admitted} admitted, {busy} busy, {late} late; peak {} MiB over the gateway's own {} MiB",
+        (peak - own) >> 20,
+        own >> 20
+    );
+    let bound = 512 * 1024 * 1024;
+    assert!(
+        peak < own + bound,
+        "resident memory peaked at {} MiB over its own {} MiB",
+        (peak - own) >> 20,
+        own >> 20
+    );
+    // Nothing was charged for the refused bodies: the key's window holds the admitted ones.
+    let reply = remaining_requests(&addr, "sk-big").await;
+    assert_eq!(reply, 1000 - admitted as u64 - 1, "{statuses:?}");
+    let _ = std::fs::remove_file(path);
+}
+
+async fn post_owned(addr: String, key: &'static str, body: Bytes) -> u16 {
+    post(&addr, key, body).await
+}
+
+/// A small chat completion for `key`; the requests it says are left.
+async fn remaining_requests(addr: &str, key: &str) -> u64 {
+    let mut tcp = TcpStream::connect(addr).await.unwrap();
+    let head = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{CHAT}",
+        CHAT.len()
+    );
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tcp.read_to_end(&mut answer).await.unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    answer
+        .lines()
+        .find_map(|l| l.strip_prefix("x-ratelimit-remaining-requests: "))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no remaining-requests header: {answer}"))
+}
+
+/// Sends `GET /healthz` on `tcp` (kept alive) and reads the answer's status line, within `wait`.
+async fn health(tcp: &mut TcpStream, wait: Duration) -> Option<String> {
+    tcp.write_all(b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n")
+        .await
+        .ok()?;
+    let mut buf = [0u8; 1024];
+    let n = tokio::time::timeout(wait, tcp.read(&mut buf))
+        .await
+        .ok()?
+        .ok()?;
+    let text = String::from_utf8_lossy(&buf[..n]).into_owned();
+    text.lines().next().map(str::to_owned)
+}
+
+#[tokio::test]
+async fn past_max_connections_a_new_connection_waits_until_one_closes() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        "[server]\nmax_connections = 2\n[upstream]\nbase_url = \"{upstream}\"\n",
+        &up.url(),
+    )
+    .await;
+    let answered = Duration::from_secs(5);
+    let mut a = TcpStream::connect(gw.addr).await.unwrap();
+    let mut b = TcpStream::connect(gw.addr).await.unwrap();
+    assert_eq!(
+        health(&mut a, answered).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+    assert_eq!(
+        health(&mut b, answered).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+    // A third waits in the backlog, unanswered, while both stay open...
+    let mut c = TcpStream::connect(gw.addr).await.unwrap();
+    let third = tokio::spawn(async move { health(&mut c, answered).await });
+    assert_eq!(
+        health(
+            &mut TcpStream::connect(gw.addr).await.unwrap(),
+            Duration::from_millis(300)
+        )
+        .await,
+        None,
+        "not served past the cap"
+    );
+    // ...and is served once one closes.
+    drop(a);
+    assert_eq!(third.await.unwrap().as_deref(), Some("HTTP/1.1 200 OK"));
+    assert_eq!(
+        health(&mut b, answered).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+}
