@@ -217,6 +217,17 @@ async fn shared_vectors_pass_on_redis() {
     common::run_vectors(&AnyStore::from(store(&url).await)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_admissions_past_a_shadow_limit_charge_it_in_batches() {
+    let Some(url) = redis_url("concurrent_admissions_past_a_shadow_limit_charge_it_in_batches")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    common::race_past_a_shadow_limit(store.clone()).await;
+    assert!(store.stats().admit_batches < 64, "{:?}", store.stats());
+}
+
 #[tokio::test]
 async fn a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_stores() {
     let Some(url) =
