@@ -5,6 +5,11 @@
 //! read at one instant, the request passes only if every limit passes, the first refusal in chain
 //! order is the one reported, and only an admitted request is charged, to every limit charged at
 //! admission.
+//!
+//! A limit may be a *shadow* one ([`ChainLimit::shadow`]): read, decided and charged like any
+//! other, but never refusing. A shadow limit that would have refused is reported
+//! ([`ChainDecision::shadow_over`]), so that a limit can be watched against real traffic before
+//! it is enforced.
 
 use std::fmt;
 use std::sync::Arc;
@@ -69,7 +74,8 @@ impl fmt::Display for ScopeKind {
     }
 }
 
-/// One limit of a chain: a scope, what it counts, the limit, and where its state lives.
+/// One limit of a chain: a scope, what it counts, the limit, where its state lives, and whether
+/// it is enforced or only observed ([`shadow`](Self::shadow)).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct ChainLimit {
     scope: ScopeKind,
@@ -77,6 +83,7 @@ pub struct ChainLimit {
     charge: Charge,
     limit: WindowLimit,
     key: Arc<str>,
+    shadow: bool,
 }
 
 impl ChainLimit {
@@ -108,7 +115,26 @@ impl ChainLimit {
             charge,
             limit,
             key: key.into(),
+            shadow: false,
         }
+    }
+
+    /// This limit as a shadow limit: decided and charged exactly as usual, but it never refuses.
+    /// A request it would have refused is admitted (if the chain's other limits admit it) and
+    /// reported ([`ChainDecision::shadow_over`]). The storage key is the same: a limit observed
+    /// instead of enforced keeps the counts it had, and keeps them when enforced again.
+    pub fn shadow(self) -> Self {
+        self.with_shadow(true)
+    }
+
+    /// This limit, a shadow one or not ([`shadow`](Self::shadow)): for a flag read from a config.
+    pub fn with_shadow(self, shadow: bool) -> Self {
+        ChainLimit { shadow, ..self }
+    }
+
+    /// Whether this is a shadow limit: observed, never refusing.
+    pub fn is_shadow(&self) -> bool {
+        self.shadow
     }
 
     /// The scope kind.
@@ -136,10 +162,18 @@ impl ChainLimit {
         &self.key
     }
 
-    /// Whether a request of `cost` can ever pass this limit.
+    /// Whether a request of `cost` can ever pass this limit. A shadow limit passes every request
+    /// (it never refuses), so it never makes one impossible.
     pub fn fits(&self, cost: u64) -> bool {
-        self.charge == Charge::Reactive && self.limit.max() > 0
+        self.shadow
+            || self.charge == Charge::Reactive && self.limit.max() > 0
             || self.charge == Charge::Admission && cost <= self.limit.max()
+    }
+
+    /// Whether this limit refuses a request of `cost` seeing `snapshot`: its test fails and it is
+    /// enforced. (A shadow limit whose test fails is over, and admits.)
+    pub fn refuses(&self, snapshot: &Snapshot, cost: u64) -> bool {
+        !self.shadow && !snapshot.admits(self.limit, self.charge, cost)
     }
 
     /// The units this limit is charged when a request of `cost` is admitted.
@@ -152,12 +186,14 @@ impl ChainLimit {
 }
 
 /// The index of the first limit of the chain that refuses a request of `cost`, reading each
-/// limit's counts from `snapshots` (one per limit, same order); `None` if all admit.
+/// limit's counts from `snapshots` (one per limit, same order); `None` if all admit. Shadow
+/// limits never refuse ([`ChainLimit::refuses`]), so they are passed over: a chain whose only
+/// failing tests are shadow ones admits.
 pub fn first_refusal(limits: &[ChainLimit], snapshots: &[Snapshot], cost: u64) -> Option<usize> {
     limits
         .iter()
         .zip(snapshots)
-        .position(|(l, s)| !s.admits(l.limit, l.charge, cost))
+        .position(|(l, s)| l.refuses(s, cost))
 }
 
 /// One limit's state after a decision, for response headers.
@@ -169,12 +205,21 @@ pub struct LimitStatus {
     pub charge: Charge,
     /// The limit.
     pub limit: WindowLimit,
-    /// Whole units left after this request's charge (0 on the refusing limit).
+    /// Whole units left after this request's charge (0 on the refusing limit, and on any limit
+    /// already past its max, as a shadow one can be).
     pub remaining: u64,
     /// For a limit that refused, the exact wait until the request would pass (the chain's
-    /// `retry_after`, which a later limit may decide); otherwise the time until the limit is
-    /// whole again with no other traffic.
+    /// `retry_after`, which a later limit may decide); otherwise, shadow limits included, the
+    /// time until the limit is whole again with no other traffic.
     pub reset: Duration,
+    /// Whether the limit is a shadow one ([`ChainLimit::shadow`]): it never refuses, so it is
+    /// never `refused_by`, never decides `retry_after` and is not a header's most restrictive
+    /// limit; `remaining` and `reset` are its own state after the request, its charge included.
+    pub shadow: bool,
+    /// Whether the limit's test failed for this request: it refused it, or, for a shadow limit,
+    /// would have. (A request that can never pass is decided without reading the store: then
+    /// only the limit it can never fit is over.)
+    pub over: bool,
 }
 
 /// The answer to a chain admission.
@@ -193,11 +238,12 @@ pub struct ChainDecision {
     /// Index into the chain of the first limit that refused, in chain order (docs/design.md §2);
     /// for a request that can never pass, the first limit it can never fit. The `reset` of every
     /// refusing limit's status is the chain's [`retry_after`](Self::retry_after): the wait until
-    /// this request would pass, which a later limit of the chain may decide.
+    /// this request would pass, which a later limit of the chain may decide. Never a shadow
+    /// limit.
     pub refused_by: Option<usize>,
-    /// For a refusal, the exact wait until every limit would admit the same request with no
-    /// other traffic (the largest wait among refusing limits); `None` if admitted, or if the
-    /// request can never pass.
+    /// For a refusal, the exact wait until every enforced limit would admit the same request
+    /// with no other traffic (the largest wait among refusing limits; shadow limits do not
+    /// count); `None` if admitted, or if the request can never pass.
     pub retry_after: Option<Duration>,
     /// Each limit's state, in chain order.
     pub statuses: Vec<LimitStatus>,
@@ -222,8 +268,13 @@ impl ChainDecision {
         let mut retry_after = None;
         let mut statuses = Vec::with_capacity(limits.len());
         for (l, s) in limits.iter().zip(snapshots) {
+            let over = !s.admits(l.limit, l.charge, cost);
+            // An admitted request is charged to every limit charged at admission, shadow ones
+            // included; a refused one to none.
             let charged = if admitted { l.charged(cost) } else { 0 };
-            let wait = if admitted {
+            // Only a refusing limit waits; a shadow one never refuses, so its status is its own
+            // state, as for a limit that admits.
+            let wait = if admitted || !l.refuses(s, cost) {
                 None
             } else {
                 s.retry_after(l.limit, l.charge, cost)
@@ -242,6 +293,8 @@ impl ChainDecision {
                     s.remaining(l.limit, charged)
                 },
                 reset: wait.unwrap_or_else(|| s.until_empty(l.limit, charged)),
+                shadow: l.shadow,
+                over,
             });
         }
         if refused_by.is_some() && limits.iter().any(|l| !l.fits(cost)) {
@@ -252,10 +305,8 @@ impl ChainDecision {
         // under an org that frees in 60 s, the key is named (the first refusal) with 60 s, as
         // `Retry-After` says, so that a client pacing on any header is not refused again.
         if let Some(wait) = retry_after {
-            for ((st, l), s) in statuses.iter_mut().zip(limits).zip(snapshots) {
-                if !s.admits(l.limit, l.charge, cost) {
-                    st.reset = wait;
-                }
+            for st in statuses.iter_mut().filter(|st| st.over && !st.shadow) {
+                st.reset = wait;
             }
         }
         ChainDecision {
@@ -292,6 +343,8 @@ impl ChainDecision {
                 limit: l.limit,
                 remaining: if i == index { 0 } else { l.limit.max() },
                 reset: Duration::ZERO,
+                shadow: l.shadow,
+                over: i == index,
             })
             .collect();
         ChainDecision {
@@ -320,15 +373,28 @@ impl ChainDecision {
     }
 
     /// The most restrictive limit counting `charge` units: the refusing one if it counts them,
-    /// else the one with the fewest whole units left (ties: the narrowest scope).
+    /// else the enforced one with the fewest whole units left (ties: the narrowest scope).
+    /// Shadow limits are passed over: they restrict nothing.
     pub fn most_restrictive(&self, charge: Charge) -> Option<&LimitStatus> {
         if let Some(r) = self.refusing().filter(|r| r.charge == charge) {
             return Some(r);
         }
         self.statuses
             .iter()
-            .filter(|s| s.charge == charge)
+            .filter(|s| s.charge == charge && !s.shadow)
             .min_by_key(|s| s.remaining)
+    }
+
+    /// The indexes into the chain, in chain order, of the shadow limits that were over: that
+    /// would have refused this request had they been enforced. On an admitted request these are
+    /// what enforcing them would change; on a refusal an enforced limit turned the request away
+    /// anyway (and, as for every refusal, nothing was charged).
+    pub fn shadow_over(&self) -> impl Iterator<Item = usize> + '_ {
+        self.statuses
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.shadow && s.over)
+            .map(|(i, _)| i)
     }
 }
 
@@ -440,6 +506,76 @@ mod tests {
         ];
         let full = Snapshot { cur: 5, ..org };
         let d = ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2, false);
+        assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
+    }
+
+    #[test]
+    fn a_shadow_limit_is_charged_and_reported_but_never_refuses() {
+        let enforced = limit(ScopeKind::Key, "k", Charge::Admission, 2);
+        let limits = [
+            enforced.clone().shadow(),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 10),
+        ];
+        assert!(limits[0].is_shadow() && !enforced.is_shadow());
+        assert_eq!(limits[0].key(), enforced.key(), "observed, the same state");
+        assert_eq!(limits[0].clone().with_shadow(false), enforced);
+        // 15 s into the bucket: the key holds 4 (over its 2), the org 3 of 10.
+        let key = Snapshot {
+            bucket: 1,
+            cur: 4,
+            prev: 0,
+            elapsed: 15_000_000,
+        };
+        let org = Snapshot { cur: 3, ..key };
+        assert!(!limits[0].refuses(&key, 1) && enforced.refuses(&key, 1));
+        assert_eq!(first_refusal(&limits, &[key, org], 1), None);
+        let d = ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1, true);
+        assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0]);
+        // The shadow key's own state after its charge: nothing left, whole again 2W - e later.
+        let st = d.statuses[0];
+        assert_eq!((st.shadow, st.over), (true, true));
+        assert_eq!((st.remaining, st.reset), (0, Duration::from_secs(105)));
+        assert!(!d.statuses[1].shadow && !d.statuses[1].over);
+        assert_eq!(d.statuses[1].remaining, 6);
+        // It restricts nothing: headers describe the org.
+        assert_eq!(
+            d.most_restrictive(Charge::Admission).map(|s| s.scope),
+            Some(ScopeKind::Org)
+        );
+
+        // The org full: it refuses with its own wait (the next bucket in 45 s, then
+        // 60 - 9 * 60 / 10 = 6 s), not the shadow key's 45 + 60 - 1 * 60 / 4 = 90 s.
+        let full = Snapshot { cur: 10, ..key };
+        assert_eq!(first_refusal(&limits, &[key, full], 1), Some(1));
+        let d = ChainDecision::from_snapshots(&limits, &[key, full], Timestamp::ZERO, 1, false);
+        assert_eq!(d.refused_by, Some(1));
+        assert_eq!(d.retry_after, Some(Duration::from_secs(51)));
+        assert_eq!(d.statuses[1].reset, Duration::from_secs(51));
+        // The shadow key, charged nothing, shows its own state, not the chain's wait.
+        let st = d.statuses[0];
+        assert_eq!((st.over, st.remaining), (true, 0));
+        assert_eq!(st.reset, Duration::from_secs(105));
+        assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0]);
+    }
+
+    #[test]
+    fn a_shadow_limit_no_request_fits_makes_no_request_impossible() {
+        let zero = |charge| limit(ScopeKind::Key, "z", charge, 0).shadow();
+        let limits = [zero(Charge::Admission), zero(Charge::Reactive)];
+        assert!(limits.iter().all(|l| l.fits(1)));
+        assert!(!limit(ScopeKind::Key, "z", Charge::Admission, 0).fits(1));
+        let empty = Snapshot::default();
+        assert_eq!(first_refusal(&limits, &[empty, empty], 1), None);
+        let d = ChainDecision::from_snapshots(&limits, &[empty, empty], Timestamp::ZERO, 1, true);
+        assert_eq!((d.refused_by, d.retry_after), (None, None));
+        assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0, 1]);
+        assert_eq!(d.most_restrictive(Charge::Admission), None);
+        // Beside an enforced limit the request cannot fit, that one is named.
+        let limits = [
+            limits[0].clone(),
+            limit(ScopeKind::Org, "acme", Charge::Admission, 0),
+        ];
+        let d = ChainDecision::from_snapshots(&limits, &[empty, empty], Timestamp::ZERO, 1, false);
         assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
     }
 

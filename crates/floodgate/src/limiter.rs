@@ -73,9 +73,13 @@ impl Chain {
     /// decision names the first refusing limit, the chain's exact retry time, and every limit's
     /// remaining units and reset for response headers.
     ///
-    /// A request that can never pass (`cost` above a charged limit's max, or a token limit of
-    /// zero) is refused without a retry time and without touching the store; a chain without
-    /// limits admits without touching it either.
+    /// A shadow limit ([`ChainLimit::shadow`]) is read and charged like the others but never
+    /// refuses: a request only it would refuse is admitted, and the decision reports it
+    /// ([`ChainDecision::shadow_over`]).
+    ///
+    /// A request that can never pass (`cost` above an enforced charged limit's max, or an
+    /// enforced token limit of zero) is refused without a retry time and without touching the
+    /// store; a chain without limits admits without touching it either.
     pub fn admit_at<S: Store>(
         &self,
         store: &S,

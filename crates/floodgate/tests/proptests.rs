@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use floodgate::Chain;
 use floodgate::bucket::{BucketLimit, BucketState};
-use floodgate::chain::ChainDecision;
+use floodgate::chain::{ChainDecision, first_refusal};
 use floodgate::store::MemoryStore;
 use floodgate::window::{Snapshot, WindowState};
 use floodgate::{ChainLimit, Charge, Rate, ScopeKind, Timestamp, WindowLimit};
@@ -134,6 +134,62 @@ proptest! {
             }
         } else {
             prop_assert!(chain.iter().any(|l| !l.fits(cost)));
+        }
+    }
+
+    #[test]
+    fn shadow_limits_change_no_decision_and_no_enforced_limits_status(
+        limits in prop::collection::vec(
+            (window(), charge(), 0u64..4_000, 0u64..4_000, 0u64..2, any::<bool>()),
+            1..7,
+        ),
+        offset in 0u64..100_000_000_000,
+        cost in 0u64..20,
+    ) {
+        let t = 1_000_000_000_000_000 + offset;
+        let now = Timestamp::from_micros(t);
+        let chain: Vec<ChainLimit> = limits
+            .iter()
+            .enumerate()
+            .map(|(i, (l, c, ..))| ChainLimit::new("p", ScopeKind::ALL[i], "x", *c, *l))
+            .zip(&limits)
+            .map(|(l, (.., shadow))| l.with_shadow(*shadow))
+            .collect();
+        let snapshots: Vec<Snapshot> = limits
+            .iter()
+            .map(|(l, _, cur, prev, back, _)| {
+                let bucket = t / l.window_micros() - back;
+                snapshot(WindowState { bucket, cur: *cur, prev: *prev }, t, *l)
+            })
+            .collect();
+        // The same chain without its shadow limits.
+        let (enforced, enforced_snapshots): (Vec<ChainLimit>, Vec<Snapshot>) = chain
+            .iter()
+            .zip(&snapshots)
+            .filter(|(l, _)| !l.is_shadow())
+            .map(|(l, s)| (l.clone(), *s))
+            .unzip();
+        let admitted = first_refusal(&chain, &snapshots, cost).is_none()
+            && chain.iter().all(|l| l.fits(cost));
+        let without = first_refusal(&enforced, &enforced_snapshots, cost).is_none()
+            && enforced.iter().all(|l| l.fits(cost));
+        prop_assert_eq!(admitted, without);
+        let d = ChainDecision::from_snapshots(&chain, &snapshots, now, cost, admitted);
+        let e = ChainDecision::from_snapshots(&enforced, &enforced_snapshots, now, cost, admitted);
+        prop_assert_eq!(d.retry_after, e.retry_after);
+        let in_enforced = |i: usize| chain[..i].iter().filter(|l| !l.is_shadow()).count();
+        prop_assert_eq!(d.refused_by.map(in_enforced), e.refused_by);
+        prop_assert!(d.refused_by.is_none_or(|i| !chain[i].is_shadow()));
+        let kept: Vec<_> = d.statuses.iter().filter(|s| !s.shadow).copied().collect();
+        prop_assert_eq!(kept, e.statuses);
+        // A shadow limit's status is its own state after the request: charged if admitted.
+        for ((l, s), st) in chain.iter().zip(&snapshots).zip(&d.statuses) {
+            if l.is_shadow() {
+                let charged = if admitted { l.charged(cost) } else { 0 };
+                prop_assert_eq!(st.over, !s.admits(l.limit(), l.charge(), cost));
+                prop_assert_eq!(st.remaining, s.remaining(l.limit(), charged));
+                prop_assert_eq!(st.reset, s.until_empty(l.limit(), charged));
+            }
         }
     }
 

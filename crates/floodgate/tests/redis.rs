@@ -217,6 +217,48 @@ async fn shared_vectors_pass_on_redis() {
     common::run_vectors(&AnyStore::from(store(&url).await)).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_admissions_past_a_shadow_limit_charge_it_in_batches() {
+    let Some(url) = redis_url("concurrent_admissions_past_a_shadow_limit_charge_it_in_batches")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    common::race_past_a_shadow_limit(store.clone()).await;
+    assert!(store.stats().admit_batches < 64, "{:?}", store.stats());
+}
+
+#[tokio::test]
+async fn a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_stores() {
+    let Some(url) =
+        redis_url("a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_stores")
+    else {
+        return;
+    };
+    // No enforced limit bounds the cost: a shadow limit admits any, and its count stops at 2^53
+    // (in the script, and in the client's replay of a batch).
+    let memory = MemoryStore::new();
+    let redis = store(&url).await;
+    let limits = Arc::new(vec![req("huge", ScopeKind::Key, 10).shadow()]);
+    let now = Some(pinned(23));
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (redis, limits) = (redis.clone(), limits.clone());
+            tokio::spawn(async move { redis.admit(&limits, u64::MAX, now).await.unwrap() })
+        })
+        .collect();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let r = task.await.unwrap();
+        assert!(r.admitted && r.enforced, "request {i}");
+        assert_eq!(
+            memory.admit(&limits, u64::MAX, now).await.unwrap(),
+            r,
+            "request {i}"
+        );
+    }
+    assert_eq!(stored_cur(&url, &redis, limits[0].key()).await, 1 << 53);
+}
+
 #[tokio::test]
 async fn period_vectors_pass_on_redis() {
     let Some(url) = redis_url("period_vectors_pass_on_redis") else {
@@ -266,12 +308,14 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
     };
     // Chains sharing an org, a team and a gateway limit; small limits so refusals are common;
     // windows of 60 s and more, which no test run outlasts in real time (Redis expires keys in
-    // real time, the memory store on the pinned clock).
+    // real time, the memory store on the pinned clock). Shadow limits, often over and charged
+    // past their max, ride along: they change no decision, and their counts must agree too.
     let chains = [
         vec![
             l("org:a", Key, "k1", A, 3, 60),
             l("org:a", Key, "k1", R, 40, 60),
             l("org:a", Team, "t", A, 5, 60),
+            l("org:a", Project, "p", A, 1, 60).shadow(),
             l("org:a", Org, "a", A, 7, 3600),
             l("org:a", Org, "a", R, 100, 3600),
         ],
@@ -283,8 +327,10 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
         ],
         vec![
             l("org:b", Key, "k3", R, 25, 60),
+            l("org:b", Key, "k3", R, 5, 600).shadow(),
             l("org:b", Org, "b", A, 4, 120),
             l("gw", Gateway, "all", A, 12, 60),
+            l("gw", Gateway, "all", A, 1, 3600).shadow(),
         ],
         vec![l("gw", Gateway, "all", A, 12, 60)],
     ];
@@ -1686,36 +1732,40 @@ async fn one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own()
     else {
         return;
     };
-    // One storage key, two maxes (a chain rebuilt with a new limit while the old one is still
-    // in use). The script takes one max per key: the batch is cut where the max changes, so
-    // each request is decided with its own, as the memory store does.
-    let memory = MemoryStore::new();
-    let redis = store(&url).await;
-    let old = Arc::new(vec![req("plan", ScopeKind::Key, 1)]);
-    let new = Arc::new(vec![req("plan", ScopeKind::Key, 100)]);
-    let now = Some(pinned(19));
-    let order = [&old, &new, &new, &old, &new];
-    let batches = redis.stats().admit_batches;
-    let tasks: Vec<_> = order
-        .iter()
-        .map(|limits| {
-            let (redis, limits) = (redis.clone(), Arc::clone(limits));
-            tokio::spawn(async move { redis.admit(&limits, 1, now).await.unwrap() })
-        })
-        .collect();
-    for (i, (limits, task)) in order.iter().zip(tasks).enumerate() {
-        let r = task.await.unwrap();
+    // One storage key, two limits: two maxes (a chain rebuilt with a new limit while the old one
+    // is still in use), or one limit enforced and the same turned shadow (the shadow requests are
+    // admitted past the max, the enforced one refused). The script takes one limit per key: the
+    // batch is cut where the limit changes, so each request is decided with its own, as the
+    // memory store does.
+    let old = req("plan", ScopeKind::Key, 1);
+    for new in [req("plan", ScopeKind::Key, 100), old.clone().shadow()] {
+        let memory = MemoryStore::new();
+        let redis = store(&url).await;
+        let (old, new) = (Arc::new(vec![old.clone()]), Arc::new(vec![new]));
+        let now = Some(pinned(19));
+        let order = [&old, &new, &new, &old, &new];
+        let batches = redis.stats().admit_batches;
+        let tasks: Vec<_> = order
+            .iter()
+            .map(|limits| {
+                let (redis, limits) = (redis.clone(), Arc::clone(limits));
+                tokio::spawn(async move { redis.admit(&limits, 1, now).await.unwrap() })
+            })
+            .collect();
+        let mut admitted = Vec::new();
+        for (i, (limits, task)) in order.iter().zip(tasks).enumerate() {
+            let r = task.await.unwrap();
+            let m = memory.admit(limits, 1, now).await.unwrap();
+            assert_eq!(m, r, "{new:?}: request {i}");
+            admitted.push(r.admitted);
+        }
+        assert_eq!(admitted, [true, true, true, false, true], "{new:?}");
         assert_eq!(
-            memory.admit(limits, 1, now).await.unwrap(),
-            r,
-            "request {i}"
+            redis.stats().admit_batches,
+            batches + 4,
+            "{new:?}: cut where the limit changes"
         );
     }
-    assert_eq!(
-        redis.stats().admit_batches,
-        batches + 4,
-        "cut where the max changes"
-    );
 }
 
 #[test]

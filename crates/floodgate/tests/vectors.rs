@@ -13,3 +13,8 @@ async fn memory_store_passes_the_shared_vectors() {
 async fn memory_store_passes_the_period_vectors() {
     common::run_period_vectors(&MemoryStore::new()).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_races_past_a_shadow_limit_and_charges_it() {
+    common::race_past_a_shadow_limit(MemoryStore::new()).await;
+}

@@ -114,9 +114,9 @@ impl fmt::Display for BucketKey<'_> {
 /// skewed clocks still share one). Each call is one round trip.
 pub trait Store: Send + Sync {
     /// Admits a request of `cost` against `limits` in one atomic step: reads every limit at one
-    /// instant, admits only if all pass (see [`first_refusal`](crate::chain::first_refusal)), and
-    /// charges `cost` to every limit charged at admission of an admitted request, nothing
-    /// otherwise. The caller has checked that the request can ever fit, and that the limits have
+    /// instant, admits only if every enforced limit passes (shadow limits never refuse: see
+    /// [`first_refusal`](crate::chain::first_refusal)), and charges `cost` to every limit charged
+    /// at admission of an admitted request, shadow ones included, nothing otherwise. The caller has checked that the request can ever fit, and that the limits have
     /// distinct storage keys ([`Chain::new`](crate::Chain::new) requires it): with a key twice,
     /// the stores may decide differently.
     fn admit(

@@ -2,6 +2,7 @@
 //! give. The pure math, the memory store and the Redis store all run this same table.
 #![allow(dead_code)]
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use floodgate::store::Store;
@@ -26,7 +27,8 @@ pub fn limit(scope: ScopeKind, id: &str, charge: Charge, max: u64) -> ChainLimit
 /// One operation of a vector and what it must give.
 pub enum Op {
     /// Admit one request on chain `chain` at `ms`; expect admission, the refusing index and
-    /// the retry time (µs), and the most restrictive request limit's remaining units.
+    /// the retry time (µs), the most restrictive request limit's remaining units (`None`: no
+    /// enforced request limit), and the shadow limits that were over.
     Admit {
         chain: usize,
         ms: u64,
@@ -34,6 +36,14 @@ pub enum Op {
         refused_by: Option<usize>,
         retry_us: Option<u64>,
         remaining: Option<u64>,
+        shadow_over: &'static [usize],
+    },
+    /// Read chain `chain` at `ms` with an admission of cost 0, which charges nothing; expect
+    /// each limit's count in its current bucket.
+    Counts {
+        chain: usize,
+        ms: u64,
+        cur: &'static [u64],
     },
     /// Record `units` on chain `chain` at `ms`.
     Record { chain: usize, ms: u64, units: u64 },
@@ -77,6 +87,18 @@ pub fn chains() -> Vec<Chain> {
         ]),
         // 4: a key limited to 5 a minute, decided by two clocks 2 ms apart.
         Chain::new(vec![limit(Key, "skew", Admission, 5)]),
+        // 5: a shadow key limit of 1 a minute under an enforced org limit of 10.
+        Chain::new(vec![
+            limit(Key, "sh", Admission, 1).shadow(),
+            limit(Org, "sh", Admission, 10),
+        ]),
+        // 6: an enforced key limit of 2 under a shadow org limit of 1.
+        Chain::new(vec![
+            limit(Key, "e", Admission, 2),
+            limit(Org, "sh1", Admission, 1).shadow(),
+        ]),
+        // 7: only a shadow limit no request fits.
+        Chain::new(vec![limit(Key, "z", Admission, 0).shadow()]),
     ]
 }
 
@@ -105,6 +127,7 @@ fn admit(chain: usize, ms: u64, remaining: u64) -> Op {
         refused_by: None,
         retry_us: None,
         remaining: Some(remaining),
+        shadow_over: &[],
     }
 }
 
@@ -116,28 +139,22 @@ fn refuse(chain: usize, ms: u64, by: usize, retry_us: u64) -> Op {
         refused_by: Some(by),
         retry_us: Some(retry_us),
         remaining: Some(0),
+        shadow_over: &[],
     }
 }
 
-fn with_remaining(op: Op, left: u64) -> Op {
-    match op {
-        Op::Admit {
-            chain,
-            ms,
-            admitted,
-            refused_by,
-            retry_us,
-            ..
-        } => Op::Admit {
-            chain,
-            ms,
-            admitted,
-            refused_by,
-            retry_us,
-            remaining: Some(left),
-        },
-        other => other,
+fn with_remaining(mut op: Op, left: Option<u64>) -> Op {
+    if let Op::Admit { remaining, .. } = &mut op {
+        *remaining = left;
     }
+    op
+}
+
+fn with_shadow_over(mut op: Op, over: &'static [usize]) -> Op {
+    if let Op::Admit { shadow_over, .. } = &mut op {
+        *shadow_over = over;
+    }
+    op
 }
 
 const S: u64 = 1_000_000;
@@ -183,9 +200,9 @@ pub fn vectors() -> Vec<Op> {
         },
         // Tokens over: reactive wait is strict, e'' = 60 s - ceil(100 * 60 s / 150) + 1 µs.
         // The request limit still shows its 9 free slots.
-        with_remaining(refuse(3, 2_000, 1, 58 * S + 20 * S + 1), 9),
+        with_remaining(refuse(3, 2_000, 1, 58 * S + 20 * S + 1), Some(9)),
         // At e = 20 s exactly, 150 * 40/60 = 100, not < 100: one microsecond more.
-        with_remaining(refuse(3, 80_000, 1, 1), 9),
+        with_remaining(refuse(3, 80_000, 1, 1), Some(9)),
         // The refusals took no request slot: prev = 1 at weight 39/60, cur 0.
         admit(3, 81_000, 8),
         // --- chain 4: a clock 2 ms behind the one that wrote the state ---
@@ -202,6 +219,58 @@ pub fn vectors() -> Vec<Op> {
         refuse(4, 59_999, 0, 1_000 + 12 * S),
         // The clock ahead again: "0 5 0" rolls over, prev 5 at e = 2 ms: 12 s - 2 ms.
         refuse(4, 60_002, 0, 12 * S - 2_000),
+        // --- chain 5: a shadow key of 1 a minute, the org's 10 enforced ---
+        // The first fits the key; the next nine are over it, and admitted all the same.
+        admit(5, 0, 9),
+        with_shadow_over(admit(5, 1_000, 8), &[0]),
+        with_shadow_over(admit(5, 2_000, 7), &[0]),
+        with_shadow_over(admit(5, 3_000, 6), &[0]),
+        with_shadow_over(admit(5, 4_000, 5), &[0]),
+        with_shadow_over(admit(5, 5_000, 4), &[0]),
+        with_shadow_over(admit(5, 6_000, 3), &[0]),
+        with_shadow_over(admit(5, 7_000, 2), &[0]),
+        with_shadow_over(admit(5, 8_000, 1), &[0]),
+        with_shadow_over(admit(5, 9_000, 0), &[0]),
+        // The shadow key was charged every one of them.
+        Op::Counts {
+            chain: 5,
+            ms: 9_000,
+            cur: &[10, 10],
+        },
+        // The org refuses: next bucket in 50 s, then e'' = 60 - 9 * 60 / 10 = 6 s. The shadow
+        // key would wait 110 s (its 10 must weigh nothing): not the chain's wait.
+        with_shadow_over(refuse(5, 10_000, 1, 56 * S), &[0]),
+        // Refused, so charged to nothing, the shadow key included.
+        Op::Counts {
+            chain: 5,
+            ms: 10_000,
+            cur: &[10, 10],
+        },
+        // At e = 6 s the org's 10 weigh 9: one more fits it (9 + 1 = 10); the key's still over.
+        with_shadow_over(admit(5, 66_000, 0), &[0]),
+        Op::Counts {
+            chain: 5,
+            ms: 66_000,
+            cur: &[1, 1],
+        },
+        // --- chain 6: the key's 2 enforced, a shadow org of 1 ---
+        admit(6, 0, 1),
+        with_shadow_over(admit(6, 0, 0), &[1]),
+        // The key refuses: 60 s, then e'' = 60 - 1 * 60 / 2 = 30 s; the shadow org would wait
+        // 120 s, which does not count.
+        with_shadow_over(refuse(6, 0, 0, 90 * S), &[1]),
+        Op::Counts {
+            chain: 6,
+            ms: 0,
+            cur: &[2, 2],
+        },
+        // --- chain 7: a shadow limit of 0 makes no request impossible ---
+        with_remaining(with_shadow_over(admit(7, 0, 0), &[0]), None),
+        Op::Counts {
+            chain: 7,
+            ms: 0,
+            cur: &[1],
+        },
         // --- bucket 0: capacity 3, one token per 2 s ---
         Op::Acquire {
             bucket: 0,
@@ -339,6 +408,7 @@ pub async fn run_vectors<S: Store>(store: &S) {
                 refused_by,
                 retry_us,
                 remaining,
+                shadow_over,
             } => {
                 let d = chains[chain]
                     .admit_at(store, 1, at(ms))
@@ -351,10 +421,17 @@ pub async fn run_vectors<S: Store>(store: &S) {
                     retry_us.map(Duration::from_micros),
                     "vector {i}: retry"
                 );
-                if let Some(r) = remaining {
-                    let most = d.most_restrictive(Charge::Admission).map(|s| s.remaining);
-                    assert_eq!(most, Some(r), "vector {i}: remaining");
-                }
+                let most = d.most_restrictive(Charge::Admission).map(|s| s.remaining);
+                assert_eq!(most, remaining, "vector {i}: remaining");
+                let over: Vec<usize> = d.shadow_over().collect();
+                assert_eq!(over, shadow_over, "vector {i}: shadow limits over");
+            }
+            Op::Counts { chain, ms, cur } => {
+                assert_eq!(
+                    counts(store, &chains[chain], ms).await,
+                    cur,
+                    "vector {i}: counts"
+                );
             }
             Op::Record { chain, ms, units } => chains[chain]
                 .record_at(store, units, at(ms))
@@ -387,6 +464,33 @@ pub async fn run_vectors<S: Store>(store: &S) {
             }
         }
     }
+}
+
+/// Each limit's count in its current bucket at `ms`, read by an admission of cost 0, which
+/// charges nothing.
+pub async fn counts<S: Store>(store: &S, chain: &Chain, ms: u64) -> Vec<u64> {
+    let seen = store.admit(chain.limits(), 0, Some(at(ms))).await;
+    let seen = seen.unwrap_or_else(|e| panic!("counts: {e}"));
+    seen.snapshots.iter().map(|s| s.cur).collect()
+}
+
+/// Races 64 requests at one instant on the vectors' chain 5, a shadow key limit of 1 under an
+/// enforced org limit of 10: exactly 10 are admitted, each charged to the shadow key too, and
+/// every admitted one but the first saw the key over; the refused ones are charged nowhere.
+pub async fn race_past_a_shadow_limit<S: Store + Clone + 'static>(store: S) {
+    let chain = Arc::new(chains().swap_remove(5));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let (store, chain) = (store.clone(), chain.clone());
+        tasks.spawn(async move { chain.admit_at(&store, 1, at(0)).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    let (admitted, refused): (Vec<_>, Vec<_>) = decisions.iter().partition(|d| d.admitted);
+    assert_eq!(admitted.len(), 10);
+    let over = admitted.iter().filter(|d| d.shadow_over().eq([0])).count();
+    assert_eq!(over, 9, "all but the first admitted past the shadow limit");
+    assert!(refused.iter().all(|d| d.refused_by == Some(1)));
+    assert_eq!(counts(&store, &chain, 0).await, [10, 10]);
 }
 
 /// Whether the Redis tests must run (CI sets this): a skip is then a failure.

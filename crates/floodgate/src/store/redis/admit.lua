@@ -7,13 +7,15 @@
 --
 -- KEYS: every distinct limit state the batch touches.
 -- ARGV[1]: the time (clock.lua); then per key j, ARGV[a + 1..a + 4] with a = 1 + 4 * (j - 1):
--- window W (µs), max,
--- 'a' for a limit charged at admission or 'r' for a reactive one, the state's TTL (ms, 2W);
+-- window W (µs), max, kind ('a' for a limit charged at admission, 'r' for a reactive one, 's'
+-- appended for a shadow limit, decided and charged as usual but never refusing: 'as', 'rs'), the
+-- state's TTL (ms, 2W);
 -- then the requests in the order they came, in groups: a group is a run of requests of one cost
 -- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
 -- batch of like requests (many callers of one key) thus sends its chain once: each argument
 -- costs Redis a string and the script a tonumber.
--- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation.
+-- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation, and the
+-- refusal chain.rs's first_refusal: the first enforced limit that fails its test.
 -- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
 -- at `now` before the batch, and how many of each group's requests were admitted: its first
 -- ones, since once one is refused nothing changes until the group ends. What each request saw
@@ -28,16 +30,17 @@
 local nk = #KEYS
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
--- Per key: window, max, whether admission charges it, its bucket, count, and the part of the
--- previous window still carried at `now` (prev * (W - elapsed), as Snapshot::admits has it).
-local W, MAX, CHARGED, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
+-- Per key: window, max, kind (as sent: comparing interned strings costs no more than a flag),
+-- its bucket, count, and the part of the previous window still carried at `now` (prev * (W -
+-- elapsed), as Snapshot::admits has it).
+local W, MAX, KIND, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
   {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
 for j = 1, nk do
   local a = 4 * j - 3
   local w = tonumber(ARGV[a + 1])
   local b, cur, prev = window_at(stored[j], w)
-  W[j], MAX[j], CHARGED[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3] == 'a', b, cur
+  W[j], MAX[j], KIND[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3], b, cur
   CARRIED[j] = prev * (w - (now - b * w))
   reply[2 * j] = cur
   reply[2 * j + 1] = prev
@@ -59,9 +62,14 @@ while pos <= nargs do
     local j = tonumber(ARGV[pos + 2 + i])
     chain[i] = j
     local w, carried, cur, max = W[j], CARRIED[j], CUR[j], MAX[j]
+    local kind = KIND[j]
     local passes
-    if not CHARGED[j] then
+    if kind == 'r' then
       if (cur - max) * w + carried >= 0 then passes = 0 else passes = admitted end
+    elseif kind ~= 'a' then
+      -- A shadow limit never refuses (chain.rs first_refusal); the client tells from the counts
+      -- in the reply whether it was over.
+      passes = admitted
     elseif cost == 0 then
       if (cur - max) * w + carried > 0 then passes = 0 else passes = admitted end
     else
@@ -82,8 +90,11 @@ while pos <= nargs do
   if admitted > 0 then
     for i = 1, n do
       local j = chain[i]
-      if CHARGED[j] then
-        CUR[j] = CUR[j] + admitted * cost
+      local kind = KIND[j]
+      if kind == 'a' or kind == 'as' then
+        -- Counts stop at 2^53 (window.rs MAX_COUNT): only a shadow limit, which admits past its
+        -- max, can be charged that far.
+        CUR[j] = math.min(CUR[j] + admitted * cost, 9007199254740992)
         dirty[j] = true
       end
     end

@@ -14,7 +14,7 @@ use super::{RedisStore, ttl_millis};
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
 use crate::store::Observation;
-use crate::window::{Charge, Snapshot};
+use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
 
 /// Admissions queued for the next batch, and whether a task is sending batches.
 #[derive(Default)]
@@ -228,10 +228,11 @@ impl RedisStore {
     /// The admission script's call for `batch`: its distinct keys, and its requests in the order
     /// they came, each run of requests of one cost on one chain as one group (see admit.lua).
     ///
-    /// The script takes one window and max per key, so a request that names a key the batch
-    /// already holds with another limit (a chain rebuilt with a new max while the old one is
-    /// still in use) ends the batch: it and those after it go in the next call, and the number
-    /// of requests packed is returned with the call.
+    /// The script takes one window, max, kind and shadow flag per key, so a request that names a
+    /// key the batch already holds with another limit (a chain rebuilt with a new max, or with
+    /// the limit turned shadow, while the old one is still in use) ends the batch: it and those
+    /// after it go in the next call, and the number of requests packed is returned with the
+    /// call.
     fn pack(&self, batch: &[PendingAdmit]) -> (Packed, usize) {
         let mut keys: Vec<&ChainLimit> = Vec::new();
         let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
@@ -249,8 +250,7 @@ impl RedisStore {
                         keys.len()
                     });
                     let held = keys[j - 1];
-                    conflict |=
-                        j <= known && (held.limit(), held.charge()) != (l.limit(), l.charge());
+                    conflict |= j <= known && decided_alike(held) != decided_alike(l);
                     j
                 })
                 .collect();
@@ -282,9 +282,11 @@ impl RedisStore {
         for l in &keys {
             let w = l.limit().window_micros();
             cmd.arg(w).arg(l.limit().max());
-            cmd.arg(match l.charge() {
-                Charge::Admission => "a",
-                Charge::Reactive => "r",
+            cmd.arg(match (l.charge(), l.is_shadow()) {
+                (Charge::Admission, false) => "a",
+                (Charge::Reactive, false) => "r",
+                (Charge::Admission, true) => "as",
+                (Charge::Reactive, true) => "rs",
             });
             cmd.arg(ttl_millis(w));
         }
@@ -307,6 +309,12 @@ impl RedisStore {
             taken,
         )
     }
+}
+
+/// What the script takes per key to decide it: two limits on one key that differ in any of these
+/// cannot share a batch.
+fn decided_alike(l: &ChainLimit) -> (WindowLimit, Charge, bool) {
+    (l.limit(), l.charge(), l.is_shadow())
 }
 
 /// Replays what each request of a batch saw, exactly as the script decided: group after group,
@@ -335,7 +343,10 @@ fn replay(
             if admitted {
                 for &j in &group.chain {
                     if charged[j - 1] {
-                        counts[j - 1][0] = counts[j - 1][0].saturating_add(group.cost);
+                        // Counts stop at 2^53, as in the script (only a shadow limit, never
+                        // refusing, can be charged that far).
+                        let cur = &mut counts[j - 1][0];
+                        *cur = cur.saturating_add(group.cost).min(MAX_COUNT);
                     }
                 }
             }
@@ -456,6 +467,21 @@ mod tests {
             ]
         );
         assert_eq!(counts, [[5, 0], [9, 9], [7, 7]]);
+    }
+
+    #[test]
+    fn the_replay_stops_counts_at_two_to_the_fifty_third_as_the_script_does() {
+        // Only a shadow limit, never refusing, is charged that far: a cost no enforced limit
+        // bounds.
+        let groups = [group(u64::MAX, &[1], &[0, 1, 2])];
+        let mut counts = [[5, 0]];
+        let mut seen = Vec::new();
+        replay(&groups, &[3], &mut counts, &[true], |r, _, view| {
+            seen.push((r, view))
+        });
+        let full = vec![(MAX_COUNT, 0)];
+        assert_eq!(seen, [(0, vec![(5, 0)]), (1, full.clone()), (2, full)]);
+        assert_eq!(counts, [[MAX_COUNT, 0]]);
     }
 
     #[test]
