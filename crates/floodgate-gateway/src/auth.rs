@@ -31,8 +31,9 @@ pub struct KeyEntry {
     pub index: usize,
     /// The key's limits without customer and gateway: key, project, team, business unit, org.
     own: Vec<ChainLimit>,
-    /// The key's budgets without customer and gateway, in the same order.
-    own_budgets: Vec<Budget>,
+    /// The key's budgets without customer and gateway, in the same order, each with whether
+    /// it is a shadow one.
+    own_budgets: Vec<(Budget, bool)>,
     /// The full chain for requests that name no customer (own limits, then the gateway's).
     chain: ResolvedChain,
 }
@@ -47,14 +48,34 @@ pub struct ResolvedChain {
     /// The budgets that apply, narrowest first; `None` when there are none, so that a chain
     /// without budgets costs nothing more per request.
     pub budgets: Option<Arc<Budgets>>,
+    /// The shadow budgets: read like the others, never refusing; `None` when there are none.
+    pub shadow_budgets: Option<Arc<Budgets>>,
+    /// Every budget, shadow ones included: what a response's spend is added to.
+    pub spend_budgets: Option<Arc<Budgets>>,
 }
 
 impl ResolvedChain {
-    fn new(chain: Chain, budgets: Vec<Budget>) -> ResolvedChain {
+    /// `chain`, with `budgets` (each with whether it is a shadow one).
+    fn new(chain: Chain, budgets: Vec<(Budget, bool)>) -> ResolvedChain {
+        let of = |shadow: Option<bool>| {
+            let picked: Vec<Budget> = budgets
+                .iter()
+                .filter(|(_, s)| shadow.is_none_or(|want| *s == want))
+                .map(|(b, _)| b.clone())
+                .collect();
+            (!picked.is_empty()).then(|| Arc::new(Budgets::new(picked)))
+        };
+        let shadow_budgets = of(Some(true));
         ResolvedChain {
             headers: Arc::new(ChainHeaders::new(&chain)),
             chain: Arc::new(chain),
-            budgets: (!budgets.is_empty()).then(|| Arc::new(Budgets::new(budgets))),
+            budgets: of(Some(false)),
+            // Spend goes to every budget; only a chain with shadow ones needs a second set.
+            spend_budgets: match shadow_budgets {
+                Some(_) => of(None),
+                None => of(Some(false)),
+            },
+            shadow_budgets,
         }
     }
 }
@@ -72,29 +93,35 @@ pub struct Keys {
     by_hash: HashMap<[u8; 32], Arc<KeyEntry>>,
     customers: HashMap<Box<str>, Customer>,
     gateway: Vec<ChainLimit>,
-    gateway_budgets: Vec<Budget>,
+    gateway_budgets: Vec<(Budget, bool)>,
 }
 
 /// A customer's limits and budgets, added to a chain by the customer header.
 #[derive(Debug, Default)]
 struct Customer {
     limits: Vec<ChainLimit>,
-    budgets: Vec<Budget>,
+    budgets: Vec<(Budget, bool)>,
 }
 
 fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
     config
         .scope_limits(kind, id)
         .iter()
-        .map(|l: &ScopeLimit| ChainLimit::new(tenant, kind, id, l.charge, l.limit))
+        .map(|l: &ScopeLimit| {
+            ChainLimit::new(tenant, kind, id, l.charge, l.limit).with_shadow(l.shadow)
+        })
         .collect()
 }
 
-fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<Budget> {
+/// A scope's budgets, each with whether it is a shadow one.
+fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<(Budget, bool)> {
     config
         .scope_budgets(kind, id)
         .iter()
-        .map(|b: &BudgetConfig| Budget::new(tenant, kind, id, b.period, b.micro_usd))
+        .map(|b: &BudgetConfig| {
+            let budget = Budget::new(tenant, kind, id, b.period, b.micro_usd);
+            (budget, b.shadow)
+        })
         .collect()
 }
 
@@ -128,7 +155,7 @@ impl Keys {
                     .into_iter()
                     .flat_map(|(kind, id)| limits_of(config, &tenant, kind, id))
                     .collect();
-                let own_budgets: Vec<Budget> = k
+                let own_budgets: Vec<(Budget, bool)> = k
                     .scopes()
                     .into_iter()
                     .flat_map(|(kind, id)| budgets_of(config, &tenant, kind, id))

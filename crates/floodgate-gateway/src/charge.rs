@@ -14,6 +14,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use floodgate::{Budgets, Chain};
 use tokio::sync::Notify;
 
+use crate::metrics::{Metrics, StoreOp};
+use crate::openai::usage::TokenUsage;
 use crate::store::GatewayStore;
 
 /// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
@@ -22,6 +24,7 @@ use crate::store::GatewayStore;
 pub struct Charger {
     store: GatewayStore,
     tracked: Arc<Tracked>,
+    metrics: Metrics,
 }
 
 #[derive(Debug, Default)]
@@ -44,12 +47,20 @@ impl Drop for Held {
 }
 
 impl Charger {
-    /// A charger on `store`, with nothing in flight.
-    pub fn new(store: GatewayStore) -> Charger {
+    /// A charger on `store`, with nothing in flight, counting what it charges in `metrics`.
+    pub fn new(store: GatewayStore, metrics: Metrics) -> Charger {
         Charger {
             store,
             tracked: Arc::default(),
+            metrics,
         }
+    }
+
+    /// Counts a metered response's (or a realtime turn's) usage in the metrics.
+    pub fn count_usage(&self, usage: &TokenUsage) {
+        let input = usage.input.unwrap_or(0);
+        let output = usage.output.unwrap_or(usage.total.saturating_sub(input));
+        self.metrics.tokens(input, output);
     }
 
     /// The store charges go to.
@@ -114,7 +125,11 @@ impl Charger {
             return;
         }
         let _held = self.hold();
-        match chain.record(&self.store, tokens).await {
+        let start = std::time::Instant::now();
+        let recorded = chain.record(&self.store, tokens).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Record, start.elapsed(), recorded.is_err());
+        match recorded {
             Ok(()) => {}
             // The store logs an outage (or a dropped connection) once; a line for every
             // metered response would flood the log for as long as it lasts.
@@ -132,7 +147,12 @@ impl Charger {
             return;
         }
         let _held = self.hold();
-        match budgets.spend(&self.store, micro_usd).await {
+        self.metrics.spend(micro_usd);
+        let start = std::time::Instant::now();
+        let spent = budgets.spend(&self.store, micro_usd).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Spend, start.elapsed(), spent.is_err());
+        match spent {
             Ok(()) => {}
             // The store logs an outage (or a dropped connection) once.
             Err(e @ floodgate::Error::Unavailable(_)) => {

@@ -100,11 +100,13 @@ fn primary_index(decision: &ChainDecision) -> Option<usize> {
         .refused_by
         .filter(|&i| i < decision.statuses.len())
         .or_else(|| {
-            // The chain runs narrowest first, and `min_by_key` keeps the first of equals.
+            // The chain runs narrowest first, and `min_by_key` keeps the first of equals. A
+            // shadow limit never shows in a caller's headers.
             decision
                 .statuses
                 .iter()
                 .enumerate()
+                .filter(|(_, s)| !s.shadow)
                 .min_by_key(|(_, s)| s.remaining)
                 .map(|(i, _)| i)
         })
@@ -122,7 +124,7 @@ fn most_restrictive_index(decision: &ChainDecision, charge: Charge) -> Option<us
     statuses
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.charge == charge)
+        .filter(|(_, s)| s.charge == charge && !s.shadow)
         .min_by_key(|(_, s)| s.remaining)
         .map(|(i, _)| i)
 }

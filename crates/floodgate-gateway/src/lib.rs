@@ -30,6 +30,7 @@
 // The request pipeline and what it calls, arrows pointing one way (docs/design.md §8):
 // server -> http -> (realtime, metering, charge, upstream, ...) -> openai.
 mod access_log;
+pub mod admin;
 pub mod auth;
 pub mod buffers;
 mod charge;
@@ -39,6 +40,7 @@ pub mod error;
 pub mod headers;
 pub mod http;
 mod metering;
+pub mod metrics;
 mod openai;
 pub mod pricing;
 pub mod realtime;

@@ -87,9 +87,19 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
         config.max_buffered_mib
     )?;
     writeln!(out, "max open connections: {}", config.max_connections)?;
-    let on_error = match config.store.on_error {
+    let mode = |m: OnError| match m {
         OnError::Open => "open",
         OnError::Closed => "closed",
+    };
+    let kinds = config.store.on_error_by_kind;
+    let on_error = match kinds.uniform() {
+        Some(m) => mode(m).to_owned(),
+        None => format!(
+            "{{ requests = {}, tokens = {}, budgets = {} }}",
+            mode(kinds.requests),
+            mode(kinds.tokens),
+            mode(kinds.budgets)
+        ),
     };
     let backend = match config.store.backend {
         Backend::Memory => "memory",

@@ -254,6 +254,9 @@ impl Drop for MeteredBody {
                 (spend.prices.spend(model, &usage), spend.budgets)
             });
             let (micro_usd, budgets) = spend.map_or((0, None), |(m, b)| (m, Some(b)));
+            if let Some(usage) = &self.usage {
+                self.charger.count_usage(usage);
+            }
             self.charger.later(
                 Some(&chain),
                 t,

@@ -258,6 +258,7 @@ impl Session {
             total: 0,
             key: &self.key,
             warned_unknown: false,
+            charger: &self.charger,
         }));
         let mut caller_done = false;
         // Set when the caller's side failed: the upstream is read until then.
@@ -496,6 +497,8 @@ struct Meter<'a> {
     /// Whether a message too large to meter, whose type could not be told, has been warned
     /// about: once a session is enough.
     warned_unknown: bool,
+    /// Counts each turn's usage in the metrics.
+    charger: &'a Charger,
 }
 
 impl Meter<'_> {
@@ -510,6 +513,7 @@ impl Meter<'_> {
             total,
             key,
             warned_unknown,
+            charger,
         } = self;
         let add = |to: &AtomicU64, n: u64| {
             let _ = to.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| {
@@ -523,6 +527,7 @@ impl Meter<'_> {
                 } else if let Some(usage) = response_done_usage(text) {
                     *total = total.saturating_add(usage.total);
                     add(pending, usage.total);
+                    charger.count_usage(&usage);
                     if let Some(prices) = prices {
                         add(pending_spend, prices.spend(model.as_deref(), &usage));
                     }
@@ -580,6 +585,8 @@ mod tests {
     #[tokio::test]
     async fn tokens_read_are_metered_though_the_write_fails() {
         let (pending, pending_spend) = (AtomicU64::new(0), AtomicU64::new(0));
+        let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
+        let charger = Charger::new(store, crate::metrics::Metrics::new());
         let mut dir = Direction::new(Some(Meter {
             pending: &pending,
             pending_spend: &pending_spend,
@@ -588,6 +595,7 @@ mod tests {
             total: 0,
             key: "k",
             warned_unknown: false,
+            charger: &charger,
         }));
         let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
         let stream = frame(true, 1, done, None);

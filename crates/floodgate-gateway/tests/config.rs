@@ -62,7 +62,11 @@ const CASES: &[(&str, usize, &str)] = &[
     ("unknown-scope.toml", 5, "rate_limits[0].scope"),
     ("unterminated-string.toml", 5, "id"),
     ("zero-header-timeout.toml", 2, "server.header_timeout_sec"),
-    ("max-buffered-below-four-bodies.toml", 3, "server.max_buffered_mib"),
+    (
+        "max-buffered-below-four-bodies.toml",
+        3,
+        "server.max_buffered_mib",
+    ),
     ("max-connections-zero.toml", 2, "server.max_connections"),
     ("max-body-too-large.toml", 3, "server.max_body_mib"),
     ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),

@@ -47,6 +47,7 @@ impl Validator<'_> {
             ScopeLimit {
                 charge: Charge::Admission,
                 limit,
+                shadow: w.get_ref().shadow.unwrap_or(false),
             },
         );
         Ok(())
@@ -90,6 +91,7 @@ impl Validator<'_> {
                     ScopeLimit {
                         charge: Charge::Admission,
                         limit: WindowLimit::per_minute(rpm),
+                        shadow: r.shadow.unwrap_or(false),
                     },
                 );
             }
@@ -100,6 +102,7 @@ impl Validator<'_> {
                     ScopeLimit {
                         charge: Charge::Reactive,
                         limit: WindowLimit::per_minute(tpm),
+                        shadow: r.shadow.unwrap_or(false),
                     },
                 );
             }

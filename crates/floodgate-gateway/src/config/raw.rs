@@ -20,10 +20,23 @@ pub(super) struct RawConfig {
     #[serde(default)]
     pub(super) rate_limits: Vec<Spanned<RawRateLimit>>,
     pub(super) alerts: Option<RawAlerts>,
+    pub(super) admin: Option<RawAdmin>,
     #[serde(default)]
     pub(super) prices: Vec<Spanned<RawPrice>>,
     #[serde(default)]
     pub(super) budgets: Vec<Spanned<RawBudget>>,
+}
+
+#[derive(Deserialize)]
+#[serde(
+    deny_unknown_fields,
+    expecting = "an [admin] table (listen, secret or secret_sha256, metrics_auth)"
+)]
+pub(super) struct RawAdmin {
+    pub(super) listen: Option<Spanned<String>>,
+    pub(super) secret: Option<Spanned<String>>,
+    pub(super) secret_sha256: Option<Spanned<String>>,
+    pub(super) metrics_auth: Option<Spanned<bool>>,
 }
 
 #[derive(Deserialize)]
@@ -40,13 +53,14 @@ pub(super) struct RawPrice {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [[budgets]] entry (scope, id, period, usd)"
+    expecting = "a [[budgets]] entry (scope, id, period, usd, shadow)"
 )]
 pub(super) struct RawBudget {
     pub(super) scope: Spanned<String>,
     pub(super) id: Option<Spanned<String>>,
     pub(super) period: Spanned<String>,
     pub(super) usd: Spanned<f64>,
+    pub(super) shadow: Option<bool>,
 }
 
 #[derive(Default, Deserialize)]
@@ -84,8 +98,27 @@ pub(super) struct RawAlerts {
 pub(super) struct RawStore {
     pub(super) backend: Option<Spanned<Backend>>,
     pub(super) url: Option<Spanned<String>>,
-    pub(super) on_error: Option<OnError>,
+    pub(super) on_error: Option<RawOnError>,
     pub(super) prefix: Option<String>,
+}
+
+/// `on_error`: one mode for everything, or one per kind of limit.
+#[derive(Deserialize)]
+#[serde(
+    untagged,
+    expecting = "\"open\", \"closed\", or a table of them by kind (requests, tokens, budgets)"
+)]
+pub(super) enum RawOnError {
+    Plain(OnError),
+    ByKind(RawOnErrorKinds),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawOnErrorKinds {
+    pub(super) requests: Option<OnError>,
+    pub(super) tokens: Option<OnError>,
+    pub(super) budgets: Option<OnError>,
 }
 
 #[derive(Deserialize)]
@@ -114,9 +147,13 @@ pub(super) struct RawRealtime {
 }
 
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields, expecting = "a [gateway] table (rate_limit)")]
+#[serde(
+    deny_unknown_fields,
+    expecting = "a [gateway] table (rate_limit, shadow)"
+)]
 pub(super) struct RawGateway {
     pub(super) rate_limit: Option<Spanned<RawWindow>>,
+    pub(super) shadow: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -127,6 +164,7 @@ pub(super) struct RawGateway {
 pub(super) struct RawWindow {
     pub(super) requests: Option<u64>,
     pub(super) window_sec: Option<Spanned<u64>>,
+    pub(super) shadow: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -148,11 +186,12 @@ pub(super) struct RawKey {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm)"
+    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm, shadow)"
 )]
 pub(super) struct RawRateLimit {
     pub(super) scope: Spanned<String>,
     pub(super) id: Option<Spanned<String>>,
     pub(super) rpm: Option<u64>,
     pub(super) tpm: Option<u64>,
+    pub(super) shadow: Option<bool>,
 }

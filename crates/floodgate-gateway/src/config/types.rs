@@ -88,6 +88,35 @@ pub enum OnError {
     Closed,
 }
 
+/// `[store] on_error` per kind of limit: request limits, token limits and budgets each fail
+/// open or closed on their own (rate limits open and budgets closed, say, so that an outage
+/// never lets spend through while traffic keeps flowing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OnErrorKinds {
+    /// Request limits.
+    pub requests: OnError,
+    /// Token limits.
+    pub tokens: OnError,
+    /// Budgets.
+    pub budgets: OnError,
+}
+
+impl OnErrorKinds {
+    /// `mode` for every kind.
+    pub fn all(mode: OnError) -> OnErrorKinds {
+        OnErrorKinds {
+            requests: mode,
+            tokens: mode,
+            budgets: mode,
+        }
+    }
+
+    /// The one mode of every kind, if they agree.
+    pub fn uniform(&self) -> Option<OnError> {
+        (self.requests == self.tokens && self.tokens == self.budgets).then_some(self.requests)
+    }
+}
+
 /// A validated config.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -123,6 +152,8 @@ pub struct Config {
     pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
     /// The refusal tally and `/alerts`.
     pub alerts: AlertsConfig,
+    /// `[admin]`: the admin listener; `None`: none.
+    pub admin: Option<AdminConfig>,
     /// `[[prices]]`, in the order written.
     pub prices: Vec<PriceConfig>,
     /// `[[budgets]]` per scope: `(scope, id) -> budgets` (at most one per period). The gateway
@@ -151,11 +182,17 @@ pub struct BudgetConfig {
     pub period: Period,
     /// The cap, in micro-USD.
     pub micro_usd: u64,
+    /// Decided and charged as usual, but never refusing (`shadow = true`).
+    pub shadow: bool,
 }
 
 impl fmt::Display for BudgetConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} per {}", usd(self.micro_usd), self.period)
+        write!(f, "{} per {}", usd(self.micro_usd), self.period)?;
+        if self.shadow {
+            f.write_str(" (shadow)")?;
+        }
+        Ok(())
     }
 }
 
@@ -214,6 +251,21 @@ impl Config {
     }
 }
 
+/// `[admin] listen` when absent: loopback, apart from the callers' port.
+pub const DEFAULT_ADMIN_LISTEN: &str = "127.0.0.1:9090";
+
+/// `[admin]`, resolved: a second listener for `/metrics` and `/admin/*`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct AdminConfig {
+    /// Where the admin listener binds.
+    pub listen: SocketAddr,
+    /// The SHA-256 of the bearer secret `/admin/*` asks for (never a key's); `None`: `/admin/*`
+    /// answers 401 to everyone.
+    pub secret_sha256: Option<[u8; 32]>,
+    /// Whether `/metrics` asks for the bearer too.
+    pub metrics_auth: bool,
+}
+
 /// `[alerts]`, resolved.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AlertsConfig {
@@ -245,8 +297,11 @@ pub struct StoreConfig {
     pub backend: Backend,
     /// The Redis URL (after `FLOODGATE_REDIS_URL`), if any.
     pub url: Option<String>,
-    /// Fail open or closed when the store is unreachable.
+    /// Fail open or closed when the store is unreachable: the store's own mode, the one of
+    /// every kind when they agree, else `Closed` (the gateway then applies each kind's).
     pub on_error: OnError,
+    /// What a store failure does to each kind of limit.
+    pub on_error_by_kind: OnErrorKinds,
     /// The Redis key prefix (the library's default `fg:` when `None`).
     pub prefix: Option<String>,
 }
@@ -257,7 +312,7 @@ impl fmt::Debug for StoreConfig {
         f.debug_struct("StoreConfig")
             .field("backend", &self.backend)
             .field("url", &self.url.as_ref().map(|_| "<set>"))
-            .field("on_error", &self.on_error)
+            .field("on_error", &self.on_error_by_kind)
             .field("prefix", &self.prefix)
             .finish()
     }
@@ -404,6 +459,8 @@ pub struct ScopeLimit {
     pub charge: Charge,
     /// The limit.
     pub limit: WindowLimit,
+    /// Decided and charged as usual, but never refusing (`shadow = true`).
+    pub shadow: bool,
 }
 
 impl fmt::Display for ScopeLimit {
@@ -417,7 +474,11 @@ impl fmt::Display for ScopeLimit {
             "{} {unit} / {}s",
             self.limit.max(),
             self.limit.window().as_secs()
-        )
+        )?;
+        if self.shadow {
+            f.write_str(" (shadow)")?;
+        }
+        Ok(())
     }
 }
 

@@ -13,14 +13,15 @@ use toml::Spanned;
 
 use super::money::{MAX_BUDGET_USD, MAX_PRICE_PER_MILLION};
 use super::raw::{
-    RawAlerts, RawBudget, RawConfig, RawKey, RawPrice, RawRealtime, RawServer, RawStore,
-    RawUpstream,
+    RawAdmin, RawAlerts, RawBudget, RawConfig, RawKey, RawOnError, RawPrice, RawRealtime,
+    RawServer, RawStore, RawUpstream,
 };
 use super::types::{
-    AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_HEADER_TIMEOUT_SEC,
-    DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS, DEFAULT_UPSTREAM_TIMEOUT_SEC,
-    GATEWAY_ID, KeyConfig, Limits, MAX_REALTIME_DRAIN_SEC, OnError, PriceConfig, REDIS_URL_ENV,
-    RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget, default_max_buffered_mib,
+    AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
+    DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig, Limits, MAX_REALTIME_DRAIN_SEC, OnError,
+    OnErrorKinds, PriceConfig, REDIS_URL_ENV, RealtimeConfig, StoreConfig, UpstreamConfig,
+    UpstreamTarget, default_max_buffered_mib,
 };
 
 /// The text of one config file being validated: what turns a span into a line and column.
@@ -148,13 +149,20 @@ impl Validator<'_> {
         let realtime = self.realtime(raw.realtime)?;
 
         let mut limits = Limits::new();
+        // `[gateway] shadow = true`: every limit and budget observed, none enforced.
+        let all_shadow = raw.gateway.as_ref().and_then(|g| g.shadow) == Some(true);
         self.gateway_limit(raw.gateway, &mut limits)?;
         let keys = self.keys(raw.keys, &mut limits)?;
         let alerts = self.alerts(raw.alerts, &keys.hashes, store.backend)?;
+        let admin = self.admin(raw.admin, &keys.hashes)?;
         self.rate_limits(raw.rate_limits, &keys.ids, &mut limits)?;
 
         let prices = self.prices(raw.prices)?;
-        let budgets = self.budgets(raw.budgets, &keys.ids)?;
+        let mut budgets = self.budgets(raw.budgets, &keys.ids)?;
+        if all_shadow {
+            limits.values_mut().flatten().for_each(|l| l.shadow = true);
+            budgets.values_mut().flatten().for_each(|b| b.shadow = true);
+        }
 
         Ok(Config {
             path: self.file.to_path_buf(),
@@ -170,6 +178,7 @@ impl Validator<'_> {
             keys: keys.keys,
             limits,
             alerts,
+            admin,
             prices,
             budgets,
         })
@@ -432,6 +441,58 @@ impl Validator<'_> {
         Ok(alerts)
     }
 
+    /// `[admin]`: its listen address (loopback by default), its secret (never a key's), and
+    /// whether `/metrics` asks for it (then it must be set).
+    fn admin(
+        &self,
+        raw: Option<RawAdmin>,
+        key_hashes: &HashMap<[u8; 32], usize>,
+    ) -> Result<Option<AdminConfig>, ConfigError> {
+        let Some(raw) = raw else {
+            return Ok(None);
+        };
+        let listen = match &raw.listen {
+            None => DEFAULT_ADMIN_LISTEN
+                .parse()
+                .map_err(|_| self.error(0..0, "admin.listen", "bad built-in default"))?,
+            Some(l) => l.get_ref().parse().map_err(|_| {
+                self.error(
+                    l.span(),
+                    "admin.listen",
+                    format!("`{}` is not an address like 127.0.0.1:9090", l.get_ref()),
+                )
+            })?,
+        };
+        let secret_sha256 =
+            self.secret(raw.secret.as_ref(), raw.secret_sha256.as_ref(), "admin.")?;
+        let secret_span = || match (&raw.secret, &raw.secret_sha256) {
+            (Some(s), _) => (s.span(), "admin.secret"),
+            (None, Some(h)) => (h.span(), "admin.secret_sha256"),
+            (None, None) => (0..0, "admin.secret"),
+        };
+        if let Some(i) = secret_sha256.and_then(|h| key_hashes.get(&h)) {
+            let (span, name) = secret_span();
+            return Err(self.error(
+                span,
+                name,
+                format!("keys[{i}] has the same secret: give the admin listener one of its own"),
+            ));
+        }
+        let metrics_auth = raw.metrics_auth.as_ref().is_some_and(|m| *m.get_ref());
+        if let (true, None, Some(m)) = (metrics_auth, secret_sha256, &raw.metrics_auth) {
+            return Err(self.error(
+                m.span(),
+                "admin.metrics_auth",
+                "asks /metrics for the admin secret, but [admin] sets none: add `secret`",
+            ));
+        }
+        Ok(Some(AdminConfig {
+            listen,
+            secret_sha256,
+            metrics_auth,
+        }))
+    }
+
     /// The scope and id a `[[rate_limits]]` or `[[budgets]]` entry (at `span`, fields under
     /// `prefix`) names: a known scope kind; an id, trimmed, that the gateway scope may omit and
     /// every other needs (`needs`, with `{kind}` for the kind, says so); a customer id that a
@@ -629,6 +690,7 @@ impl Validator<'_> {
             budgets.entry((kind, id)).or_default().push(BudgetConfig {
                 period,
                 micro_usd: (usd * 1e6).round() as u64,
+                shadow: b.shadow.unwrap_or(false),
             });
         }
         Ok(budgets)
@@ -728,10 +790,21 @@ impl Validator<'_> {
                 format!("the redis backend needs `url` (or {REDIS_URL_ENV})"),
             ));
         }
+        let by_kind = match on_error {
+            None => OnErrorKinds::all(OnError::Open),
+            Some(RawOnError::Plain(mode)) => OnErrorKinds::all(mode),
+            // A kind left out fails open, as the plain form's default.
+            Some(RawOnError::ByKind(k)) => OnErrorKinds {
+                requests: k.requests.unwrap_or(OnError::Open),
+                tokens: k.tokens.unwrap_or(OnError::Open),
+                budgets: k.budgets.unwrap_or(OnError::Open),
+            },
+        };
         Ok(StoreConfig {
             backend,
             url,
-            on_error: on_error.unwrap_or(OnError::Open),
+            on_error: by_kind.uniform().unwrap_or(OnError::Closed),
+            on_error_by_kind: by_kind,
             prefix,
         })
     }

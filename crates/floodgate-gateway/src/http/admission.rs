@@ -18,11 +18,12 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, ScopeKind};
 
-use super::state::AppState;
+use super::state::{AppState, LimitKind};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
+use crate::metrics::{LimitOutcome, Outcome, StoreOp};
 use crate::tally::Subject;
 
 /// One request's context: who sent it, what limits it, what it is.
@@ -32,6 +33,10 @@ pub(super) struct Ctx {
     pub(super) chain: Arc<Chain>,
     fixed: Arc<ChainHeaders>,
     pub(super) budgets: Option<Arc<Budgets>>,
+    /// The shadow budgets: read, never refusing.
+    shadow_budgets: Option<Arc<Budgets>>,
+    /// Every budget (shadow ones too): what the answer's spend is added to.
+    pub(super) spend_budgets: Option<Arc<Budgets>>,
     pub(super) method: Method,
     pub(super) uri: Uri,
     pub(super) start: Instant,
@@ -58,6 +63,8 @@ impl Ctx {
             chain,
             headers: fixed,
             budgets,
+            shadow_budgets,
+            spend_budgets,
         } = state.keys().chain_for_request(&key, headers);
         Ctx {
             state,
@@ -65,6 +72,8 @@ impl Ctx {
             chain,
             fixed,
             budgets,
+            shadow_budgets,
+            spend_budgets,
             method: method.clone(),
             uri: uri.clone(),
             start,
@@ -107,8 +116,10 @@ impl Ctx {
         )
     }
 
-    /// `err` as the answer, logged as `decision`, without rate-limit headers.
+    /// `err` as the answer to a request not admitted, logged as `decision` and counted in the
+    /// metrics, without rate-limit headers.
     pub(super) fn answer(&self, err: AppError, decision: Decision) -> Response {
+        self.state.metrics().request(outcome_of(decision));
         self.log(err.status(), decision);
         err.into_response()
     }
@@ -152,7 +163,19 @@ impl Ctx {
         // would.
         let never = self.chain.limits().iter().any(|l| !l.fits(1));
         let cost = u64::from(never);
-        self.chain.admit(self.state.store(), cost).await.ok()
+        self.timed_admit(cost).await.ok()
+    }
+
+    /// The chain's admission at `cost`, timed for the metrics.
+    async fn timed_admit(&self, cost: u64) -> Result<ChainDecision, floodgate::Error> {
+        let start = Instant::now();
+        let decided = self.chain.admit(self.state.store(), cost).await;
+        let failed = decided.as_ref().map_or(true, |d| !d.enforced);
+        self.state
+            .metrics()
+            .store_call(StoreOp::Admit, start.elapsed(), failed);
+        self.state.note_breaker(failed);
+        decided
     }
 
     /// Admits the request: its budgets first, read without charging anything, so that a spent
@@ -165,25 +188,102 @@ impl Ctx {
     /// concurrent requests can overrun a budget by what they spend in flight.
     pub(super) async fn admit(&self) -> Result<Admitted, Response> {
         if let Some(budgets) = &self.budgets {
-            match budgets.check(self.state.store()).await {
+            let start = Instant::now();
+            let checked = budgets.check(self.state.store()).await;
+            let failed = checked.as_ref().map_or(true, |d| !d.enforced);
+            let metrics = self.state.metrics();
+            metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+            match checked {
                 Ok(d) if d.allowed() => {}
                 Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
+                // Budgets fail open on their own (`on_error.budgets`): read as unspent.
+                Err(floodgate::Error::Unavailable(_))
+                    if self.state.fails_open(LimitKind::Budgets) => {}
                 Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
             }
         }
-        let decision = match self.chain.admit(self.state.store(), 1).await {
+        if let Some(shadow) = &self.shadow_budgets {
+            self.observe_shadow_budgets(shadow).await;
+        }
+        let decision = match self.timed_admit(1).await {
             Ok(d) => d,
+            // The store fails closed for the kinds that differ (`on_error` by kind): the
+            // chain goes through unchecked when every kind of limit it has fails open.
+            Err(floodgate::Error::Unavailable(_)) if self.chain_fails_open() => {
+                ChainDecision::unenforced(floodgate::Timestamp::now())
+            }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
+        self.count_limits(&decision);
         if !decision.admitted {
             return Err(self.refuse(&decision));
         }
-        let log_as = if decision.enforced {
-            Decision::Admitted
+        for i in decision.shadow_over() {
+            if let Some(s) = decision.statuses.get(i) {
+                tracing::info!(
+                    key = %self.key.id,
+                    shadow_over = s.scope.as_str(),
+                    limit = s.limit.max(),
+                    window_sec = s.limit.window().as_secs(),
+                    "a shadow limit would have refused this request"
+                );
+            }
+        }
+        let (log_as, outcome) = if decision.enforced {
+            (Decision::Admitted, Outcome::Admitted)
         } else {
-            Decision::Unenforced
+            (Decision::Unenforced, Outcome::Unenforced)
         };
+        self.state.metrics().request(outcome);
         Ok(Admitted { decision, log_as })
+    }
+
+    /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
+    async fn observe_shadow_budgets(&self, shadow: &Budgets) {
+        let start = Instant::now();
+        let checked = shadow.check(self.state.store()).await;
+        let failed = checked.as_ref().map_or(true, |d| !d.enforced);
+        let metrics = self.state.metrics();
+        metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+        let exceeded = checked.ok().and_then(|d| d.exceeded_by);
+        if let Some(b) = exceeded.and_then(|i| shadow.budgets().get(i)) {
+            tracing::info!(
+                key = %self.key.id,
+                shadow_over = b.scope().as_str(),
+                budget = %b.period(),
+                "a shadow budget would have refused this request"
+            );
+        }
+    }
+
+    /// Whether a store failure lets this request's chain through unchecked: every kind of
+    /// limit it has (requests, tokens) fails open.
+    fn chain_fails_open(&self) -> bool {
+        let limits = self.chain.limits();
+        let has = |charge| limits.iter().any(|l| l.charge() == charge);
+        (!has(floodgate::Charge::Admission) || self.state.fails_open(LimitKind::Requests))
+            && (!has(floodgate::Charge::Reactive) || self.state.fails_open(LimitKind::Tokens))
+    }
+
+    /// Counts each limit of a decided chain in the metrics: over (it refused), near (80% used
+    /// or more after the request's charge) or within.
+    fn count_limits(&self, decision: &ChainDecision) {
+        let metrics = self.state.metrics();
+        let refusing = decision.refused_by;
+        for (i, s) in decision.statuses.iter().enumerate() {
+            let max = s.limit.max();
+            let outcome = if s.shadow && s.over {
+                LimitOutcome::ShadowOver
+            } else if refusing == Some(i) {
+                LimitOutcome::Over
+            } else if max == 0 || s.remaining.saturating_mul(5) <= max {
+                LimitOutcome::Near
+            } else {
+                LimitOutcome::Within
+            };
+            let tokens = s.charge == floodgate::Charge::Reactive;
+            metrics.limit(s.scope, tokens, outcome);
+        }
     }
 
     /// The 429 for a request the chain refused, with the refusing limit's headers; counted in
@@ -247,7 +347,8 @@ impl Ctx {
     /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
     /// logged, with the chain's headers. The request stays charged.
     pub(super) fn upstream_failed(&self, admitted: &Admitted, err: AppError) -> Response {
-        let mut resp = self.answer(err, admitted.log_as);
+        self.log(err.status(), admitted.log_as);
+        let mut resp = err.into_response();
         admitted.apply_headers(resp.headers_mut(), self);
         resp
     }
@@ -258,4 +359,31 @@ impl Admitted {
     pub(super) fn apply_headers(&self, headers: &mut HeaderMap, ctx: &Ctx) {
         headers::apply(headers, &self.decision, &ctx.fixed);
     }
+}
+
+/// How the metrics count an answer logged as `decision`.
+fn outcome_of(decision: Decision) -> Outcome {
+    match decision {
+        Decision::Admitted => Outcome::Admitted,
+        Decision::Unenforced => Outcome::Unenforced,
+        Decision::Refused(scope) => Outcome::Refused(scope),
+        Decision::Budget(scope) => Outcome::Budget(scope),
+        // The process's own cap refused: a refusal of the gateway, as the tally counts it.
+        Decision::TooManyConnections => Outcome::Refused(ScopeKind::Gateway),
+        Decision::Unauthenticated
+        | Decision::RefusedUnnamed
+        | Decision::BadRequest
+        | Decision::UpgradeUnsupported
+        | Decision::TransferCodingUnsupported
+        | Decision::BodyEncodingUnsupported
+        | Decision::BodyTooLarge
+        | Decision::BodyTimeout
+        | Decision::StoreError
+        | Decision::ServerBusy => Outcome::Rejected,
+    }
+}
+
+/// How the metrics count an answer logged as `decision`, for the pipeline's other phases.
+pub(super) fn count(state: &AppState, decision: Decision) {
+    state.metrics().request(outcome_of(decision));
 }

@@ -36,7 +36,16 @@ pub(super) async fn answer(state: &AppState, req: Request) -> Response {
 }
 
 async fn readyz(state: &AppState) -> Response {
-    match crate::store::ping(state.store()).await {
+    let start = std::time::Instant::now();
+    let pinged = crate::store::ping(state.store()).await;
+    let metrics = state.metrics();
+    metrics.store_call(
+        crate::metrics::StoreOp::Ping,
+        start.elapsed(),
+        pinged.is_err(),
+    );
+    state.note_breaker(pinged.is_err());
+    match pinged {
         Ok(()) => (StatusCode::OK, "ready\n").into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "not ready: the store cannot decide");

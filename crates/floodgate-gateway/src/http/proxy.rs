@@ -38,6 +38,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
             Decision::Unauthenticated,
             None,
         );
+        super::admission::count(&state, Decision::Unauthenticated);
         return AppError::Unauthorized.into_response();
     };
     let ctx = Ctx::new(state, key, (req.method(), req.uri(), req.headers()), start);
@@ -53,8 +54,8 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let rules = Rules {
-        metered: ctx.budgets.is_some() || ctx.chain.has_reactive(),
-        want_model: ctx.budgets.is_some(),
+        metered: ctx.spend_budgets.is_some() || ctx.chain.has_reactive(),
+        want_model: ctx.spend_budgets.is_some(),
         max_body_mib: ctx.state.max_body_mib(),
         body_timeout: ctx.state.header_timeout(),
         buffers: ctx.state.buffers(),
@@ -76,12 +77,15 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     };
 
     let gone = ctx.caller_gone(&admitted);
+    let asked = Instant::now();
     let sent = ctx
         .state
         .upstream()
         .send(Request::from_parts(parts, body))
         .await;
     gone.disarm();
+    let status = sent.as_ref().ok().map(|r| r.status().as_u16());
+    ctx.state.metrics().upstream(status, asked.elapsed());
     let resp = match sent {
         Ok(r) => r,
         Err(err) => return ctx.upstream_failed(&admitted, err),
@@ -122,7 +126,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         return Response::from_parts(head, body);
     }
     let line = ctx.pending_line(head.status, &admitted);
-    let spend = ctx.budgets.map(|budgets| Spend {
+    let spend = ctx.spend_budgets.map(|budgets| Spend {
         budgets,
         prices: std::sync::Arc::clone(ctx.state.prices()),
         request_model: model,

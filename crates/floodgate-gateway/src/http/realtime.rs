@@ -127,7 +127,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     };
     // The session's spend: priced by the model the upstream's session events name, and until
     // one does, by the model its URL names (`?model=`, unambiguous: see `malformed`).
-    let spend = ctx.budgets.clone().map(|budgets| SessionSpend {
+    let spend = ctx.spend_budgets.clone().map(|budgets| SessionSpend {
         budgets,
         prices: Arc::clone(ctx.state.prices()),
         model: query_model(req.uri()),
@@ -139,12 +139,15 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     let (mut parts, _) = req.into_parts();
     forwardable(&mut parts.headers, metered);
     let gone = ctx.caller_gone(&admitted);
+    let asked = std::time::Instant::now();
     let sent = ctx
         .state
         .upstream()
         .upgrade(Request::from_parts(parts, Body::empty()))
         .await;
     gone.disarm();
+    let status = sent.as_ref().ok().map(|r| r.status().as_u16());
+    ctx.state.metrics().upstream(status, asked.elapsed());
     let mut resp = match sent {
         Ok(r) => r,
         Err(err) => return ctx.upstream_failed(&admitted, err),

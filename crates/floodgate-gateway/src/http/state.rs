@@ -1,6 +1,7 @@
 //! [`AppState`]: everything a request needs, one per worker, behind a cheap clone.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
@@ -9,7 +10,8 @@ use tokio::sync::Semaphore;
 use crate::auth::Keys;
 use crate::buffers::Buffers;
 use crate::charge::Charger;
-use crate::config::{Config, UpstreamTarget};
+use crate::config::{Config, OnError, OnErrorKinds, UpstreamTarget};
+use crate::metrics::Metrics;
 use crate::pricing::Prices;
 use crate::realtime::{LiveSessions, Sessions};
 use crate::startup::StartError;
@@ -42,6 +44,22 @@ struct Inner {
     buffers: Buffers,
     /// The process's open client connections.
     connections: Arc<Semaphore>,
+    metrics: Metrics,
+    /// Whether this worker last saw its store's breaker open.
+    breaker_seen_open: AtomicBool,
+    /// `[store] on_error`, per kind of limit.
+    on_error: OnErrorKinds,
+}
+
+/// A kind of limit, as `[store] on_error` names them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum LimitKind {
+    /// Request limits.
+    Requests,
+    /// Token limits.
+    Tokens,
+    /// Budgets.
+    Budgets,
 }
 
 /// What every worker of one process shares: the refusal tally, the count of live realtime
@@ -57,6 +75,8 @@ pub struct Process {
     pub buffers: Buffers,
     /// The open client connections, counted against `[server] max_connections`.
     pub connections: Arc<Semaphore>,
+    /// The metrics `/metrics` shows.
+    pub metrics: Metrics,
 }
 
 /// `mib` MiB in bytes, saturating where `usize` is narrower.
@@ -72,6 +92,7 @@ impl Process {
             live_sessions: LiveSessions::new(),
             buffers: Buffers::new(mib_to_bytes(config.max_buffered_mib), config.keys.len()),
             connections: Arc::new(Semaphore::new(config.max_connections)),
+            metrics: Metrics::new(),
         }
     }
 }
@@ -125,7 +146,7 @@ impl AppState {
             inner: Arc::new(Inner {
                 keys: Keys::from_config(config),
                 prices: Arc::new(Prices::new(&config.prices)),
-                charger: Charger::new(store),
+                charger: Charger::new(store, process.metrics.clone()),
                 upstream: Upstream::from_config(&config.upstream, in_process)?,
                 header_timeout: config.header_timeout,
                 max_body_mib: config.max_body_mib,
@@ -135,6 +156,9 @@ impl AppState {
                 sessions: Sessions::new(&config.realtime, process.live_sessions.clone()),
                 buffers: process.buffers.clone(),
                 connections: Arc::clone(&process.connections),
+                metrics: process.metrics.clone(),
+                breaker_seen_open: AtomicBool::new(false),
+                on_error: config.store.on_error_by_kind,
             }),
         })
     }
@@ -182,6 +206,36 @@ impl AppState {
     /// `[server] max_body_mib`.
     pub(crate) fn max_body_mib(&self) -> u64 {
         self.inner.max_body_mib
+    }
+
+    /// Whether a store failure lets a request through unchecked for this kind of limit.
+    pub(crate) fn fails_open(&self, kind: LimitKind) -> bool {
+        let kinds = &self.inner.on_error;
+        let mode = match kind {
+            LimitKind::Requests => kinds.requests,
+            LimitKind::Tokens => kinds.tokens,
+            LimitKind::Budgets => kinds.budgets,
+        };
+        mode == OnError::Open
+    }
+
+    /// The process's metrics.
+    pub fn metrics(&self) -> &Metrics {
+        &self.inner.metrics
+    }
+
+    /// Updates the breaker gauge after a store call: read from the Redis store when the call
+    /// `failed`, or while the gauge says open (so that it closes again), never otherwise.
+    pub(crate) fn note_breaker(&self, failed: bool) {
+        let was_open = self.inner.breaker_seen_open.load(Ordering::Relaxed);
+        if !failed && !was_open {
+            return;
+        }
+        if let floodgate::store::AnyStore::Redis(redis) = self.store() {
+            let open = redis.stats().breaker_open;
+            self.inner.breaker_seen_open.store(open, Ordering::Relaxed);
+            self.inner.metrics.breaker_open(open);
+        }
     }
 
     /// The process's room for request bodies read before admission.

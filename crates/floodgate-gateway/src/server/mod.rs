@@ -27,6 +27,7 @@ use std::time::Duration;
 use tokio::net::TcpSocket;
 use tokio::sync::{mpsc as tmpsc, watch};
 
+use crate::admin::Admin;
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
 use crate::http::{AppState, Process};
 use crate::metering::LINGER;
@@ -143,6 +144,23 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
     // `[realtime] max_connections` and `[server] max_buffered_mib` hold for the process: every
     // worker counts on these.
     let process = Process::new(config, Arc::clone(&tally));
+    // The admin listener, on the background runtime: bound before the workers, so that an
+    // address already taken stops the start.
+    if let Some(admin) = &config.admin {
+        let addr = admin.listen;
+        let listener = background
+            .block_on(tokio::net::TcpListener::bind(addr))
+            .map_err(|source| StartError::Listen { addr, source })?;
+        tracing::info!(%addr, "admin listener: /metrics, /admin/*");
+        let mut stopping = stop_rx.clone();
+        background.spawn(crate::admin::run(
+            listener,
+            Admin::new(admin.clone(), process.clone()),
+            async move {
+                let _ = stopping.wait_for(|s| *s).await;
+            },
+        ));
+    }
     let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, StartError>>();
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
