@@ -126,8 +126,15 @@ fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<(
 }
 
 impl Keys {
-    /// Builds every key's chain from `config`.
+    /// Builds every key's chain from `config`, each key's index its position in the config.
     pub fn from_config(config: &Config) -> Keys {
+        let slots: Vec<usize> = (0..config.keys.len()).collect();
+        Keys::with_slots(config, &slots)
+    }
+
+    /// Builds every key's chain from `config`, each key's index (its slot in the refusal tally)
+    /// from `slots`, one per key in config order: a key keeps its slot across reloads.
+    pub fn with_slots(config: &Config, slots: &[usize]) -> Keys {
         let gateway = limits_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
         let gateway_budgets = budgets_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
         let customers = config
@@ -148,7 +155,8 @@ impl Keys {
             .keys
             .iter()
             .enumerate()
-            .map(|(index, k)| {
+            .map(|(position, k)| {
+                let index = slots.get(position).copied().unwrap_or(position);
                 let tenant = k.tenant();
                 let own: Vec<ChainLimit> = k
                     .scopes()

@@ -44,6 +44,7 @@ pub mod metrics;
 mod openai;
 pub mod pricing;
 pub mod realtime;
+pub mod reload;
 pub mod server;
 pub mod startup;
 pub mod store;

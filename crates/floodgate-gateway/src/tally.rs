@@ -103,8 +103,10 @@ pub struct Alert {
 /// The process's refusal tally: every worker's counters and the persisted aggregate.
 #[derive(Debug)]
 pub struct Tally {
-    /// Subject names by slot: `gateway`, then `key:<id>` per key.
-    subjects: Box<[String]>,
+    /// Subject names by slot: `gateway`, then `key:<id>` per key, in config order, then each key
+    /// a reload added. Append-only: a slot means the same subject for the process's life, so
+    /// counters made before a reload still count to the right one.
+    subjects: Mutex<Vec<String>>,
     workers: Mutex<Vec<Arc<Counters>>>,
     /// In memory: the whole aggregate. In a file or Redis: the counts not written there yet.
     aggregate: Mutex<Days>,
@@ -210,9 +212,11 @@ impl Tally {
 
     fn with(config: &Config, keep: Keep) -> Tally {
         Tally {
-            subjects: std::iter::once(GATEWAY_SUBJECT.to_owned())
-                .chain(config.keys.iter().map(|k| format!("key:{}", k.id)))
-                .collect(),
+            subjects: Mutex::new(
+                std::iter::once(GATEWAY_SUBJECT.to_owned())
+                    .chain(config.keys.iter().map(|k| format!("key:{}", k.id)))
+                    .collect(),
+            ),
             workers: Mutex::new(Vec::new()),
             aggregate: Mutex::new(Days::new()),
             keep,
@@ -224,9 +228,32 @@ impl Tally {
 
     /// New counters for one worker, flushed with the others from now on.
     pub fn worker(&self) -> Arc<Counters> {
-        let counters = Arc::new(Counters::new(self.subjects.len()));
+        let counters = Arc::new(Counters::new(lock(&self.subjects).len()));
         lock(&self.workers).push(Arc::clone(&counters));
         counters
+    }
+
+    /// The tally slot of each of `config`'s keys, in config order (what [`Subject::Key`]
+    /// takes): a key keeps the slot its id had, a key new to the process gets the next one.
+    /// Counters made before a new key's slot have no room for it: a reload makes each worker
+    /// new ones ([`Tally::worker`]).
+    pub fn key_slots(&self, config: &Config) -> Vec<usize> {
+        let mut subjects = lock(&self.subjects);
+        config
+            .keys
+            .iter()
+            .map(|k| {
+                let name = format!("key:{}", k.id);
+                let slot = match subjects.iter().position(|s| *s == name) {
+                    Some(slot) => slot,
+                    None => {
+                        subjects.push(name);
+                        subjects.len() - 1
+                    }
+                };
+                slot - 1
+            })
+            .collect()
     }
 
     /// Moves every worker's counts into the aggregate under today's local date and saves it
@@ -275,6 +302,7 @@ impl Tally {
     /// retention) or the counts to write (a file or Redis) under `day`.
     fn collect(&self, day: NaiveDate) {
         let mut days = lock(&self.aggregate);
+        let subjects = lock(&self.subjects);
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
                 let n = counter.swap(0, Ordering::Relaxed);
@@ -282,7 +310,7 @@ impl Tally {
                     let count = days
                         .entry(day.to_string())
                         .or_default()
-                        .entry(self.subjects[slot].clone())
+                        .entry(subjects[slot].clone())
                         .or_default();
                     *count = count.saturating_add(n);
                 }
@@ -415,6 +443,7 @@ impl Tally {
         }
         add(&mut days, &pending);
         let today = now.to_string();
+        let subjects = lock(&self.subjects);
         for w in lock(&self.workers).iter() {
             for (slot, counter) in w.slots.iter().enumerate() {
                 let n = counter.load(Ordering::Relaxed);
@@ -422,7 +451,7 @@ impl Tally {
                     let count = days
                         .entry(today.clone())
                         .or_default()
-                        .entry(self.subjects[slot].clone())
+                        .entry(subjects[slot].clone())
                         .or_default();
                     *count = count.saturating_add(n);
                 }

@@ -74,15 +74,17 @@ async fn chat_as(gw: &Gateway, key: &str, body: &str, model: &str, tokens: u64) 
 
 /// The current spend of each budget of `secret`'s chain (customer `customer`).
 async fn spent(gw: &Gateway, secret: &str, customer: Option<&str>) -> Vec<u64> {
-    let key = gw.state.keys().lookup(secret).unwrap();
-    let budgets = gw.state.keys().chain_for(key, customer).budgets.unwrap();
+    let live = gw.state.live();
+    let key = live.keys.lookup(secret).unwrap();
+    let budgets = live.keys.chain_for(key, customer).budgets.unwrap();
     let d = budgets.check(gw.state.store()).await.unwrap();
     d.spent
 }
 
 /// The request slots left on the first limit of `secret`'s chain, read without charging.
 async fn requests_left(gw: &Gateway, secret: &str) -> u64 {
-    let chain: &Chain = gw.state.keys().lookup(secret).unwrap().chain();
+    let live = gw.state.live();
+    let chain: &Chain = live.keys.lookup(secret).unwrap().chain();
     let d = chain.admit(gw.state.store(), 0).await.unwrap();
     d.statuses[0].remaining
 }

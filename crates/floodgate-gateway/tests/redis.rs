@@ -401,8 +401,9 @@ usd = 0.0001
     // The spend lives once in Redis, under the store's prefix, hash-tagged on the org: both
     // replicas read the same 114 µUSD.
     for gw in [&a, &b] {
-        let key = gw.state.keys().lookup("sk-shared").unwrap();
-        let budgets = gw.state.keys().chain_for(key, None).budgets.unwrap();
+        let live = gw.state.live();
+        let key = live.keys.lookup("sk-shared").unwrap();
+        let budgets = live.keys.chain_for(key, None).budgets.unwrap();
         let d = budgets.check(gw.state.store()).await.unwrap();
         assert!(d.enforced);
         assert_eq!(d.spent, [114]);

@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, ScopeKind};
 
-use super::state::{AppState, LimitKind};
+use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
 use crate::error::AppError;
@@ -29,6 +29,8 @@ use crate::tally::Subject;
 /// One request's context: who sent it, what limits it, what it is.
 pub(super) struct Ctx {
     pub(super) state: AppState,
+    /// The config in force when the request started: it keeps it to its end.
+    pub(super) live: Arc<Live>,
     pub(super) key: Arc<KeyEntry>,
     pub(super) chain: Arc<Chain>,
     fixed: Arc<ChainHeaders>,
@@ -55,6 +57,7 @@ impl Ctx {
     /// request's `headers` (the customer it names).
     pub(super) fn new(
         state: AppState,
+        live: Arc<Live>,
         key: Arc<KeyEntry>,
         (method, uri, headers): (&Method, &Uri, &HeaderMap),
         start: Instant,
@@ -65,9 +68,10 @@ impl Ctx {
             budgets,
             shadow_budgets,
             spend_budgets,
-        } = state.keys().chain_for_request(&key, headers);
+        } = live.keys.chain_for_request(&key, headers);
         Ctx {
             state,
+            live,
             key,
             chain,
             fixed,
@@ -131,7 +135,7 @@ impl Ctx {
             ScopeKind::Gateway => Subject::Gateway,
             _ => Subject::Key(self.key.index),
         };
-        self.state.refusals().refused(subject);
+        self.live.refusals.refused(subject);
     }
 
     /// The answer `err` to a request refused before admission (nothing charged), logged as

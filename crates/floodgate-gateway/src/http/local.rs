@@ -21,7 +21,7 @@ pub(super) async fn answer(state: &AppState, req: Request) -> Response {
     let local = match req.uri().path() {
         "/healthz" => Local::Health,
         "/readyz" => Local::Ready,
-        "/alerts" if state.alerts_secret().is_some() => Local::Alerts,
+        "/alerts" if state.live().alerts_secret.is_some() => Local::Alerts,
         _ => return AppError::NotFound.into_response(),
     };
     if req.method() != Method::GET && req.method() != Method::HEAD {
@@ -63,7 +63,7 @@ fn alerts_authorized(state: &AppState, req: &Request) -> bool {
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
-    presented.is_some() && presented.as_ref() == state.alerts_secret()
+    presented.is_some() && presented == state.live().alerts_secret
 }
 
 /// `GET /alerts`: the refusal tally as `rate_limit` alerts.

@@ -21,10 +21,12 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     let start = Instant::now();
     let websocket = guard::asks_for_websocket(&req);
     let realtime = websocket && is_realtime(req.uri().path());
+    // The config in force now: this request keeps it to its end, whatever a reload swaps in.
+    let live = state.live();
     let key = if realtime {
-        state.keys().authenticate_websocket(req.headers())
+        live.keys.authenticate_websocket(req.headers())
     } else {
-        state.keys().authenticate(req.headers())
+        live.keys.authenticate(req.headers())
     };
     let Some(key) = key.cloned() else {
         let (method, path) = (req.method(), req.uri().path());
@@ -41,7 +43,13 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         super::admission::count(&state, Decision::Unauthenticated);
         return AppError::Unauthorized.into_response();
     };
-    let ctx = Ctx::new(state, key, (req.method(), req.uri(), req.headers()), start);
+    let ctx = Ctx::new(
+        state,
+        live,
+        key,
+        (req.method(), req.uri(), req.headers()),
+        start,
+    );
     if realtime {
         return super::realtime::open(ctx, req).await;
     }
@@ -79,8 +87,8 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     let gone = ctx.caller_gone(&admitted);
     let asked = Instant::now();
     let sent = ctx
-        .state
-        .upstream()
+        .live
+        .upstream
         .send(Request::from_parts(parts, body))
         .await;
     gone.disarm();
@@ -128,7 +136,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     let line = ctx.pending_line(head.status, &admitted);
     let spend = ctx.spend_budgets.map(|budgets| Spend {
         budgets,
-        prices: std::sync::Arc::clone(ctx.state.prices()),
+        prices: std::sync::Arc::clone(&ctx.live.prices),
         request_model: model,
     });
     let body = MeteredBody::new(body, meter, (ctx.state.charges(), ctx.chain), spend, line);

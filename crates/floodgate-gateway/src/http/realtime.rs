@@ -129,7 +129,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     // one does, by the model its URL names (`?model=`, unambiguous: see `malformed`).
     let spend = ctx.spend_budgets.clone().map(|budgets| SessionSpend {
         budgets,
-        prices: Arc::clone(ctx.state.prices()),
+        prices: Arc::clone(&ctx.live.prices),
         model: query_model(req.uri()),
     });
     let metered = ctx.chain.has_reactive() || spend.is_some();
@@ -141,8 +141,8 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     let gone = ctx.caller_gone(&admitted);
     let asked = std::time::Instant::now();
     let sent = ctx
-        .state
-        .upstream()
+        .live
+        .upstream
         .upgrade(Request::from_parts(parts, Body::empty()))
         .await;
     gone.disarm();

@@ -1,7 +1,7 @@
 //! [`AppState`]: everything a request needs, one per worker, behind a cheap clone.
 
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
 use hyper_util::rt::TokioIo;
@@ -27,18 +27,15 @@ pub struct AppState {
 
 #[derive(Debug)]
 struct Inner {
-    keys: Keys,
-    prices: Arc<Prices>,
+    /// What a reload replaces. A request takes the one current when it starts and keeps it:
+    /// requests in flight finish under the config they started with.
+    live: RwLock<Arc<Live>>,
     charger: Charger,
-    upstream: Upstream,
     header_timeout: Duration,
     /// `[server] max_body_mib`.
     max_body_mib: u64,
-    /// The process's refusal tally (for `/alerts`) and this state's own counters in it.
+    /// The process's refusal tally (for `/alerts`).
     tally: Arc<Tally>,
-    refusals: Arc<Counters>,
-    /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
-    alerts_secret: Option<[u8; 32]>,
     sessions: Sessions,
     /// The process's room for request bodies read before admission.
     buffers: Buffers,
@@ -49,6 +46,43 @@ struct Inner {
     breaker_seen_open: AtomicBool,
     /// `[store] on_error`, per kind of limit.
     on_error: OnErrorKinds,
+}
+
+/// The part of a worker's state that a config reload replaces, whole: the keys and their
+/// chains (limits, budgets, shadow flags), the price table, the upstream and the alerts secret.
+#[derive(Debug)]
+pub struct Live {
+    /// The keys and their chains.
+    pub keys: Keys,
+    /// The price table budgets are charged from.
+    pub prices: Arc<Prices>,
+    /// The upstream.
+    pub upstream: Upstream,
+    /// The SHA-256 of the secret `/alerts` asks for; `None`: no `/alerts`.
+    pub alerts_secret: Option<[u8; 32]>,
+    /// This worker's counters in the refusal tally (with a slot for each of these keys).
+    pub refusals: Arc<Counters>,
+}
+
+impl Live {
+    /// What `config` sets, the keys in the tally slots `process.tally` gives them. Fails if the
+    /// upstream cannot be set up (its API key's variable missing, say).
+    fn build(config: &Config, process: &Process) -> Result<Live, StartError> {
+        // The demo upstream plugs into the upstream client as an in-process target: the client
+        // knows nothing of the demo.
+        let in_process = (config.upstream.target == UpstreamTarget::Demo).then(|| InProcess {
+            router: crate::demo::router(),
+            realtime: |io| Box::pin(crate::demo::serve_realtime(TokioIo::new(io))),
+        });
+        let slots = process.tally.key_slots(config);
+        Ok(Live {
+            keys: Keys::with_slots(config, &slots),
+            prices: Arc::new(Prices::new(&config.prices)),
+            upstream: Upstream::from_config(&config.upstream, in_process)?,
+            alerts_secret: config.alerts.secret_sha256,
+            refusals: process.tally.worker(),
+        })
+    }
 }
 
 /// A kind of limit, as `[store] on_error` names them.
@@ -136,23 +170,13 @@ impl AppState {
         store: GatewayStore,
         process: &Process,
     ) -> Result<AppState, StartError> {
-        // The demo upstream plugs into the upstream client as an in-process target: the client
-        // knows nothing of the demo.
-        let in_process = (config.upstream.target == UpstreamTarget::Demo).then(|| InProcess {
-            router: crate::demo::router(),
-            realtime: |io| Box::pin(crate::demo::serve_realtime(TokioIo::new(io))),
-        });
         Ok(AppState {
             inner: Arc::new(Inner {
-                keys: Keys::from_config(config),
-                prices: Arc::new(Prices::new(&config.prices)),
+                live: RwLock::new(Arc::new(Live::build(config, process)?)),
                 charger: Charger::new(store, process.metrics.clone()),
-                upstream: Upstream::from_config(&config.upstream, in_process)?,
                 header_timeout: config.header_timeout,
                 max_body_mib: config.max_body_mib,
-                refusals: process.tally.worker(),
                 tally: Arc::clone(&process.tally),
-                alerts_secret: config.alerts.secret_sha256,
                 sessions: Sessions::new(&config.realtime, process.live_sessions.clone()),
                 buffers: process.buffers.clone(),
                 connections: Arc::clone(&process.connections),
@@ -181,21 +205,6 @@ impl AppState {
     /// The store.
     pub fn store(&self) -> &GatewayStore {
         self.inner.charger.store()
-    }
-
-    /// The keys and their chains.
-    pub fn keys(&self) -> &Keys {
-        &self.inner.keys
-    }
-
-    /// The price table budgets are charged from.
-    pub fn prices(&self) -> &Arc<Prices> {
-        &self.inner.prices
-    }
-
-    /// The upstream.
-    pub fn upstream(&self) -> &Upstream {
-        &self.inner.upstream
     }
 
     /// `[server] header_timeout_sec`.
@@ -254,13 +263,31 @@ impl AppState {
         &self.inner.tally
     }
 
-    /// This state's counters in the refusal tally.
-    pub(crate) fn refusals(&self) -> &Counters {
-        &self.inner.refusals
+    /// What the config in force sets: the keys, prices, upstream and alerts secret. A request
+    /// takes it once and keeps it to its end.
+    pub fn live(&self) -> Arc<Live> {
+        let live = self
+            .inner
+            .live
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(&live)
     }
 
-    /// The SHA-256 of `[alerts] secret`; `None`: no `/alerts`.
-    pub(crate) fn alerts_secret(&self) -> Option<&[u8; 32]> {
-        self.inner.alerts_secret.as_ref()
+    /// Builds what `config` sets, for [`AppState::swap`]: everything that can fail, before
+    /// anything changes.
+    pub fn prepare(&self, config: &Config, process: &Process) -> Result<Live, StartError> {
+        Live::build(config, process)
+    }
+
+    /// Puts `live` in force: requests that start from now on see it; those in flight, and live
+    /// realtime sessions, go on with what they had.
+    pub fn swap(&self, live: Live) {
+        let mut current = self
+            .inner
+            .live
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        *current = Arc::new(live);
     }
 }

@@ -31,6 +31,7 @@ use crate::admin::Admin;
 use crate::config::{Backend, Config, UpstreamTarget, default_workers};
 use crate::http::{AppState, Process};
 use crate::metering::LINGER;
+use crate::reload::{self, Reloader};
 use crate::startup::StartError;
 use crate::store::{self, GatewayStore};
 use crate::tally::Tally;
@@ -82,6 +83,12 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
     let mut signals = {
         let _runtime = background.enter();
         Signals::new().map_err(StartError::Signals)?
+    };
+    // SIGHUP reloads the config; taken over now too, as its default action ends the process.
+    // Hangups before the workers are up wait in the channel for the reloader.
+    let mut hangups = {
+        let _runtime = background.enter();
+        hangups().map_err(StartError::Signals)?
     };
     background.spawn({
         let stop_tx = stop_tx.clone();
@@ -161,7 +168,9 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             },
         ));
     }
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<SocketAddr, StartError>>();
+    let (ready_tx, ready_rx) = mpsc::channel::<Result<(SocketAddr, AppState), StartError>>();
+    // Each worker's state, for reloads.
+    let mut states = Vec::with_capacity(workers);
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
     let mut addr = config.listen;
     let mut started = 0;
@@ -193,9 +202,10 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
         };
         match ready {
             // With `listen = "...:0"` the first worker's port is everyone's.
-            Ok(Ok(bound)) => {
+            Ok(Ok((bound, state))) => {
                 addr = bound;
                 started += 1;
+                states.push(state);
             }
             Ok(Err(e)) => {
                 start_failure = Some(e);
@@ -235,6 +245,25 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             config = %config.path.display(),
             "floodgate gateway listening"
         );
+        // Reloads, from SIGHUP and from changes of the file, one at a time.
+        let reloader = Reloader::new(config.clone(), states, process.clone());
+        let mut stopping = stop_rx.clone();
+        background.spawn(async move {
+            let watching = reload::watch(&reloader);
+            tokio::pin!(watching);
+            loop {
+                tokio::select! {
+                    hup = hangups.recv() => match hup {
+                        Some(()) => {
+                            let _ = reloader.reload();
+                        }
+                        None => std::future::pending::<()>().await,
+                    },
+                    () = &mut watching => {}
+                    () = async { let _ = stopping.wait_for(|s| *s).await; } => return,
+                }
+            }
+        });
     }
 
     let result = background.block_on(async move {
@@ -287,7 +316,7 @@ struct Worker {
     stop: watch::Receiver<bool>,
     /// When the stop came: the drain deadline counts from it.
     stop_clock: StopClock,
-    ready: mpsc::Sender<Result<SocketAddr, StartError>>,
+    ready: mpsc::Sender<Result<(SocketAddr, AppState), StartError>>,
     done: tmpsc::UnboundedSender<std::io::Result<()>>,
 }
 
@@ -349,7 +378,8 @@ impl Worker {
                     return Ok(());
                 }
             };
-            let _ = ready.send(listener.local_addr().map_err(StartError::Server));
+            let bound = listener.local_addr().map_err(StartError::Server);
+            let _ = ready.send(bound.map(|addr| (addr, state.clone())));
             let shutdown = async move {
                 let _ = stop.wait_for(|s| *s).await;
             };
@@ -391,6 +421,26 @@ fn listen(addr: SocketAddr, reuse_port: bool) -> std::io::Result<tokio::net::Tcp
     let _ = reuse_port;
     socket.bind(addr)?;
     socket.listen(1024)
+}
+
+/// Each SIGHUP, as a message (none on platforms without it).
+fn hangups() -> std::io::Result<tmpsc::UnboundedReceiver<()>> {
+    let (tx, rx) = tmpsc::unbounded_channel();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hup = signal(SignalKind::hangup())?;
+        tokio::spawn(async move {
+            while hup.recv().await.is_some() {
+                if tx.send(()).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    #[cfg(not(unix))]
+    drop(tx);
+    Ok(rx)
 }
 
 /// SIGTERM and Ctrl-C, taken over from their default action (ending the process) once built.

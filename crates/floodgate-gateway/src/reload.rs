@@ -1,0 +1,197 @@
+//! Hot reload (docs/design.md §7): `SIGHUP`, or a change of the config file, reloads the config
+//! without a restart.
+//!
+//! A reload is whole or nothing. The file is read and validated; a config that fails keeps the
+//! running one (the error, with file, line and field, is logged). What cannot change without a
+//! restart (`[server]`, `[store]`, `[admin]`, `[realtime]`, and `[alerts]` but its secret) is
+//! compared with the running config: a change there refuses the whole reload, with a message
+//! naming it. Then every worker's new state is built (the keys and their chains, the price
+//! table, the upstream); if one fails, none is swapped in. Then each worker's is swapped:
+//! requests that start after the swap see it, requests in flight finish under the old one, and
+//! live realtime sessions go on.
+//!
+//! Counters are kept: a limit's state lives in the store under a key made of its scope, id,
+//! kind and window, not its size, so a limit that stays is the same counter, and one whose size
+//! changes applies its new size to the state it has.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use crate::config::Config;
+use crate::http::{AppState, Process};
+
+/// How often the config file is looked at for a change.
+pub const WATCH_EVERY: Duration = Duration::from_millis(250);
+
+/// Why a reload changed nothing.
+#[derive(Debug)]
+pub enum ReloadError {
+    /// The file could not be read or is not a valid config.
+    Invalid(crate::config::ConfigError),
+    /// It changes what only a restart can: these sections or fields.
+    NeedsRestart(Vec<&'static str>),
+    /// A worker's new state could not be built (the upstream's API key variable, say).
+    Build(crate::startup::StartError),
+}
+
+impl std::fmt::Display for ReloadError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReloadError::Invalid(e) => write!(f, "{e}"),
+            ReloadError::NeedsRestart(what) => write!(
+                f,
+                "{} cannot change without a restart: nothing of this reload applied",
+                what.join(", ")
+            ),
+            ReloadError::Build(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// Reloads one process's config into its workers.
+#[derive(Debug)]
+pub struct Reloader {
+    path: PathBuf,
+    running: Mutex<Config>,
+    states: Vec<AppState>,
+    process: Process,
+}
+
+impl Reloader {
+    /// Reloads `running`'s file into `states`, the workers of `process`.
+    pub fn new(running: Config, states: Vec<AppState>, process: Process) -> Reloader {
+        Reloader {
+            path: running.path.clone(),
+            running: Mutex::new(running),
+            states,
+            process,
+        }
+    }
+
+    /// The file reloaded.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads the file again and, if it is valid and changes only what can change, puts it in
+    /// force in every worker. Counted in the metrics, logged either way.
+    pub fn reload(&self) -> Result<(), ReloadError> {
+        let result = self.try_reload();
+        let metrics = &self.process.metrics;
+        metrics.reload(result.is_ok());
+        match &result {
+            Ok(()) => tracing::info!(config = %self.path.display(), "config reloaded"),
+            Err(e) => tracing::error!(
+                error = %e,
+                config = %self.path.display(),
+                "config reload refused: the running config stays"
+            ),
+        }
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ReloadError> {
+        let new = Config::load(&self.path).map_err(ReloadError::Invalid)?;
+        let mut running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        let fixed = needs_restart(&running, &new);
+        if !fixed.is_empty() {
+            return Err(ReloadError::NeedsRestart(fixed));
+        }
+        // Everything that can fail, for every worker, before anything changes.
+        let prepared = self
+            .states
+            .iter()
+            .map(|s| s.prepare(&new, &self.process))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(ReloadError::Build)?;
+        for (state, live) in self.states.iter().zip(prepared) {
+            state.swap(live);
+        }
+        for warning in new.unused_limit_warnings() {
+            tracing::warn!("{warning}");
+        }
+        *running = new;
+        Ok(())
+    }
+}
+
+/// What `new` changes that only a restart can.
+pub fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
+    let mut changed = Vec::new();
+    let mut check = |same: bool, what: &'static str| {
+        if !same {
+            changed.push(what);
+        }
+    };
+    check(old.listen == new.listen, "server.listen");
+    check(old.workers == new.workers, "server.workers");
+    check(
+        old.header_timeout == new.header_timeout,
+        "server.header_timeout_sec",
+    );
+    check(old.max_body_mib == new.max_body_mib, "server.max_body_mib");
+    check(
+        old.max_buffered_mib == new.max_buffered_mib,
+        "server.max_buffered_mib",
+    );
+    check(
+        old.max_connections == new.max_connections,
+        "server.max_connections",
+    );
+    check(old.store == new.store, "[store]");
+    check(old.admin == new.admin, "[admin]");
+    check(old.realtime == new.realtime, "[realtime]");
+    let alerts = |c: &Config| {
+        (
+            c.alerts.path.clone(),
+            c.alerts.flush_every,
+            c.alerts.retention_days,
+        )
+    };
+    check(
+        alerts(old) == alerts(new),
+        "alerts.path, alerts.flush_sec, alerts.retention_days",
+    );
+    changed
+}
+
+/// What identifies the file's content on disk: a write in place changes its time or length, a
+/// rename over it (as editors and Kubernetes ConfigMaps do) its inode.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Seen {
+    modified: Option<std::time::SystemTime>,
+    len: u64,
+    #[cfg(unix)]
+    inode: (u64, u64),
+}
+
+fn seen(path: &Path) -> Option<Seen> {
+    let m = std::fs::metadata(path).ok()?;
+    Some(Seen {
+        modified: m.modified().ok(),
+        len: m.len(),
+        #[cfg(unix)]
+        inode: {
+            use std::os::unix::fs::MetadataExt;
+            (m.dev(), m.ino())
+        },
+    })
+}
+
+/// Watches `reloader`'s file and reloads it when it changes, until the process stops. A file
+/// gone for a moment (mid-rename) is waited for, not reloaded.
+pub async fn watch(reloader: &Reloader) {
+    let mut last = seen(reloader.path());
+    let mut tick = tokio::time::interval(WATCH_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let now = seen(reloader.path());
+        if now.is_none() || now == last {
+            continue;
+        }
+        last = now;
+        let _ = reloader.reload();
+    }
+}
