@@ -120,20 +120,22 @@ impl Room {
     }
 }
 
-/// A body read before admission, forwarded with its room: the room is given back when the body
-/// has been sent (or dropped).
+/// The most of a held body handed to the connection at once. hyper asks for the next piece
+/// only once it has written most of the last: the room is given back when the last piece has
+/// gone, not when the whole body was handed over (and still sits in a write queue).
+const PIECE: usize = 64 * 1024;
+
+/// A body read before admission, forwarded with its room, in pieces of [`PIECE`] (slices of one
+/// buffer, not copies): the room is given back when the body has been sent (or dropped).
 pub struct HeldBody {
-    data: Option<Bytes>,
+    data: Bytes,
     _room: Room,
 }
 
 impl HeldBody {
     /// `data`, holding `room` until it is sent.
     pub fn new(data: Bytes, room: Room) -> HeldBody {
-        HeldBody {
-            data: Some(data).filter(|d| !d.is_empty()),
-            _room: room,
-        }
+        HeldBody { data, _room: room }
     }
 }
 
@@ -145,15 +147,20 @@ impl http_body::Body for HeldBody {
         self: Pin<&mut Self>,
         _cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        Poll::Ready(self.get_mut().data.take().map(|d| Ok(Frame::data(d))))
+        let data = &mut self.get_mut().data;
+        if data.is_empty() {
+            return Poll::Ready(None);
+        }
+        let piece = data.split_to(data.len().min(PIECE));
+        Poll::Ready(Some(Ok(Frame::data(piece))))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.data.is_none()
+        self.data.is_empty()
     }
 
     fn size_hint(&self) -> SizeHint {
-        SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
+        SizeHint::with_exact(self.data.len() as u64)
     }
 }
 

@@ -125,11 +125,19 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
     }
     let (bytes, room) = read_body(&checked.parts, body, rules).await?;
     if responses {
-        check_responses_request(&bytes).map_err(bad_request)?;
+        let (checked_body, bytes) = off_the_loop(bytes, |b| {
+            let verdict = check_responses_request(&b);
+            (verdict, b)
+        })
+        .await;
+        checked_body.map_err(bad_request)?;
         checked.body = Body::new(HeldBody::new(bytes, room));
         return Ok(checked);
     }
-    let prepared = prepare_request(bytes, rules.want_model).map_err(bad_request)?;
+    let want_model = rules.want_model;
+    let prepared = off_the_loop(bytes, move |b| prepare_request(b, want_model))
+        .await
+        .map_err(bad_request)?;
     checked.stream = prepared.stream;
     checked.model = prepared.model;
     checked
@@ -138,6 +146,26 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
         .insert(CONTENT_LENGTH, HeaderValue::from(prepared.body.len()));
     checked.body = Body::new(HeldBody::new(prepared.body, room));
     Ok(checked)
+}
+
+/// Bodies from this size up are parsed on the blocking pool: a large one (a base64 image, say)
+/// would otherwise hold the worker's event loop, and every request on it, for the parse.
+const PARSE_OFF_THE_LOOP: usize = 1 << 20;
+
+/// `f(bytes)`, on the blocking pool for a large body, here for a small one.
+async fn off_the_loop<T: Send + 'static>(
+    bytes: Bytes,
+    f: impl FnOnce(Bytes) -> T + Send + 'static,
+) -> T {
+    if bytes.len() < PARSE_OFF_THE_LOOP {
+        return f(bytes);
+    }
+    match tokio::task::spawn_blocking(move || f(bytes)).await {
+        Ok(done) => done,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        // Cancelled: the runtime is shutting down, and there is no one left to answer.
+        Err(_) => std::future::pending().await,
+    }
 }
 
 fn bad_request(why: String) -> Refusal {
