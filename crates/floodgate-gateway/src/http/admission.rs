@@ -170,6 +170,16 @@ impl Ctx {
         self.timed_admit(cost).await.ok()
     }
 
+    /// `budgets` read (charging nothing), timed for the metrics.
+    async fn timed_check(&self, budgets: &Budgets) -> Result<BudgetDecision, floodgate::Error> {
+        let start = Instant::now();
+        let checked = budgets.check(self.state.store()).await;
+        let failed = checked.as_ref().map_or(true, |d| !d.enforced);
+        let metrics = self.state.metrics();
+        metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+        checked
+    }
+
     /// The chain's admission at `cost`, timed for the metrics.
     async fn timed_admit(&self, cost: u64) -> Result<ChainDecision, floodgate::Error> {
         let start = Instant::now();
@@ -192,12 +202,7 @@ impl Ctx {
     /// concurrent requests can overrun a budget by what they spend in flight.
     pub(super) async fn admit(&self) -> Result<Admitted, Response> {
         if let Some(budgets) = &self.budgets {
-            let start = Instant::now();
-            let checked = budgets.check(self.state.store()).await;
-            let failed = checked.as_ref().map_or(true, |d| !d.enforced);
-            let metrics = self.state.metrics();
-            metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
-            match checked {
+            match self.timed_check(budgets).await {
                 Ok(d) if d.allowed() => {}
                 Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
                 // Budgets fail open on their own (`on_error.budgets`): read as unspent.
@@ -244,11 +249,7 @@ impl Ctx {
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
     async fn observe_shadow_budgets(&self, shadow: &Budgets) {
-        let start = Instant::now();
-        let checked = shadow.check(self.state.store()).await;
-        let failed = checked.as_ref().map_or(true, |d| !d.enforced);
-        let metrics = self.state.metrics();
-        metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+        let checked = self.timed_check(shadow).await;
         let exceeded = checked.ok().and_then(|d| d.exceeded_by);
         if let Some(b) = exceeded.and_then(|i| shadow.budgets().get(i)) {
             tracing::info!(
