@@ -42,6 +42,7 @@ use crate::openai::frames::{self, FrameReader, GOING_AWAY, MAX_METERED_MESSAGE, 
 use crate::openai::realtime::session_model;
 use crate::openai::usage::response_done_usage;
 use crate::pricing::Prices;
+use crate::store::GatewayStore;
 
 /// The buffer each direction of a session copies through.
 const COPY_BUFFER: usize = 16 * 1024;
@@ -139,7 +140,12 @@ impl Sessions {
         &self,
         slot: Slot,
         key: Arc<str>,
-        (charger, chain, spend): (Charger, Option<Arc<Chain>>, Option<SessionSpend>),
+        SessionMeter {
+            charger,
+            chain,
+            spend,
+            rates,
+        }: SessionMeter,
         (caller, upstream): (OnUpgrade, OnUpgrade),
     ) {
         let session = Session {
@@ -147,6 +153,7 @@ impl Sessions {
             charger,
             chain,
             spend,
+            rates,
             flush: self.flush,
             close: self.close.subscribe(),
             _slot: slot,
@@ -188,10 +195,26 @@ struct Session {
     chain: Option<Arc<Chain>>,
     /// What the session spends against; `None`: the chain has no budget.
     spend: Option<SessionSpend>,
+    /// The chain whose state a metered session's caller is told after each turn; `None`: an
+    /// unmetered session (its frames pass unchanged).
+    rates: Option<Arc<Chain>>,
     flush: Duration,
     close: watch::Receiver<bool>,
     /// Held until the session has ended.
     _slot: Slot,
+}
+
+/// What a session is charged to and tells its caller of.
+pub(crate) struct SessionMeter {
+    /// Charges what the session meters.
+    pub(crate) charger: Charger,
+    /// The chain to charge tokens to; `None`: the chain has no token limit.
+    pub(crate) chain: Option<Arc<Chain>>,
+    /// What the session spends against; `None`: the chain has no budget.
+    pub(crate) spend: Option<SessionSpend>,
+    /// The chain a metered session's caller is told the limits of after each turn; `None`:
+    /// an unmetered session.
+    pub(crate) rates: Option<Arc<Chain>>,
 }
 
 /// A session's budgets, the price table and the model its URL names.
@@ -259,7 +282,13 @@ impl Session {
             key: &self.key,
             warned_unknown: false,
             charger: &self.charger,
+            done: 0,
         }));
+        // A metered session's caller hears of its own limits, not the upstream key's.
+        to_caller.relay = self
+            .rates
+            .as_ref()
+            .map(|chain| Relay::new(Arc::clone(chain), self.charger.store().clone()));
         let mut caller_done = false;
         // Set when the caller's side failed: the upstream is read until then.
         let mut upstream_until = None;
@@ -417,14 +446,196 @@ where
             return Ok(());
         }
         dir.passed(&buf[..n]);
+        let done = dir.meter.as_ref().map_or(0, |m| m.done);
+        let out: std::borrow::Cow<'_, [u8]> = match &mut dir.relay {
+            None => std::borrow::Cow::Borrowed(&buf[..n]),
+            Some(relay) => {
+                let mut out = Vec::with_capacity(n);
+                relay.feed(&buf[..n], &mut out);
+                relay.tell_after(done, &mut out).await;
+                std::borrow::Cow::Owned(out)
+            }
+        };
+        if out.is_empty() {
+            continue;
+        }
         dir.writing = true;
         let sent = async {
-            to.write_all(&buf[..n]).await?;
+            to.write_all(&out).await?;
             to.flush().await
         };
         sent.await.map_err(Failure::Write)?;
         dir.writing = false;
     }
+}
+
+/// Most bytes of a single-frame text message held to read its `type`: the events replaced are
+/// small; a larger frame passes as it comes.
+const INSPECT_AT_MOST: u64 = 64 * 1024;
+
+/// The upstream's frames on their way to a metered session's caller, rewritten: the
+/// upstream's `rate_limits.updated` events (which describe the gateway's own upstream key)
+/// are dropped, and after each `response.done` the caller gets one that describes its own
+/// chain, as OpenAI shapes it. Whole frames only: a frame is held until it can be told apart
+/// (a small single-frame text message) or passed as it comes (anything else).
+struct Relay {
+    chain: Arc<Chain>,
+    store: GatewayStore,
+    /// The start of a frame not yet passed or dropped.
+    pending: Vec<u8>,
+    /// Payload bytes of a frame being passed as it comes, still to come.
+    passing: u64,
+    /// Within a fragmented message: its frames pass as they come.
+    fragmented: bool,
+    /// The `response.done` count the caller has been told after.
+    told: u64,
+    /// Events sent, for their ids.
+    sent: u64,
+}
+
+impl Relay {
+    fn new(chain: Arc<Chain>, store: GatewayStore) -> Relay {
+        Relay {
+            chain,
+            store,
+            pending: Vec::new(),
+            passing: 0,
+            fragmented: false,
+            told: 0,
+            sent: 0,
+        }
+    }
+
+    /// Whether what went out so far ends with a whole frame.
+    fn between_frames(&self) -> bool {
+        self.pending.is_empty() && self.passing == 0
+    }
+
+    /// Takes `data` read from the upstream; appends to `out` what may go to the caller now.
+    fn feed(&mut self, mut data: &[u8], out: &mut Vec<u8>) {
+        if self.passing > 0 {
+            let n = data
+                .len()
+                .min(usize::try_from(self.passing).unwrap_or(usize::MAX));
+            out.extend_from_slice(&data[..n]);
+            self.passing -= n as u64;
+            data = &data[n..];
+        }
+        self.pending.extend_from_slice(data);
+        while self.passing == 0 {
+            let Some((header, len, fin, opcode, masked)) = frame_header(&self.pending) else {
+                return;
+            };
+            let inspect =
+                fin && opcode == 1 && !masked && !self.fragmented && len <= INSPECT_AT_MOST;
+            if inspect {
+                let total = header + len as usize;
+                if self.pending.len() < total {
+                    return;
+                }
+                if !is_rate_limits_event(&self.pending[header..total]) {
+                    out.extend_from_slice(&self.pending[..total]);
+                }
+                self.pending.drain(..total);
+                continue;
+            }
+            match opcode {
+                1 | 2 if !fin => self.fragmented = true,
+                0 if fin => self.fragmented = false,
+                _ => {}
+            }
+            let have =
+                (self.pending.len() - header).min(usize::try_from(len).unwrap_or(usize::MAX));
+            out.extend_from_slice(&self.pending[..header + have]);
+            self.passing = len - have as u64;
+            self.pending.drain(..header + have);
+        }
+    }
+
+    /// After a `response.done` (`done` counts them) and at a frame boundary, appends the
+    /// chain's `rate_limits.updated` to `out`: read at a cost of 0, charging nothing. Nothing
+    /// when the store cannot say.
+    async fn tell_after(&mut self, done: u64, out: &mut Vec<u8>) {
+        if done <= self.told || !self.between_frames() {
+            return;
+        }
+        self.told = done;
+        // A limit no request can pass reads as "never" at a cost of 1, as an admission would.
+        let never = self.chain.limits().iter().any(|l| !l.fits(1));
+        let Ok(decision) = self.chain.admit(&self.store, u64::from(never)).await else {
+            return;
+        };
+        if !decision.enforced {
+            return;
+        }
+        /// One entry of the event, in OpenAI's field order.
+        #[derive(serde::Serialize)]
+        struct Limit {
+            name: &'static str,
+            limit: u64,
+            remaining: u64,
+            reset_seconds: f64,
+        }
+        let limit = |name: &'static str, s: &floodgate::LimitStatus| Limit {
+            name,
+            limit: s.limit.max(),
+            remaining: s.remaining,
+            // Whole milliseconds, rounded up: the caller never retries early.
+            reset_seconds: (s.reset.as_secs_f64() * 1000.0).ceil() / 1000.0,
+        };
+        let mut limits = Vec::new();
+        if let Some(s) = decision.most_restrictive(floodgate::Charge::Admission) {
+            limits.push(limit("requests", s));
+        }
+        if let Some(s) = decision.most_restrictive(floodgate::Charge::Reactive) {
+            limits.push(limit("tokens", s));
+        }
+        if limits.is_empty() {
+            return;
+        }
+        let Ok(limits) = serde_json::to_string(&limits) else {
+            return;
+        };
+        self.sent += 1;
+        // `type` first, as the Realtime API sends its events.
+        let event = format!(
+            r#"{{"type":"rate_limits.updated","event_id":"event_floodgate_{}","rate_limits":{limits}}}"#,
+            self.sent
+        );
+        out.extend_from_slice(&frames::frame(true, 1, event.as_bytes(), None));
+    }
+}
+
+/// A frame's header at the start of `buf`: its length, the payload's length, FIN, the opcode
+/// and whether it is masked; `None` until the header is whole.
+fn frame_header(buf: &[u8]) -> Option<(usize, u64, bool, u8, bool)> {
+    let (b0, b1) = (*buf.first()?, *buf.get(1)?);
+    let masked = b1 & 0x80 != 0;
+    let (len, mut header) = match b1 & 0x7f {
+        126 => (
+            u64::from(u16::from_be_bytes([*buf.get(2)?, *buf.get(3)?])),
+            4,
+        ),
+        127 => {
+            let b: [u8; 8] = buf.get(2..10)?.try_into().ok()?;
+            (u64::from_be_bytes(b), 10)
+        }
+        n => (u64::from(n), 2),
+    };
+    if masked {
+        header += 4;
+    }
+    (buf.len() >= header).then_some((header, len, b0 & 0x80 != 0, b0 & 0x0f, masked))
+}
+
+/// Whether a text message is a `rate_limits.updated` event.
+fn is_rate_limits_event(payload: &[u8]) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Event<'a> {
+        #[serde(rename = "type", borrow)]
+        kind: std::borrow::Cow<'a, str>,
+    }
+    serde_json::from_slice::<Event<'_>>(payload).is_ok_and(|e| e.kind == "rate_limits.updated")
 }
 
 /// Sends a close frame with status 1001 (going away) on `to`, if `dir` (what went there) ended
@@ -456,6 +667,8 @@ struct Direction<'a> {
     /// A write under way when the session ended: the peer may have part of a frame.
     writing: bool,
     meter: Option<Meter<'a>>,
+    /// Rewrites the frames on their way (the upstream's to a metered session's caller).
+    relay: Option<Relay>,
 }
 
 impl<'a> Direction<'a> {
@@ -465,12 +678,14 @@ impl<'a> Direction<'a> {
             frames: FrameReader::new(meter.is_none()),
             writing: false,
             meter,
+            relay: None,
         }
     }
 
     /// Whether everything sent so far ends with a whole frame.
     fn between_frames(&self) -> bool {
-        !self.writing && self.frames.between_frames()
+        let relayed = self.relay.as_ref().is_none_or(Relay::between_frames);
+        !self.writing && relayed && self.frames.between_frames()
     }
 
     /// `data` was read, to go through.
@@ -499,6 +714,8 @@ struct Meter<'a> {
     warned_unknown: bool,
     /// Counts each turn's usage in the metrics.
     charger: &'a Charger,
+    /// `response.done` events read: each is followed by the caller's `rate_limits.updated`.
+    done: u64,
 }
 
 impl Meter<'_> {
@@ -514,6 +731,7 @@ impl Meter<'_> {
             key,
             warned_unknown,
             charger,
+            done,
         } = self;
         let add = |to: &AtomicU64, n: u64| {
             let _ = to.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |p| {
@@ -525,6 +743,7 @@ impl Meter<'_> {
                 if let Some(named) = session_model(text) {
                     *model = Some(named);
                 } else if let Some(usage) = response_done_usage(text) {
+                    *done += 1;
                     *total = total.saturating_add(usage.total);
                     add(pending, usage.total);
                     charger.count_usage(&usage);
@@ -596,6 +815,7 @@ mod tests {
             key: "k",
             warned_unknown: false,
             charger: &charger,
+            done: 0,
         }));
         let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
         let stream = frame(true, 1, done, None);
@@ -615,5 +835,39 @@ mod tests {
         drop(a);
         assert_eq!(live.count(), 1);
         assert!(live.take(2).is_some());
+    }
+
+    #[test]
+    fn the_relay_drops_the_upstreams_limits_and_passes_the_rest_whatever_the_pieces() {
+        let limits = br#"{"type":"rate_limits.updated","rate_limits":[]}"#;
+        let big = vec![b'x'; 100_000];
+        let parts = [
+            frame(true, 1, br#"{"type":"response.done"}"#, None),
+            frame(true, 1, limits, None),
+            frame(true, 2, &big, None),
+            // A fragmented text message passes as it comes, a `rate_limits.updated` or not.
+            frame(false, 1, br#"{"type":"rate_l"#, None),
+            frame(true, 9, b"ping", None),
+            frame(true, 0, br#"imits.updated"}"#, None),
+            frame(true, 1, b"last", None),
+        ];
+        let stream: Vec<u8> = parts.concat();
+        let want: Vec<u8> = parts
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != 1)
+            .flat_map(|(_, p)| p.clone())
+            .collect();
+        for piece in [1, 2, 3, 7, 100, 4096, 70_000, stream.len()] {
+            let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
+            let mut relay = Relay::new(Arc::new(Chain::new(Vec::new())), store);
+            let mut out = Vec::new();
+            for chunk in stream.chunks(piece) {
+                relay.feed(chunk, &mut out);
+            }
+            assert!(relay.between_frames(), "piece {piece}");
+            assert_eq!(out.len(), want.len(), "piece {piece}");
+            assert!(out == want, "piece {piece}");
+        }
     }
 }

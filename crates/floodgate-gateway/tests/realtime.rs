@@ -15,7 +15,7 @@ use common::*;
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
-use serde_json::json;
+use serde_json::{Value, json};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -43,6 +43,8 @@ struct Frame {
 struct Ws<S> {
     io: S,
     masked: bool,
+    /// The gateway's own `rate_limits.updated` events, taken out of the messages as they came.
+    rate_limits: Vec<String>,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> Ws<S> {
@@ -106,8 +108,23 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Ws<S> {
     }
 
     /// The next data message, fragments joined, with the frames it came in (control frames
-    /// between them included); a close frame is returned as a message of its own.
+    /// between them included); a close frame is returned as a message of its own. The
+    /// gateway's own `rate_limits.updated` events (after each turn of a metered session) are
+    /// kept in `rate_limits` instead.
     async fn message(&mut self) -> Option<(u8, Vec<u8>, Vec<Frame>)> {
+        loop {
+            let m = self.any_message().await?;
+            let text = String::from_utf8_lossy(&m.1);
+            if m.0 == TEXT && text.contains("\"event_id\":\"event_floodgate_") {
+                self.rate_limits.push(text.into_owned());
+                continue;
+            }
+            return Some(m);
+        }
+    }
+
+    /// The next data message, whatever it is.
+    async fn any_message(&mut self) -> Option<(u8, Vec<u8>, Vec<Frame>)> {
         let mut frames = Vec::new();
         let mut opcode = None;
         let mut data = Vec::new();
@@ -291,7 +308,15 @@ fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
     let on_upgrade = hyper::upgrade::on(&mut req);
     tokio::spawn(async move {
         let io = TokioIo::new(on_upgrade.await.unwrap());
-        upstream_session(Ws { io, masked: false }, seen).await;
+        upstream_session(
+            Ws {
+                io,
+                masked: false,
+                rate_limits: Vec::new(),
+            },
+            seen,
+        )
+        .await;
     });
     let mut resp = Response::builder()
         .status(StatusCode::SWITCHING_PROTOCOLS)
@@ -319,6 +344,12 @@ async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen
         };
         if let Some(n) = arg("usage:") {
             ws.send(TEXT, response_done(n, 0).as_bytes()).await;
+        } else if let Some(n) = arg("usage-rl:") {
+            // As OpenAI's Realtime API does: its own limits after the turn, for its key.
+            ws.send(TEXT, response_done(n, 0).as_bytes()).await;
+            let upstream_limits = r#"{"type":"rate_limits.updated","event_id":"event_up_1","rate_limits":[{"name":"requests","limit":99999,"remaining":99998,"reset_seconds":0.01},{"name":"tokens","limit":8888888,"remaining":8888000,"reset_seconds":0.1}]}"#;
+            ws.send(TEXT, upstream_limits.as_bytes()).await;
+            ws.send(TEXT, b"after the limits").await;
         } else if let Some(n) = arg("usage-fragmented:") {
             let done = response_done(n, 300);
             let (a, rest) = done.as_bytes().split_at(10);
@@ -424,6 +455,7 @@ async fn open_at(
             ws: Some(Ws {
                 io: TokioIo::new(upgraded),
                 masked: true,
+                rate_limits: Vec::new(),
             }),
         };
     }
@@ -469,6 +501,7 @@ async fn send_and_reset(gw: &Gateway, message: &[u8]) {
     let mut ws = Ws {
         io: tcp,
         masked: true,
+        rate_limits: Vec::new(),
     };
     ws.send(TEXT, message).await;
     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -716,6 +749,48 @@ scope = "key"
 id = "k"
 tpm = 100
 "#;
+
+#[tokio::test]
+async fn after_a_turn_the_caller_hears_its_own_limits_not_the_upstreams() {
+    let up = ws_upstream().await;
+    // A flush far off: the event describes the window before the turn's tokens are charged.
+    let config = METERED
+        .replace("flush_sec = 1", "flush_sec = 3600")
+        .replace("tpm = 100", "rpm = 7\ntpm = 1000");
+    let gw = gateway(&config, &up.url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let ws = a.ws();
+    ws.send(TEXT, b"usage-rl:30").await;
+    assert_eq!(
+        String::from_utf8(ws.message().await.unwrap().1).unwrap(),
+        response_done(30, 0)
+    );
+    // The upstream's own `rate_limits.updated` (its key's limits) never reaches the caller:
+    // what it sent after it does.
+    assert_eq!(ws.message().await.unwrap().1, b"after the limits");
+    assert_eq!(ws.rate_limits.len(), 1, "{:?}", ws.rate_limits);
+    let event: Value = serde_json::from_str(&ws.rate_limits[0]).unwrap();
+    assert!(ws.rate_limits[0].starts_with(r#"{"type":"rate_limits.updated""#));
+    let limits = event["rate_limits"].as_array().unwrap();
+    assert_eq!(limits.len(), 2, "{event}");
+    // The session took one of the key's 7 requests; its 30 tokens are not charged yet.
+    assert_eq!(limits[0]["name"], "requests");
+    assert_eq!(limits[0]["limit"], 7);
+    assert_eq!(limits[0]["remaining"], 6);
+    assert!(limits[0]["reset_seconds"].as_f64().unwrap() > 0.0);
+    assert_eq!(limits[1]["name"], "tokens");
+    assert_eq!(limits[1]["limit"], 1000);
+    assert_eq!(limits[1]["remaining"], 1000);
+    assert!(!ws.rate_limits[0].contains("99999"), "not the upstream's");
+    // Each turn gets its own.
+    ws.send(TEXT, b"usage:5").await;
+    ws.message().await.unwrap();
+    ws.send(TEXT, b"no usage").await;
+    assert_eq!(ws.message().await.unwrap().1, b"no usage");
+    assert_eq!(ws.rate_limits.len(), 2);
+    assert!(ws.rate_limits[1].contains("event_floodgate_2"));
+}
 
 #[tokio::test]
 async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_the_session() {
@@ -994,6 +1069,9 @@ async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charg
     assert_eq!(a.status, 101);
     a.ws().send(TEXT, b"usage:70").await;
     a.ws().message().await.unwrap();
+    // The turn's `rate_limits.updated` follows it at once.
+    let told = a.ws().any_message().await.unwrap();
+    assert!(String::from_utf8_lossy(&told.1).contains("event_floodgate_1"));
     let start = Instant::now();
     gw.shutdown();
     let server = gw.server.take().unwrap();

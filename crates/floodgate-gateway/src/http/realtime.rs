@@ -33,7 +33,7 @@ use crate::access_log::Decision;
 use crate::auth::PROTOCOL_KEY_PREFIX;
 use crate::error::AppError;
 use crate::openai::realtime::{ambiguous_model, query_model};
-use crate::realtime::{FULL_RETRY_AFTER, SessionSpend};
+use crate::realtime::{FULL_RETRY_AFTER, SessionMeter, SessionSpend};
 
 /// Why a WebSocket upgrade request cannot be forwarded as one, if it cannot: the upstream would
 /// refuse it, the session could never start, or the gateway could price it by another model than
@@ -170,10 +170,17 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     ctx.log(StatusCode::SWITCHING_PROTOCOLS, admitted.log_as);
     let chain = ctx.chain.has_reactive().then(|| Arc::clone(&ctx.chain));
     let charger = ctx.state.charges().clone();
+    // A metered session's caller is told its own chain's limits after each turn.
+    let rates = metered.then(|| Arc::clone(&ctx.chain));
     sessions.spawn(
         slot,
         Arc::clone(&ctx.key.id),
-        (charger, chain, spend),
+        SessionMeter {
+            charger,
+            chain,
+            spend,
+            rates,
+        },
         (caller_upgrade, upstream_upgrade),
     );
     Response::from_parts(head, Body::empty())
