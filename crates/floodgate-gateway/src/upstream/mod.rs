@@ -47,6 +47,14 @@ static HOP_BY_HOP: [HeaderName; 8] = [
     header::UPGRADE,
 ];
 
+/// Where a prepared request goes.
+enum Addressed<'a> {
+    /// An http upstream's connections.
+    Pool(&'a Arc<Pool>),
+    /// The in-process target.
+    InProcess(&'a InProcess),
+}
+
 /// Where admitted requests go.
 #[derive(Clone, Debug)]
 pub struct Upstream {
@@ -186,12 +194,8 @@ impl Upstream {
 
     /// Forwards `req` and returns the upstream's response head with its body still streaming.
     pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, AppError> {
-        let headers = req.headers_mut();
-        strip_hop_by_hop(headers);
-        headers.remove(header::AUTHORIZATION);
-        headers.remove(CUSTOMER_HEADER);
-        match &self.target {
-            Target::InProcess(target) => {
+        match self.address(&mut req)? {
+            Addressed::InProcess(target) => {
                 let resp = target
                     .router
                     .clone()
@@ -200,6 +204,29 @@ impl Upstream {
                     .map_err(|e| AppError::Internal(format!("demo upstream: {e}")))?;
                 Ok(resp)
             }
+            Addressed::Pool(pool) => {
+                let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
+                    Err(_) => return Err(AppError::UpstreamTimeout),
+                    Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
+                    Ok(Ok(resp)) => resp,
+                };
+                let (mut parts, body) = resp.into_parts();
+                strip_hop_by_hop(&mut parts.headers);
+                Ok(Response::from_parts(parts, body))
+            }
+        }
+    }
+
+    /// Prepares `req` for the upstream: hop-by-hop headers, the gateway key and the customer
+    /// header removed; for an http upstream, its `Host`, its own key and the path in origin
+    /// form. Says where it goes.
+    fn address(&self, req: &mut Request<Body>) -> Result<Addressed<'_>, AppError> {
+        let headers = req.headers_mut();
+        strip_hop_by_hop(headers);
+        headers.remove(header::AUTHORIZATION);
+        headers.remove(CUSTOMER_HEADER);
+        match &self.target {
+            Target::InProcess(target) => Ok(Addressed::InProcess(target)),
             Target::Http {
                 pool,
                 host,
@@ -211,15 +238,8 @@ impl Upstream {
                 if let Some(auth) = auth {
                     headers.insert(header::AUTHORIZATION, auth.clone());
                 }
-                to_origin_form(&mut req, prefix)?;
-                let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
-                    Err(_) => return Err(AppError::UpstreamTimeout),
-                    Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
-                    Ok(Ok(resp)) => resp,
-                };
-                let (mut parts, body) = resp.into_parts();
-                strip_hop_by_hop(&mut parts.headers);
-                Ok(Response::from_parts(parts, body))
+                to_origin_form(req, prefix)?;
+                Ok(Addressed::Pool(pool))
             }
         }
     }
@@ -233,29 +253,13 @@ impl Upstream {
     /// Returns the upstream's answer, whose hop-by-hop headers are dropped: on a 101,
     /// [`hyper::upgrade::on`] gives the upgraded connection.
     pub async fn upgrade(&self, mut req: Request<Body>) -> Result<Response<Incoming>, AppError> {
+        let pool = self.address(&mut req)?;
         let headers = req.headers_mut();
-        strip_hop_by_hop(headers);
-        headers.remove(header::AUTHORIZATION);
-        headers.remove(CUSTOMER_HEADER);
         headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
         headers.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
-        let pool = match &self.target {
-            Target::InProcess(target) => Err(target.realtime),
-            Target::Http {
-                pool,
-                host,
-                prefix,
-                auth,
-                ..
-            } => {
-                let headers = req.headers_mut();
-                headers.insert(header::HOST, host.clone());
-                if let Some(auth) = auth {
-                    headers.insert(header::AUTHORIZATION, auth.clone());
-                }
-                to_origin_form(&mut req, prefix)?;
-                Ok(pool)
-            }
+        let pool = match pool {
+            Addressed::Pool(pool) => Ok(pool),
+            Addressed::InProcess(target) => Err(target.realtime),
         };
         let send = async {
             let mut conn = match pool {
