@@ -9,7 +9,7 @@
 mod common;
 
 use std::convert::Infallible;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -72,15 +72,6 @@ fn rss(pid: u32) -> u64 {
         .find_map(|l| l.strip_prefix("VmRSS:"))
         .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
         .map_or(0, |kib| kib * 1024)
-}
-
-/// A free loopback port.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// Sends `body` as a chat completion for `key` on a connection of its own, reading the answer
@@ -157,15 +148,7 @@ tpm = 100000000
     );
     let path = std::env::temp_dir().join(format!("floodgate-bound-{}.toml", std::process::id()));
     std::fs::write(&path, config).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
-        .args(["serve", "--config"])
-        .arg(&path)
-        .env_remove("FLOODGATE_REDIS_URL")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = serve_binary(&path);
     let pid = child.id();
     let _gateway = Binary(child);
     let addr = format!("127.0.0.1:{port}");
@@ -201,8 +184,16 @@ tpm = 100000000
     let flood: Vec<_> = (0..100)
         .map(|_| tokio::spawn(post_owned(addr.clone(), "sk-big", large.clone())))
         .collect();
-    // Meanwhile another key's small request is served at once.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Meanwhile (once the gateway holds the key's bodies) another key's small request is
+    // served at once.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while rss(pid) < own + (128 << 20) {
+        assert!(
+            Instant::now() < deadline,
+            "the flood never reached the gateway"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let started = Instant::now();
     let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await;
     let small_took = started.elapsed();

@@ -7,21 +7,13 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use common::*;
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A `floodgate serve` on its own config file; killed, and the file removed, when dropped.
 struct Replica {
@@ -59,15 +51,7 @@ async fn start(name: &str, text: String, port: u16, admin: u16) -> Replica {
         std::process::id()
     ));
     std::fs::write(&file, &text).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
-        .args(["serve", "--config"])
-        .arg(&file)
-        .env_remove("FLOODGATE_REDIS_URL")
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let child = serve_binary(&file);
     let r = Replica {
         child,
         file,
@@ -263,9 +247,12 @@ async fn a_stream_in_flight_finishes_across_a_reload() {
 
 /// The Redis URL the tests use, if any; a skip is a failure with FLOODGATE_REQUIRE_REDIS.
 fn redis_url() -> Option<String> {
-    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
-        Ok(url) => Some(url),
-        Err(_) => {
+    match std::env::var("FLOODGATE_TEST_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    {
+        Some(url) => Some(url),
+        None => {
             assert!(
                 std::env::var_os("FLOODGATE_REQUIRE_REDIS").is_none(),
                 "FLOODGATE_TEST_REDIS_URL is required"

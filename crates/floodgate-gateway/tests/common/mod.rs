@@ -469,3 +469,26 @@ pub async fn send_and_leave_at(
         seen.extend_from_slice(&buf[..n]);
     }
 }
+
+/// A loopback port nothing listens on now.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `floodgate serve --config file`: the store the file names (never the environment's Redis
+/// URL), logging warnings only, its output dropped.
+pub fn serve_binary(file: &std::path::Path) -> std::process::Child {
+    std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(file)
+        .env_remove("FLOODGATE_REDIS_URL")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap()
+}
