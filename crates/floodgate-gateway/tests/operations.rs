@@ -224,14 +224,6 @@ rpm = 2
     assert_eq!(up.seen.hits(), 2);
 }
 
-fn dead_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test]
 async fn an_outage_shows_in_the_metrics_and_fails_each_kind_its_own_way() {
     let up = fake_upstream().await;
@@ -258,7 +250,7 @@ id = "b"
 period = "day"
 usd = 10
 "#,
-        dead_port()
+        free_port()
     );
     let (gw, admin) = with_admin(&text, &up.url()).await;
     // Requests fail open, budgets closed: traffic flows, spend does not.
