@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::clock::Timestamp;
+use crate::in_flight::{InFlightStatus, Lease};
 use crate::window::{Charge, Snapshot, WindowLimit};
 
 /// The kind of scope a limit belongs to, narrowest first.
@@ -247,6 +248,13 @@ pub struct ChainDecision {
     pub retry_after: Option<Duration>,
     /// Each limit's state, in chain order.
     pub statuses: Vec<LimitStatus>,
+    /// Each concurrency limit's state, in the chain's order of them (empty for a chain without
+    /// any, or when the store failed open).
+    pub in_flight: Vec<InFlightStatus>,
+    /// For an admitted request of a chain with concurrency limits, the lease its slots are held
+    /// under: give it back with [`Chain::release`](crate::Chain::release) when the request is
+    /// done. `None` otherwise (nothing is held).
+    pub lease: Option<Lease>,
 }
 
 impl ChainDecision {
@@ -316,6 +324,8 @@ impl ChainDecision {
             refused_by,
             retry_after,
             statuses,
+            in_flight: Vec::new(),
+            lease: None,
         }
     }
 
@@ -329,6 +339,8 @@ impl ChainDecision {
             refused_by: None,
             retry_after: None,
             statuses: Vec::new(),
+            in_flight: Vec::new(),
+            lease: None,
         }
     }
 
@@ -354,6 +366,8 @@ impl ChainDecision {
             refused_by: Some(index),
             retry_after: None,
             statuses,
+            in_flight: Vec::new(),
+            lease: None,
         }
     }
 
@@ -370,6 +384,28 @@ impl ChainDecision {
     /// The status of the limit that refused, if any.
     pub fn refusing(&self) -> Option<&LimitStatus> {
         self.refused_by.and_then(|i| self.statuses.get(i))
+    }
+
+    /// The concurrency limit that refused, if no rate limit did: the first enforced one that was
+    /// full. (When a rate limit refuses too, the refusal is the rate limit's, which has an exact
+    /// retry time: [`refusing`](Self::refusing).)
+    pub fn refused_in_flight(&self) -> Option<&InFlightStatus> {
+        if self.admitted || self.refused_by.is_some() {
+            return None;
+        }
+        self.in_flight.iter().find(|s| s.over && !s.shadow)
+    }
+
+    /// The enforced concurrency limit with the fewest free slots (ties: the narrowest scope):
+    /// the refusing one on a refusal.
+    pub fn most_restrictive_in_flight(&self) -> Option<&InFlightStatus> {
+        if let Some(r) = self.refused_in_flight() {
+            return Some(r);
+        }
+        self.in_flight
+            .iter()
+            .filter(|s| !s.shadow)
+            .min_by_key(|s| s.remaining())
     }
 
     /// The most restrictive limit counting `charge` units: the refusing one if it counts them,

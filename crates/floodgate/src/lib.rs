@@ -6,6 +6,8 @@
 //!   customer, gateway): a request passes only if every limit passes, is charged to all or none,
 //!   and a refusal carries the exact time at which the same request would pass;
 //! - a [`TokenBucket`] per name, with a [`Rate`] checked at compile time;
+//! - [`InFlightLimit`]s in a chain: how many requests of a scope run at once, slots taken in the
+//!   chain's atomic step and given back when the request is done ([`in_flight`]);
 //! - [`Budgets`]: caps on what a scope spends per calendar day or month ([`period`]), read
 //!   before a request and charged after it.
 //!
@@ -36,6 +38,7 @@ pub mod budget;
 pub mod chain;
 pub mod clock;
 mod error;
+pub mod in_flight;
 mod limiter;
 pub mod period;
 pub mod store;
@@ -46,6 +49,7 @@ pub use budget::{Budget, BudgetDecision, Budgets};
 pub use chain::{ChainDecision, ChainLimit, LimitStatus, ScopeKind};
 pub use clock::Timestamp;
 pub use error::Error;
+pub use in_flight::{InFlightLimit, InFlightStatus, Lease};
 pub use limiter::{BucketName, Chain, TokenBucket};
 pub use period::{Period, PeriodCounter};
 pub use window::{Charge, WindowLimit};

@@ -9,6 +9,7 @@ use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
 use crate::chain::{ChainDecision, ChainLimit};
 use crate::clock::Timestamp;
+use crate::in_flight::{InFlightLimit, InFlightStatus, Lease};
 use crate::store::{BucketKey, NameRef, Store};
 use crate::window::Charge;
 
@@ -35,6 +36,7 @@ use crate::window::Charge;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Chain {
     limits: Vec<ChainLimit>,
+    in_flight: Vec<InFlightLimit>,
 }
 
 impl Chain {
@@ -47,12 +49,52 @@ impl Chain {
                 .all(|(i, l)| limits[..i].iter().all(|m| m.key() != l.key())),
             "a chain's limits must have distinct storage keys"
         );
-        Chain { limits }
+        Chain {
+            limits,
+            in_flight: Vec::new(),
+        }
+    }
+
+    /// This chain with concurrency limits, narrowest first, each with its own storage key: an
+    /// admitted request holds a slot in each until [`release`](Self::release)d.
+    ///
+    /// ```
+    /// use floodgate::{Chain, ChainLimit, Charge, InFlightLimit, ScopeKind, WindowLimit};
+    /// use floodgate::store::MemoryStore;
+    ///
+    /// # async fn demo() -> Result<(), floodgate::Error> {
+    /// let chain = Chain::new(vec![ChainLimit::new(
+    ///     "org:acme", ScopeKind::Key, "alice", Charge::Admission, WindowLimit::per_minute(100),
+    /// )])
+    /// .with_in_flight(vec![InFlightLimit::new("org:acme", ScopeKind::Key, "alice", 1)]);
+    /// let store = MemoryStore::new();
+    /// let first = chain.admit(&store, 1).await?;
+    /// assert!(first.admitted);
+    /// assert!(!chain.admit(&store, 1).await?.admitted, "one at a time");
+    /// chain.release(&store, first.lease).await?;
+    /// assert!(chain.admit(&store, 1).await?.admitted);
+    /// # Ok(()) }
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+    /// ```
+    pub fn with_in_flight(self, in_flight: Vec<InFlightLimit>) -> Self {
+        debug_assert!(
+            in_flight
+                .iter()
+                .enumerate()
+                .all(|(i, l)| in_flight[..i].iter().all(|m| m.key() != l.key())),
+            "a chain's concurrency limits must have distinct storage keys"
+        );
+        Chain { in_flight, ..self }
     }
 
     /// The limits, narrowest first.
     pub fn limits(&self) -> &[ChainLimit] {
         &self.limits
+    }
+
+    /// The concurrency limits, narrowest first.
+    pub fn in_flight(&self) -> &[InFlightLimit] {
+        &self.in_flight
     }
 
     /// Whether any limit counts tokens (is reactive).
@@ -77,6 +119,13 @@ impl Chain {
     /// refuses: a request only it would refuse is admitted, and the decision reports it
     /// ([`ChainDecision::shadow_over`]).
     ///
+    /// With concurrency limits ([`with_in_flight`](Self::with_in_flight)), an admitted request
+    /// also takes a slot in each, in the same step, and the decision carries the
+    /// [`lease`](ChainDecision::lease) to [`release`](Self::release) when it is done; a request
+    /// that finds an enforced concurrency limit full is refused
+    /// ([`ChainDecision::refused_in_flight`]), with no retry time (none is known: a slot frees
+    /// when a running request ends), and charged nothing.
+    ///
     /// A request that can never pass (`cost` above an enforced charged limit's max, or an
     /// enforced token limit of zero) is refused without a retry time and without touching the
     /// store; a chain without limits admits without touching it either.
@@ -99,6 +148,9 @@ impl Chain {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
+        if !self.in_flight.is_empty() {
+            return self.admit_holding(store, cost, now).await;
+        }
         if self.limits.is_empty() {
             // Nothing to decide (docs/design.md §2: a scope with no limit is skipped), so nothing
             // to ask the store: an unlimited caller neither waits for it nor fails with it.
@@ -116,6 +168,50 @@ impl Chain {
             cost,
             seen.admitted,
         ))
+    }
+
+    async fn admit_holding<S: Store>(
+        &self,
+        store: &S,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<ChainDecision, Error> {
+        let lease = store.lease();
+        let seen = store
+            .admit_holding(&self.limits, &self.in_flight, cost, lease, now)
+            .await?;
+        if !seen.enforced {
+            // Nothing was checked, so nothing is held.
+            return Ok(ChainDecision::unenforced(seen.now));
+        }
+        let mut decision = ChainDecision::from_snapshots(
+            &self.limits,
+            &seen.snapshots,
+            seen.now,
+            cost,
+            seen.admitted,
+        );
+        decision.in_flight = self
+            .in_flight
+            .iter()
+            .zip(&seen.running)
+            .map(|(l, &running)| InFlightStatus::of(l, running, seen.admitted))
+            .collect();
+        decision.lease = seen.admitted.then_some(lease);
+        Ok(decision)
+    }
+
+    /// Gives back the slots `lease` holds in the chain's concurrency limits (the
+    /// [`lease`](ChainDecision::lease) of its admission; `None`, or a chain without concurrency
+    /// limits, does nothing). Call it once the request is done: its answer sent, its stream
+    /// ended or cut, its caller gone.
+    pub async fn release<S: Store>(&self, store: &S, lease: Option<Lease>) -> Result<(), Error> {
+        match lease {
+            Some(lease) if !self.in_flight.is_empty() => {
+                store.release(&self.in_flight, lease, None).await
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Adds `units` (tokens of a finished response) to every reactive limit of the chain.

@@ -21,8 +21,8 @@ use floodgate::bucket::BucketLimit;
 use floodgate::store::redis::{OnError, RedisClock, RedisConfig, RedisStore};
 use floodgate::store::{AnyStore, BucketKey, MemoryStore, NameRef, Store};
 use floodgate::{
-    Admission, Budget, Budgets, Chain, ChainLimit, Charge, Error, Period, Rate, ScopeKind,
-    Timestamp, TokenBucket, WindowLimit,
+    Admission, Budget, Budgets, Chain, ChainLimit, Charge, Error, InFlightLimit, Period, Rate,
+    ScopeKind, Timestamp, TokenBucket, WindowLimit,
 };
 use redis::AsyncCommands;
 use tokio::task::JoinSet;
@@ -2009,4 +2009,110 @@ async fn a_connection_gone_silent_is_replaced_and_enforcement_resumes() {
     }
     assert!(!store.stats().breaker_open);
     assert_eq!(store.stats().outages, 1);
+}
+
+#[tokio::test]
+async fn concurrency_vectors_pass_on_redis() {
+    let Some(url) = redis_url("concurrency_vectors_pass_on_redis") else {
+        return;
+    };
+    common::run_in_flight_vectors(&store(&url).await).await;
+    common::run_in_flight_vectors(&AnyStore::from(store(&url).await)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_requests_get_exactly_the_free_slots_on_redis() {
+    let Some(url) = redis_url("concurrent_requests_get_exactly_the_free_slots_on_redis") else {
+        return;
+    };
+    common::race_for_slots(store(&url).await).await;
+}
+
+/// A chain of one key allowed one request at once.
+fn one_at_a_time() -> Chain {
+    Chain::new(vec![req("solo", ScopeKind::Key, 1000)]).with_in_flight(vec![InFlightLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "solo",
+        1,
+    )])
+}
+
+#[tokio::test]
+async fn a_slot_not_renewed_lapses_at_its_lease_time_and_is_free_again() {
+    let Some(url) = redis_url("a_slot_not_renewed_lapses_at_its_lease_time_and_is_free_again")
+    else {
+        return;
+    };
+    // Pinned times: the slot taken at 0 with a 15 s lease is held at 14.999 s and free at
+    // 15 s, whoever asks (a process that died never renews it).
+    let config = config(&url);
+    let (holder, other) = (
+        RedisStore::connect(config.clone()).await.unwrap(),
+        RedisStore::connect(config).await.unwrap(),
+    );
+    assert_eq!(holder.config().lease, Duration::from_secs(15));
+    let chain = one_at_a_time();
+    assert!(
+        chain
+            .admit_at(&holder, 1, common::at(0))
+            .await
+            .unwrap()
+            .admitted
+    );
+    assert_eq!(holder.leases_held(), 1);
+    let d = chain.admit_at(&other, 1, common::at(14_999)).await.unwrap();
+    assert!(d.refused_in_flight().is_some());
+    let d = chain.admit_at(&other, 1, common::at(15_000)).await.unwrap();
+    assert!(d.admitted, "the lapsed slot is free");
+    assert_eq!(d.in_flight[0].running, 1, "and counted no more");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_lease_is_renewed_past_its_lease_time_and_a_dropped_one_lapses() {
+    let Some(url) =
+        redis_url("a_live_lease_is_renewed_past_its_lease_time_and_a_dropped_one_lapses")
+    else {
+        return;
+    };
+    let lease = Duration::from_millis(600);
+    let config = RedisConfig {
+        lease,
+        ..config(&url)
+    };
+    let holder = RedisStore::connect(config.clone()).await.unwrap();
+    let other = RedisStore::connect(config).await.unwrap();
+    let chain = one_at_a_time();
+    let held = chain.admit(&holder, 1).await.unwrap();
+    assert!(held.admitted);
+    // Four lease times: the holder renews every 200 ms, so the slot is never free. (This test
+    // is about time passing: it checks throughout.)
+    let start = Instant::now();
+    while start.elapsed() < 4 * lease {
+        let d = chain.admit(&other, 1).await.unwrap();
+        assert!(
+            d.refused_in_flight().is_some(),
+            "the slot stays held at {:?}",
+            start.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The holder gone (as a killed process): its slot lapses within the lease time.
+    drop(holder);
+    let gone = Instant::now();
+    let passed = loop {
+        let d = chain.admit(&other, 1).await.unwrap();
+        if d.admitted {
+            break d;
+        }
+        assert!(gone.elapsed() < lease * 2, "the slot never lapsed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(gone.elapsed() <= lease + Duration::from_millis(300));
+    chain.release(&other, passed.lease).await.unwrap();
+    assert_eq!(other.leases_held(), 0);
+    assert!(
+        chain.admit(&other, 1).await.unwrap().admitted,
+        "released at once"
+    );
 }

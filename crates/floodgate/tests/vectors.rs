@@ -18,3 +18,13 @@ async fn memory_store_passes_the_period_vectors() {
 async fn memory_store_races_past_a_shadow_limit_and_charges_it() {
     common::race_past_a_shadow_limit(MemoryStore::new()).await;
 }
+
+#[tokio::test]
+async fn memory_store_passes_the_concurrency_vectors() {
+    common::run_in_flight_vectors(&MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_gives_concurrent_requests_exactly_the_free_slots() {
+    common::race_for_slots(MemoryStore::new()).await;
+}

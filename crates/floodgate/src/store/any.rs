@@ -6,6 +6,7 @@ use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
+use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::PeriodCounter;
 
 /// Either store, picked at run time; every call is delegated to the one it holds.
@@ -106,6 +107,39 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.add_periods(counters, amount, now).await,
             AnyStore::Redis(s) => s.add_periods(counters, amount, now).await,
+        }
+    }
+
+    fn lease(&self) -> Lease {
+        match self {
+            AnyStore::Memory(s) => s.lease(),
+            AnyStore::Redis(s) => s.lease(),
+        }
+    }
+
+    async fn admit_holding(
+        &self,
+        limits: &[ChainLimit],
+        slots: &[InFlightLimit],
+        cost: u64,
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.admit_holding(limits, slots, cost, lease, now).await,
+            AnyStore::Redis(s) => s.admit_holding(limits, slots, cost, lease, now).await,
+        }
+    }
+
+    async fn release(
+        &self,
+        slots: &[InFlightLimit],
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        match self {
+            AnyStore::Memory(s) => s.release(slots, lease, now).await,
+            AnyStore::Redis(s) => s.release(slots, lease, now).await,
         }
     }
 }

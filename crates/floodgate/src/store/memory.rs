@@ -1,12 +1,13 @@
 //! The embedded store: the same decisions as Redis, under its own locks, in one process.
 
 use std::hash::BuildHasher;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::thread;
 use std::time::Duration;
 
-use foldhash::fast::RandomState;
+use foldhash::fast::{FixedState, RandomState};
 use hashbrown::HashTable;
 
 use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
@@ -14,6 +15,7 @@ use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
 use crate::chain::{ChainLimit, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
+use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{PeriodCounter, PeriodState};
 use crate::window::{Charge, Snapshot, WindowState};
 
@@ -48,6 +50,8 @@ struct Inner {
     shards: Box<[Mutex<Shard>]>,
     hasher: RandomState,
     clock: Arc<dyn Clock>,
+    /// The next lease number.
+    leases: AtomicU64,
 }
 
 #[derive(Debug)]
@@ -60,7 +64,17 @@ struct Shard {
     /// Period counters (budgets' spend), apart from the windows so that the admission path's
     /// table keeps its own slots and size.
     periods: HashTable<PeriodSlot>,
+    /// Concurrency limits' held slots: never expire (a process's slots die with it), removed
+    /// when the last is given back.
+    slots: HashTable<HeldSlots>,
     sweep_at_len: usize,
+}
+
+/// The leases holding slots of one concurrency limit.
+#[derive(Debug)]
+struct HeldSlots {
+    key: Box<str>,
+    leases: hashbrown::HashSet<u64, FixedState>,
 }
 
 #[derive(Debug)]
@@ -120,7 +134,41 @@ impl BucketSlot {
 
 impl Shard {
     fn len(&self) -> usize {
-        self.windows.len() + self.buckets.len() + self.periods.len()
+        self.windows.len() + self.buckets.len() + self.periods.len() + self.slots.len()
+    }
+
+    /// The requests holding slots at `key`, `lease` not counted.
+    fn running(&self, hash: u64, key: &str, lease: u64) -> u64 {
+        self.slots.find(hash, |s| &*s.key == key).map_or(0, |s| {
+            s.leases.len() as u64 - u64::from(s.leases.contains(&lease))
+        })
+    }
+
+    /// Takes a slot at `key` for `lease` (once).
+    fn hold(&mut self, hasher: &RandomState, hash: u64, key: &str, lease: u64) {
+        if let Some(held) = self.slots.find_mut(hash, |s| &*s.key == key) {
+            held.leases.insert(lease);
+            return;
+        }
+        let mut leases = hashbrown::HashSet::with_hasher(FixedState::default());
+        leases.insert(lease);
+        let held = HeldSlots {
+            key: key.into(),
+            leases,
+        };
+        self.slots
+            .insert_unique(hash, held, |s| hasher.hash_one(&*s.key));
+    }
+
+    /// Gives back `lease`'s slot at `key`, if it holds one.
+    fn unhold(&mut self, hash: u64, key: &str, lease: u64) {
+        if let Ok(mut found) = self.slots.find_entry(hash, |s| &*s.key == key) {
+            let leases = &mut found.get_mut().leases;
+            leases.remove(&lease);
+            if leases.is_empty() {
+                found.remove();
+            }
+        }
     }
 
     /// The live state of the period counter at `key`.
@@ -202,6 +250,7 @@ impl MemoryStore {
                     windows: HashTable::new(),
                     buckets: HashTable::new(),
                     periods: HashTable::new(),
+                    slots: HashTable::new(),
                     sweep_at_len: MIN_SWEEP,
                 })
             })
@@ -211,6 +260,7 @@ impl MemoryStore {
                 shards,
                 hasher: RandomState::default(),
                 clock: Arc::new(clock),
+                leases: AtomicU64::new(1),
             }),
         }
     }
@@ -309,9 +359,26 @@ impl MemoryStore {
         cost: u64,
         now: Option<Timestamp>,
     ) -> Observation {
+        self.admit_holding_sync(limits, &[], cost, Lease::from_id(0), now)
+    }
+
+    /// [`Store::admit_holding`], without the future.
+    pub fn admit_holding_sync(
+        &self,
+        limits: &[ChainLimit],
+        slots: &[InFlightLimit],
+        cost: u64,
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Observation {
         let (now, sweep_at) = self.times(now);
         let located: Vec<(u64, usize)> = limits.iter().map(|l| self.locate(l.key())).collect();
-        let mut order: Vec<usize> = located.iter().map(|&(_, shard)| shard).collect();
+        let slots_at: Vec<(u64, usize)> = slots.iter().map(|l| self.locate(l.key())).collect();
+        let mut order: Vec<usize> = located
+            .iter()
+            .chain(&slots_at)
+            .map(|&(_, shard)| shard)
+            .collect();
         order.sort_unstable();
         order.dedup();
         // Ascending order: two chains sharing shards take them in the same order, so they
@@ -326,12 +393,20 @@ impl MemoryStore {
                 Snapshot::at(state, now, l.limit())
             })
             .collect();
-        let admitted = first_refusal(limits, &snapshots, cost).is_none();
+        let running: Vec<u64> = slots
+            .iter()
+            .zip(&slots_at)
+            .map(|(l, &(hash, shard))| {
+                locked(&mut guards, shard).running(hash, l.key(), lease.id())
+            })
+            .collect();
+        let admitted = first_refusal(limits, &snapshots, cost).is_none()
+            && !slots.iter().zip(&running).any(|(l, &n)| l.refuses(n));
         if admitted {
+            let hasher = &self.inner.hasher;
             for ((l, s), &(hash, shard)) in limits.iter().zip(&snapshots).zip(&located) {
                 if l.charge() == Charge::Admission {
                     let expires = now.saturating_add(l.limit().ttl());
-                    let hasher = &self.inner.hasher;
                     locked(&mut guards, shard).put_window(
                         hasher,
                         hash,
@@ -342,12 +417,25 @@ impl MemoryStore {
                     );
                 }
             }
+            for (l, &(hash, shard)) in slots.iter().zip(&slots_at) {
+                locked(&mut guards, shard).hold(hasher, hash, l.key(), lease.id());
+            }
         }
         Observation {
             now,
             admitted,
             enforced: true,
             snapshots,
+            running,
+        }
+    }
+
+    /// [`Store::release`], without the future.
+    pub fn release_sync(&self, slots: &[InFlightLimit], lease: Lease) {
+        // Each slot is given back under its own shard's lock: a release decides nothing.
+        for l in slots {
+            let (hash, shard) = self.locate(l.key());
+            self.lock(shard).unhold(hash, l.key(), lease.id());
         }
     }
 
@@ -525,6 +613,31 @@ impl Store for MemoryStore {
     ) -> Result<Observation, Error> {
         // An async fn, so lazy like any future: nothing happens until it is polled.
         Ok(self.admit_sync(limits, cost, now))
+    }
+
+    fn lease(&self) -> Lease {
+        Lease::from_id(self.inner.leases.fetch_add(1, Ordering::Relaxed))
+    }
+
+    async fn admit_holding(
+        &self,
+        limits: &[ChainLimit],
+        slots: &[InFlightLimit],
+        cost: u64,
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        Ok(self.admit_holding_sync(limits, slots, cost, lease, now))
+    }
+
+    async fn release(
+        &self,
+        slots: &[InFlightLimit],
+        lease: Lease,
+        _now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        self.release_sync(slots, lease);
+        Ok(())
     }
 
     async fn record(

@@ -15,6 +15,7 @@ use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
+use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::PeriodCounter;
 use crate::window::Snapshot;
 
@@ -39,6 +40,9 @@ pub struct Observation {
     pub enforced: bool,
     /// Each limit's counts at `now`, before any charge, in chain order.
     pub snapshots: Vec<Snapshot>,
+    /// For an admission that holds slots ([`Store::admit_holding`]): each concurrency limit's
+    /// running requests at `now`, before this one, in order (empty otherwise).
+    pub running: Vec<u64>,
 }
 
 /// What a store saw and did for one token-bucket request.
@@ -172,4 +176,32 @@ pub trait Store: Send + Sync {
         amount: u64,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
+
+    /// A fresh lease number, never handed out before by this store (nor, on Redis, by any
+    /// other process: the store's members carry a random process tag).
+    fn lease(&self) -> Lease;
+
+    /// [`admit`](Self::admit), and in the same atomic step a slot in every concurrency limit of
+    /// `slots` under `lease`: admits only if every enforced rate limit passes and every enforced
+    /// concurrency limit has a free slot (a shadow one takes a slot even when full), and then
+    /// charges the rate limits and takes the slots; a refusal takes nothing anywhere. A lease
+    /// that already holds a slot (a replayed call) is not counted against itself and takes it
+    /// once. The observation's `running` has each limit's requests before this one.
+    fn admit_holding(
+        &self,
+        limits: &[ChainLimit],
+        slots: &[InFlightLimit],
+        cost: u64,
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Observation, Error>> + Send;
+
+    /// Gives back `lease`'s slot in every limit of `slots` (a slot not held changes nothing),
+    /// and stops renewing it.
+    fn release(
+        &self,
+        slots: &[InFlightLimit],
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
 }

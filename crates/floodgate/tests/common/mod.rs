@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use floodgate::store::Store;
 use floodgate::{
-    Admission, Budget, Budgets, Chain, ChainLimit, Charge, Period, PeriodCounter, Rate, ScopeKind,
-    Timestamp, TokenBucket, WindowLimit,
+    Admission, Budget, Budgets, Chain, ChainLimit, Charge, InFlightLimit, Period, PeriodCounter,
+    Rate, ScopeKind, Timestamp, TokenBucket, WindowLimit,
 };
 
 /// A minute boundary: bucket-aligned for every window that divides an hour.
@@ -681,4 +681,142 @@ pub async fn run_period_vectors<S: Store>(store: &S) {
         d.retry_after,
         Some(Duration::from_millis(DECEMBER_MS - MIDNIGHT_MS - 1))
     );
+}
+
+/// A concurrency limit in org `acme`'s chain.
+pub fn slots(scope: ScopeKind, id: &str, max: u64) -> InFlightLimit {
+    InFlightLimit::new("org:acme", scope, id, max)
+}
+
+/// The chains the concurrency vectors use.
+pub fn in_flight_chains() -> Vec<Chain> {
+    use Charge::*;
+    use ScopeKind::*;
+    vec![
+        // 0: key "c", 5 a minute and 2 at once, in org "cc", 3 at once.
+        Chain::new(vec![limit(Key, "c", Admission, 5)])
+            .with_in_flight(vec![slots(Key, "c", 2), slots(Org, "cc", 3)]),
+        // 1: key "d", 100 a minute and 5 at once, in the same org.
+        Chain::new(vec![limit(Key, "d", Admission, 100)])
+            .with_in_flight(vec![slots(Key, "d", 5), slots(Org, "cc", 3)]),
+        // 2: key "r", 1 a minute and 5 at once.
+        Chain::new(vec![limit(Key, "r", Admission, 1)]).with_in_flight(vec![slots(Key, "r", 5)]),
+        // 3: key "s", a shadow concurrency limit of 1.
+        Chain::new(vec![limit(Key, "s", Admission, 100)])
+            .with_in_flight(vec![slots(Key, "s", 1).shadow()]),
+    ]
+}
+
+/// Each concurrency limit's running requests and whether it was over, as a decision saw them.
+fn running(d: &floodgate::ChainDecision) -> Vec<(u64, bool)> {
+    d.in_flight.iter().map(|s| (s.running, s.over)).collect()
+}
+
+/// The concurrency vectors: the same sequence at pinned times gives the same decisions on every
+/// store. `store` must be empty (or under a fresh prefix).
+pub async fn run_in_flight_vectors<S: Store>(store: &S) {
+    let c = in_flight_chains();
+    let admit = |i: usize, ms: u64| {
+        let chain = &c[i];
+        async move { chain.admit_at(store, 1, at(ms)).await.unwrap() }
+    };
+    // Two of key "c" run; the third finds the key full: refused by its concurrency limit, not a
+    // rate limit, with no retry time, and charged nowhere.
+    let a1 = admit(0, 0).await;
+    assert!(a1.admitted && a1.lease.is_some());
+    assert_eq!(running(&a1), [(1, false), (1, false)]);
+    let a2 = admit(0, 10).await;
+    assert_eq!(running(&a2), [(2, false), (2, false)]);
+    let refused = admit(0, 20).await;
+    assert!(!refused.admitted && refused.lease.is_none());
+    assert_eq!((refused.refused_by, refused.retry_after), (None, None));
+    assert_eq!(running(&refused), [(2, true), (2, false)]);
+    let by = refused.refused_in_flight().map(|s| (s.scope, s.max));
+    assert_eq!(by, Some((ScopeKind::Key, 2)));
+    assert_eq!(
+        counts(store, &c[0], 30).await,
+        [2],
+        "the refusal charged nothing"
+    );
+    // Key "d" takes the org's last slot; its next request finds the org full.
+    let d1 = admit(1, 40).await;
+    assert_eq!(running(&d1), [(1, false), (3, false)]);
+    let refused = admit(1, 50).await;
+    assert_eq!(running(&refused), [(1, false), (3, true)]);
+    let by = refused.refused_in_flight().map(|s| s.scope);
+    assert_eq!(by, Some(ScopeKind::Org));
+    assert_eq!(
+        refused.most_restrictive_in_flight().map(|s| s.remaining()),
+        Some(0)
+    );
+    // A release gives both slots back at once, and a second release of it changes nothing.
+    c[0].release(store, a1.lease).await.unwrap();
+    c[0].release(store, a1.lease).await.unwrap();
+    let a3 = admit(0, 60).await;
+    assert_eq!(running(&a3), [(2, false), (3, false)]);
+    assert!(!admit(1, 70).await.admitted, "the org is full again");
+    for d in [&a2, &a3] {
+        c[0].release(store, d.lease).await.unwrap();
+    }
+    let d2 = admit(1, 80).await;
+    assert_eq!(running(&d2), [(2, false), (2, false)]);
+    // A rate refusal takes no slot: key "r" allows one a minute.
+    let r1 = admit(2, 0).await;
+    assert!(r1.admitted);
+    let r2 = admit(2, 100).await;
+    assert_eq!(r2.refused_by, Some(0));
+    assert!(r2.retry_after.is_some() && r2.refused_in_flight().is_none());
+    assert_eq!(running(&r2), [(1, false)]);
+    c[2].release(store, r1.lease).await.unwrap();
+    // A shadow concurrency limit takes slots past its max, and reports it.
+    let s1 = admit(3, 0).await;
+    let s2 = admit(3, 10).await;
+    assert!(s1.admitted && s2.admitted);
+    assert_eq!(running(&s2), [(2, true)]);
+    assert_eq!(s2.refused_in_flight(), None);
+    assert_eq!(
+        s2.most_restrictive_in_flight(),
+        None,
+        "it restricts nothing"
+    );
+    // The same lease admitted twice (a replayed call) holds one slot and is not counted
+    // against itself.
+    let chain = &c[0];
+    let lease = store.lease();
+    for _ in 0..2 {
+        let seen = store
+            .admit_holding(chain.limits(), chain.in_flight(), 1, lease, Some(at(200)))
+            .await
+            .unwrap();
+        assert!(seen.admitted);
+        assert_eq!(seen.running, [0, 2]);
+    }
+    // Key "c" holds the one lease; the org holds it beside key "d"'s two: full.
+    let next = admit(0, 210).await;
+    assert_eq!(running(&next), [(1, false), (3, true)]);
+}
+
+/// Races 64 requests for the slots of vectors' chain 0 (2 at once): exactly 2 are admitted and
+/// charged, the refused ones are charged nowhere, and once both are released two more pass.
+pub async fn race_for_slots<S: Store + Clone + 'static>(store: S) {
+    let chain = Arc::new(in_flight_chains().swap_remove(0));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let (store, chain) = (store.clone(), chain.clone());
+        tasks.spawn(async move { chain.admit_at(&store, 1, at(0)).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    let admitted: Vec<_> = decisions.iter().filter(|d| d.admitted).collect();
+    assert_eq!(admitted.len(), 2);
+    assert!(decisions.iter().filter(|d| !d.admitted).all(|d| {
+        d.refused_in_flight()
+            .is_some_and(|s| s.scope == ScopeKind::Key)
+    }));
+    assert_eq!(counts(&store, &chain, 0).await, [2]);
+    for d in admitted {
+        chain.release(&store, d.lease).await.unwrap();
+    }
+    for _ in 0..2 {
+        assert!(chain.admit_at(&store, 1, at(1)).await.unwrap().admitted);
+    }
 }

@@ -97,6 +97,7 @@ impl RedisStore {
             admitted,
             enforced: true,
             snapshots,
+            running: Vec::new(),
         })
     }
 

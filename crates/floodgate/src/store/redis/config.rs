@@ -31,6 +31,11 @@ pub enum RedisClock {
     Client,
 }
 
+/// [`RedisConfig::lease`]'s default: long enough that two renewals in a row can be lost (a
+/// Redis failover, a stalled process) before a running request's slot lapses, short enough that
+/// a dead replica's slots come back before its callers' retries give up.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(15);
+
 /// How to reach Redis and how to behave when it cannot be reached.
 #[derive(Clone)]
 pub struct RedisConfig {
@@ -48,6 +53,11 @@ pub struct RedisConfig {
     pub connect_timeout: Duration,
     /// How often the circuit breaker probes Redis during an outage; default 250 ms.
     pub probe_interval: Duration,
+    /// How long a concurrency slot ([`InFlightLimit`](crate::InFlightLimit)) lives without
+    /// renewal; default 15 s, renewed every third of it while its request runs. A process that
+    /// dies frees its slots within this time; a Redis unreachable for longer than it lets
+    /// running requests lose their slots (the limit then errs towards looser until they end).
+    pub lease: Duration,
 }
 
 impl RedisConfig {
@@ -61,6 +71,7 @@ impl RedisConfig {
             timeout: Duration::from_millis(200),
             connect_timeout: Duration::from_secs(1),
             probe_interval: Duration::from_millis(250),
+            lease: DEFAULT_LEASE,
         }
     }
 
@@ -94,6 +105,7 @@ impl fmt::Debug for RedisConfig {
             .field("timeout", &self.timeout)
             .field("connect_timeout", &self.connect_timeout)
             .field("probe_interval", &self.probe_interval)
+            .field("lease", &self.lease)
             .finish()
     }
 }

@@ -40,11 +40,12 @@
 //! The module, one file per concern: this one holds the store and its [`Store`] operations;
 //! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
 //! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
-//! circuit breaker; `batch.rs` the batching of admissions; `stats.rs` the counters.
+//! circuit breaker; `batch.rs` the batching of admissions; `slots.rs` concurrency slots, their leases and
+//! renewal; `stats.rs` the counters.
 
 use std::borrow::Cow;
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
@@ -55,9 +56,10 @@ mod batch;
 mod config;
 mod conn;
 mod scripts;
+mod slots;
 mod stats;
 
-pub use config::{OnError, RedisClock, RedisConfig};
+pub use config::{DEFAULT_LEASE, OnError, RedisClock, RedisConfig};
 pub use scripts::script_source;
 pub use stats::RedisStats;
 
@@ -71,6 +73,7 @@ use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::{ChainLimit, ScopeKind};
 use crate::clock::Timestamp;
+use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{Period, PeriodCounter};
 use crate::window::{Charge, MAX_COUNT, WindowLimit};
 
@@ -103,6 +106,11 @@ struct Inner {
     /// When the outage being logged began.
     outage_since: std::sync::Mutex<Option<Instant>>,
     counters: Counters,
+    /// This store's random tag in lease members (`slots.rs`), and the next lease number.
+    tag: u64,
+    leases: AtomicU64,
+    /// The leases held, renewed by a task of their own (`slots.rs`).
+    held: std::sync::Mutex<slots::Held>,
 }
 
 impl fmt::Debug for RedisStore {
@@ -136,8 +144,13 @@ impl RedisStore {
                 unconfirmed: AtomicBool::new(false),
                 outage_since: std::sync::Mutex::new(None),
                 counters: Counters::default(),
+                tag: slots::process_tag(),
+                leases: AtomicU64::new(1),
+                held: std::sync::Mutex::new(slots::Held::default()),
             }),
         };
+        let lease = store.inner.config.lease;
+        tokio::spawn(slots::renew_leases(Arc::downgrade(&store.inner), lease));
         let first = tokio::time::timeout(store.inner.config.connect_timeout, store.inner.ping());
         match first.await {
             Ok(Ok(())) => {}
@@ -314,14 +327,45 @@ impl Store for RedisStore {
             Ok(seen) => Ok(seen),
             Err(failure) => {
                 self.fail(failure)?;
-                Ok(Observation {
-                    now: now.unwrap_or_else(Timestamp::now),
-                    admitted: true,
-                    enforced: false,
-                    snapshots: Vec::new(),
-                })
+                Ok(unchecked(now))
             }
         }
+    }
+
+    fn lease(&self) -> Lease {
+        Lease::from_id(self.inner.leases.fetch_add(1, Ordering::Relaxed))
+    }
+
+    async fn admit_holding(
+        &self,
+        limits: &[ChainLimit],
+        slots: &[InFlightLimit],
+        cost: u64,
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Result<Observation, Error> {
+        match self
+            .admit_holding_inner(limits, slots, cost, lease, now)
+            .await
+        {
+            Ok(seen) => Ok(seen),
+            Err(failure) => {
+                self.fail(failure)?;
+                Ok(unchecked(now))
+            }
+        }
+    }
+
+    async fn release(
+        &self,
+        slots: &[InFlightLimit],
+        lease: Lease,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        self.release_inner(slots, lease, now).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
     }
 
     async fn record(
@@ -469,6 +513,17 @@ impl RedisStore {
             });
         }
         cmd
+    }
+}
+
+/// The observation of an admission the store could not check and let through (fail open).
+fn unchecked(now: Option<Timestamp>) -> Observation {
+    Observation {
+        now: now.unwrap_or_else(Timestamp::now),
+        admitted: true,
+        enforced: false,
+        snapshots: Vec::new(),
+        running: Vec::new(),
     }
 }
 

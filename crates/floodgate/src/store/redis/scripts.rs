@@ -59,6 +59,9 @@ const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
 const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
+const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
+const RELEASE_LUA: &str = lua!("release.lua");
+const RENEW_LUA: &str = lua!("renew.lua");
 
 fn op(name: &'static str, source: &str, replay: Replay) -> Op {
     Op {
@@ -78,9 +81,17 @@ pub(super) static PERIODS_READ: LazyLock<Op> =
     LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
 pub(super) static PERIODS_ADD: LazyLock<Op> =
     LazyLock::new(|| op("periods_add", PERIODS_ADD_LUA, Replay::Never));
+// Taking a slot twice under one lease takes it once (the script finds its own member); the
+// window charge replays as `admit`'s does.
+pub(super) static ADMIT_HOLDING: LazyLock<Op> =
+    LazyLock::new(|| op("admit_holding", ADMIT_HOLDING_LUA, Replay::Once));
+pub(super) static RELEASE: LazyLock<Op> =
+    LazyLock::new(|| op("release", RELEASE_LUA, Replay::Once));
+pub(super) static RENEW: LazyLock<Op> = LazyLock::new(|| op("renew", RENEW_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`. For benchmarks
+/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`,
+/// `admit_holding`, `release`, `renew`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -95,6 +106,9 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
         "periods_add" => PERIODS_ADD_LUA,
+        "admit_holding" => ADMIT_HOLDING_LUA,
+        "release" => RELEASE_LUA,
+        "renew" => RENEW_LUA,
         _ => return None,
     })
 }
@@ -146,6 +160,9 @@ mod tests {
             (&ADMIT, "admit"),
             (&RECORD, "record"),
             (&ACQUIRE, "acquire"),
+            (&ADMIT_HOLDING, "admit_holding"),
+            (&RELEASE, "release"),
+            (&RENEW, "renew"),
         ] {
             assert_eq!(op.name, name);
             assert!(script_source(name).is_some());
@@ -158,5 +175,8 @@ mod tests {
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);
+        for op in [&ADMIT_HOLDING, &RELEASE, &RENEW] {
+            assert_eq!(op.replay, Replay::Once);
+        }
     }
 }
