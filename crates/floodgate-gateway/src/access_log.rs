@@ -23,6 +23,8 @@ pub enum Decision {
     Unenforced,
     /// Refused by a rate limit of this scope (429).
     Refused(ScopeKind),
+    /// Refused by a full concurrency limit (`max_in_flight`) of this scope (429).
+    InFlight(ScopeKind),
     /// Refused without a refusing limit to name (an internal inconsistency; 500).
     RefusedUnnamed,
     /// Refused by a spent budget of this scope (429 `insufficient_quota`).
@@ -62,6 +64,15 @@ impl Decision {
                 ScopeKind::Org => "refused:org",
                 ScopeKind::Customer => "refused:customer",
                 ScopeKind::Gateway => "refused:gateway",
+            },
+            Decision::InFlight(scope) => match scope {
+                ScopeKind::Key => "in_flight:key",
+                ScopeKind::Project => "in_flight:project",
+                ScopeKind::Team => "in_flight:team",
+                ScopeKind::BusinessUnit => "in_flight:business_unit",
+                ScopeKind::Org => "in_flight:org",
+                ScopeKind::Customer => "in_flight:customer",
+                ScopeKind::Gateway => "in_flight:gateway",
             },
             Decision::RefusedUnnamed => "refused",
             Decision::Budget(scope) => match scope {

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use axum::http::HeaderMap;
 use axum::http::header::{AUTHORIZATION, SEC_WEBSOCKET_PROTOCOL};
-use floodgate::{Budget, Budgets, Chain, ChainLimit, ScopeKind};
+use floodgate::{Budget, Budgets, Chain, ChainLimit, InFlightLimit, ScopeKind};
 use sha2::{Digest, Sha256};
 
 use crate::config::{BudgetConfig, Config, GATEWAY_ID, ScopeLimit};
@@ -34,6 +34,8 @@ pub struct KeyEntry {
     /// The key's budgets without customer and gateway, in the same order, each with whether
     /// it is a shadow one.
     own_budgets: Vec<(Budget, bool)>,
+    /// The key's concurrency limits without customer and gateway, in the same order.
+    own_in_flight: Vec<InFlightLimit>,
     /// The full chain for requests that name no customer (own limits, then the gateway's).
     chain: ResolvedChain,
 }
@@ -94,6 +96,7 @@ pub struct Keys {
     customers: HashMap<Box<str>, Customer>,
     gateway: Vec<ChainLimit>,
     gateway_budgets: Vec<(Budget, bool)>,
+    gateway_in_flight: Option<InFlightLimit>,
 }
 
 /// A customer's limits and budgets, added to a chain by the customer header.
@@ -101,6 +104,7 @@ pub struct Keys {
 struct Customer {
     limits: Vec<ChainLimit>,
     budgets: Vec<(Budget, bool)>,
+    in_flight: Option<InFlightLimit>,
 }
 
 fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
@@ -111,6 +115,12 @@ fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<Ch
             ChainLimit::new(tenant, kind, id, l.charge, l.limit).with_shadow(l.shadow)
         })
         .collect()
+}
+
+/// A scope's concurrency limit, if it has one.
+fn in_flight_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Option<InFlightLimit> {
+    let l = config.in_flight.get(&(kind, id.to_owned()))?;
+    Some(InFlightLimit::new(tenant, kind, id, l.max).with_shadow(l.shadow))
 }
 
 /// A scope's budgets, each with whether it is a shadow one.
@@ -137,16 +147,19 @@ impl Keys {
     pub fn with_slots(config: &Config, slots: &[usize]) -> Keys {
         let gateway = limits_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
         let gateway_budgets = budgets_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
+        let gateway_in_flight = in_flight_of(config, "gateway", ScopeKind::Gateway, GATEWAY_ID);
         let customers = config
             .limits
             .keys()
             .chain(config.budgets.keys())
+            .chain(config.in_flight.keys())
             .filter(|(kind, _)| *kind == ScopeKind::Customer)
             .map(|(_, id)| {
                 let tenant = format!("customer:{id}");
                 let customer = Customer {
                     limits: limits_of(config, &tenant, ScopeKind::Customer, id),
                     budgets: budgets_of(config, &tenant, ScopeKind::Customer, id),
+                    in_flight: in_flight_of(config, &tenant, ScopeKind::Customer, id),
                 };
                 (Box::from(id.as_str()), customer)
             })
@@ -168,7 +181,19 @@ impl Keys {
                     .into_iter()
                     .flat_map(|(kind, id)| budgets_of(config, &tenant, kind, id))
                     .collect();
-                let chain = Chain::new(own.iter().chain(&gateway).cloned().collect());
+                let own_in_flight: Vec<InFlightLimit> = k
+                    .scopes()
+                    .into_iter()
+                    .filter_map(|(kind, id)| in_flight_of(config, &tenant, kind, id))
+                    .collect();
+                let chain = Chain::new(own.iter().chain(&gateway).cloned().collect())
+                    .with_in_flight(
+                        own_in_flight
+                            .iter()
+                            .chain(&gateway_in_flight)
+                            .cloned()
+                            .collect(),
+                    );
                 let budgets = own_budgets
                     .iter()
                     .chain(&gateway_budgets)
@@ -179,6 +204,7 @@ impl Keys {
                     index,
                     own,
                     own_budgets,
+                    own_in_flight,
                     chain: ResolvedChain::new(chain, budgets),
                 };
                 (k.secret_sha256, Arc::new(entry))
@@ -189,6 +215,7 @@ impl Keys {
             customers,
             gateway,
             gateway_budgets,
+            gateway_in_flight,
         }
     }
 
@@ -267,7 +294,14 @@ impl Keys {
             .chain(&self.gateway_budgets)
             .cloned()
             .collect();
-        ResolvedChain::new(Chain::new(limits), budgets)
+        let in_flight = key
+            .own_in_flight
+            .iter()
+            .chain(&extra.in_flight)
+            .chain(&self.gateway_in_flight)
+            .cloned()
+            .collect();
+        ResolvedChain::new(Chain::new(limits).with_in_flight(in_flight), budgets)
     }
 
     /// The customers that have limits or budgets, with their limits (for `check-config`).

@@ -11,6 +11,11 @@ use axum::response::{IntoResponse, Response};
 use floodgate::{Charge, Period, ScopeKind, WindowLimit};
 use serde_json::json;
 
+/// The `Retry-After` of a concurrency refusal (docs/design.md §9). No retry time is known: a
+/// slot frees when a running request ends, which can be at any moment. One second is the
+/// shortest wait `Retry-After` can say; sooner, a client would mostly poll a limit still full.
+pub const CONCURRENCY_RETRY: Duration = Duration::from_secs(1);
+
 /// What went wrong with a request.
 #[derive(Debug)]
 pub enum AppError {
@@ -26,6 +31,14 @@ pub enum AppError {
         limit: WindowLimit,
         /// The exact wait; `None` if the request can never pass.
         retry_after: Option<Duration>,
+    },
+    /// A concurrency limit of the chain is full (429 `concurrency_limit_exceeded`; nothing
+    /// charged).
+    ConcurrencyLimited {
+        /// The kind of scope that refused (never its id).
+        scope: ScopeKind,
+        /// Its `max_in_flight`.
+        max: u64,
     },
     /// A budget of the chain has reached its cap for the current period (429
     /// `insufficient_quota`; nothing charged).
@@ -95,9 +108,9 @@ impl AppError {
     pub fn status(&self) -> StatusCode {
         match self {
             AppError::Unauthorized => StatusCode::UNAUTHORIZED,
-            AppError::RateLimited { .. } | AppError::BudgetExceeded { .. } => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            AppError::RateLimited { .. }
+            | AppError::ConcurrencyLimited { .. }
+            | AppError::BudgetExceeded { .. } => StatusCode::TOO_MANY_REQUESTS,
             AppError::BadRequest(_) => StatusCode::BAD_REQUEST,
             AppError::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             AppError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -122,6 +135,7 @@ impl AppError {
         match self {
             AppError::TooManyConnections { retry_after, .. }
             | AppError::ServerBusy { retry_after } => Some(*retry_after),
+            AppError::ConcurrencyLimited { .. } => Some(CONCURRENCY_RETRY),
             _ => None,
         }
     }
@@ -158,6 +172,14 @@ impl AppError {
                 }
                 (message, "rate_limit_exceeded", "rate_limit_exceeded")
             }
+            AppError::ConcurrencyLimited { scope, max } => (
+                format!(
+                    "Concurrency limit exceeded for {scope}: at most {max} requests at once. Please retry after {}s.",
+                    crate::headers::ceil_secs(CONCURRENCY_RETRY)
+                ),
+                "rate_limit_exceeded",
+                "concurrency_limit_exceeded",
+            ),
             AppError::BudgetExceeded {
                 scope,
                 period,

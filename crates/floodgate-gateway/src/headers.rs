@@ -224,6 +224,24 @@ pub fn apply_retry_after(headers: &mut HeaderMap, wait: Duration) {
     headers.insert(RETRY_AFTER_MS, ceil_millis(wait).into());
 }
 
+const IN_FLIGHT_LIMIT: HeaderName = HeaderName::from_static("x-floodgate-in-flight-limit");
+const IN_FLIGHT_REMAINING: HeaderName = HeaderName::from_static("x-floodgate-in-flight-remaining");
+const IN_FLIGHT_SCOPE: HeaderName = HeaderName::from_static("x-floodgate-in-flight-scope");
+
+/// The concurrency headers (docs/design.md §9): the most restrictive enforced concurrency
+/// limit's `x-floodgate-in-flight-limit` (its max), `-remaining` (slots left for other requests,
+/// this one's taken) and `-scope` (its kind, never its id). The refusing limit on a concurrency
+/// refusal. Nothing for a chain without concurrency limits. An upstream's headers of these
+/// names are replaced.
+pub fn apply_in_flight(headers: &mut HeaderMap, decision: &ChainDecision) {
+    let Some(s) = decision.most_restrictive_in_flight() else {
+        return;
+    };
+    headers.insert(IN_FLIGHT_LIMIT, s.max.into());
+    headers.insert(IN_FLIGHT_REMAINING, s.remaining().into());
+    headers.insert(IN_FLIGHT_SCOPE, HeaderValue::from_static(s.scope.as_str()));
+}
+
 /// Whether `name` is one of [`ALL`]: all of them start with `x-ratelimit-` or `ratelimit`.
 fn is_rate_limit_header(name: &HeaderName) -> bool {
     let n = name.as_str();

@@ -34,6 +34,7 @@ pub mod admin;
 pub mod auth;
 pub mod buffers;
 mod charge;
+mod slots;
 pub mod config;
 pub mod demo;
 pub mod error;

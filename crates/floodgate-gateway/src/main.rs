@@ -153,10 +153,12 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
         config.realtime.drain.as_secs()
     )?;
     let gateway = config.scope_limits(ScopeKind::Gateway, GATEWAY_ID);
-    if gateway.is_empty() {
+    let gateway_in_flight = config.scope_in_flight(ScopeKind::Gateway, GATEWAY_ID);
+    let mut list: Vec<String> = gateway.iter().map(ToString::to_string).collect();
+    list.extend(gateway_in_flight.map(ToString::to_string));
+    if list.is_empty() {
         writeln!(out, "gateway: unlimited")?;
     } else {
-        let list: Vec<String> = gateway.iter().map(ToString::to_string).collect();
         writeln!(out, "gateway: {}", list.join(", "))?;
     }
     let gateway_budgets = config.scope_budgets(ScopeKind::Gateway, GATEWAY_ID);
@@ -196,8 +198,16 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
                 writeln!(out, "    {:<13} {id:<16} {l}", kind.as_str())?;
                 any = true;
             }
+            if let Some(l) = config.scope_in_flight(kind, id) {
+                writeln!(out, "    {:<13} {id:<16} {l}", kind.as_str())?;
+                any = true;
+            }
         }
         for l in gateway {
+            writeln!(out, "    {:<13} {:<16} {l}", "gateway", "-")?;
+            any = true;
+        }
+        if let Some(l) = gateway_in_flight {
             writeln!(out, "    {:<13} {:<16} {l}", "gateway", "-")?;
             any = true;
         }
@@ -234,6 +244,9 @@ fn report(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<()> 
         )?;
         for (c, _) in customers {
             for l in config.scope_limits(ScopeKind::Customer, c) {
+                writeln!(out, "    {:<13} {c:<16} {l}", "customer")?;
+            }
+            if let Some(l) = config.scope_in_flight(ScopeKind::Customer, c) {
                 writeln!(out, "    {:<13} {c:<16} {l}", "customer")?;
             }
             for b in config.scope_budgets(ScopeKind::Customer, c) {

@@ -86,7 +86,7 @@ impl StoreOp {
 
 const OUTCOMES: [&str; 5] = ["admitted", "refused", "budget", "unenforced", "rejected"];
 const LIMIT_OUTCOMES: [&str; 4] = ["within", "near", "over", "shadow_over"];
-const KINDS: [&str; 2] = ["requests", "tokens"];
+const KINDS: [&str; 3] = ["requests", "tokens", "in_flight"];
 const STATUS_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
 
 /// Store calls: 50 µs to 1 s.
@@ -323,6 +323,17 @@ impl Metrics {
             LimitOutcome::ShadowOver => 3,
         };
         self.0.limits[scope_index(scope)][usize::from(tokens)][o].inc();
+    }
+
+    /// Counts one concurrency limit of a decided chain (`kind="in_flight"`).
+    pub fn in_flight_limit(&self, scope: ScopeKind, outcome: LimitOutcome) {
+        let o = match outcome {
+            LimitOutcome::Within => 0,
+            LimitOutcome::Near => 1,
+            LimitOutcome::Over => 2,
+            LimitOutcome::ShadowOver => 3,
+        };
+        self.0.limits[scope_index(scope)][2][o].inc();
     }
 
     /// Counts metered tokens.

@@ -42,6 +42,7 @@ use crate::openai::frames::{self, FrameReader, GOING_AWAY, MAX_METERED_MESSAGE, 
 use crate::openai::realtime::session_model;
 use crate::openai::usage::response_done_usage;
 use crate::pricing::Prices;
+use crate::slots::Slots;
 use crate::store::GatewayStore;
 
 /// The buffer each direction of a session copies through.
@@ -135,10 +136,11 @@ impl Sessions {
     }
 
     /// Runs the session whose handshake both sides have answered, in a task of its own: `key`'s
-    /// session, holding `slot` until it has ended and charged what it metered.
+    /// session, holding `slot` (its place under `[realtime] max_connections`) and its chain's
+    /// concurrency `slots` until it has ended and charged what it metered.
     pub(crate) fn spawn(
         &self,
-        slot: Slot,
+        (slot, slots): (Slot, Option<Slots>),
         key: Arc<str>,
         SessionMeter {
             charger,
@@ -157,6 +159,7 @@ impl Sessions {
             flush: self.flush,
             close: self.close.subscribe(),
             _slot: slot,
+            _slots: slots,
         };
         tokio::spawn(session.run(caller, upstream));
     }
@@ -202,6 +205,8 @@ struct Session {
     close: watch::Receiver<bool>,
     /// Held until the session has ended.
     _slot: Slot,
+    /// The chain's concurrency slots: the session holds them for its whole life.
+    _slots: Option<Slots>,
 }
 
 /// What a session is charged to and tells its caller of.

@@ -50,6 +50,7 @@ pub async fn open(config: &StoreConfig) -> Result<(GatewayStore, StoreGuard), Er
             if let Some(prefix) = &config.prefix {
                 redis.prefix = prefix.clone();
             }
+            redis.lease = config.lease;
             let store = RedisStore::connect(redis).await?;
             Ok((AnyStore::Redis(store), StoreGuard { _sweeper: None }))
         }

@@ -124,7 +124,8 @@ impl Chain {
     /// [`lease`](ChainDecision::lease) to [`release`](Self::release) when it is done; a request
     /// that finds an enforced concurrency limit full is refused
     /// ([`ChainDecision::refused_in_flight`]), with no retry time (none is known: a slot frees
-    /// when a running request ends), and charged nothing.
+    /// when a running request ends), and charged nothing. An admission of cost 0 (a read of
+    /// the rate limits' state) takes no slot and reports none.
     ///
     /// A request that can never pass (`cost` above an enforced charged limit's max, or an
     /// enforced token limit of zero) is refused without a retry time and without touching the
@@ -148,7 +149,8 @@ impl Chain {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
-        if !self.in_flight.is_empty() {
+        // An admission of cost 0 reads the rate limits and charges nothing: it takes no slot.
+        if !self.in_flight.is_empty() && cost > 0 {
             return self.admit_holding(store, cost, now).await;
         }
         if self.limits.is_empty() {

@@ -1,5 +1,6 @@
-//! Limits: the two seed shapes, `rate_limit = { requests, window_sec }` on `[gateway]` and on a
-//! key, and `[[rate_limits]]` entries, resolved into each scope's [`ScopeLimit`]s and merged.
+//! Limits: the two seed shapes, `rate_limit = { requests, window_sec, max_in_flight }` on
+//! `[gateway]` and on a key, and `[[rate_limits]]` entries, resolved into each scope's
+//! [`ScopeLimit`]s and concurrency limit, and merged.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -9,7 +10,8 @@ use toml::Spanned;
 
 use super::raw::{RawGateway, RawRateLimit, RawWindow};
 use super::types::{
-    ConfigError, DEFAULT_REQUESTS, DEFAULT_WINDOW_SEC, GATEWAY_ID, Limits, ScopeLimit,
+    ConfigError, DEFAULT_REQUESTS, DEFAULT_WINDOW_SEC, GATEWAY_ID, InFlightConfig, Limits,
+    ScopeLimit,
 };
 use super::validate::Validator;
 
@@ -41,15 +43,51 @@ impl Validator<'_> {
         limits: &mut Limits,
     ) -> Result<(), ConfigError> {
         let limit = self.window(w, field)?;
+        let shadow = w.get_ref().shadow.unwrap_or(false);
+        if let Some(max) = &w.get_ref().max_in_flight {
+            let field = format!("{field}.max_in_flight");
+            self.in_flight(max, &field, scope.clone(), shadow, limits)?;
+        }
         merge(
             limits,
             scope,
             ScopeLimit {
                 charge: Charge::Admission,
                 limit,
-                shadow: w.get_ref().shadow.unwrap_or(false),
+                shadow,
             },
         );
+        Ok(())
+    }
+
+    /// A `max_in_flight` at `field` for `scope`, merged into its concurrency limit (the smaller
+    /// max is kept).
+    fn in_flight(
+        &self,
+        max: &Spanned<u64>,
+        field: &str,
+        scope: (ScopeKind, String),
+        shadow: bool,
+        limits: &mut Limits,
+    ) -> Result<(), ConfigError> {
+        let n = *max.get_ref();
+        if n == 0 {
+            return Err(self.error(
+                max.span(),
+                field,
+                "must be at least 1 (a scope that may run nothing would refuse every request)",
+            ));
+        }
+        let new = InFlightConfig { max: n, shadow };
+        limits
+            .in_flight
+            .entry(scope)
+            .and_modify(|old| {
+                if n < old.max {
+                    *old = new;
+                }
+            })
+            .or_insert(new);
         Ok(())
     }
 
@@ -74,8 +112,12 @@ impl Validator<'_> {
                 "rate limit needs the id of the {kind} it limits",
                 keys,
             )?;
-            if r.rpm.is_none() && r.tpm.is_none() {
-                return Err(self.error(span, field("rpm"), "set `rpm`, `tpm` or both"));
+            if r.rpm.is_none() && r.tpm.is_none() && r.max_in_flight.is_none() {
+                return Err(self.error(
+                    span,
+                    field("rpm"),
+                    "set `rpm`, `tpm`, `max_in_flight` or several",
+                ));
             }
             if let Some(first) = seen.insert((kind, id.clone()), i) {
                 return Err(self.error(
@@ -83,6 +125,11 @@ impl Validator<'_> {
                     field("scope"),
                     format!("rate_limits[{first}] already limits this {kind}: merge the two"),
                 ));
+            }
+            if let Some(max) = &r.max_in_flight {
+                let shadow = r.shadow.unwrap_or(false);
+                let f = field("max_in_flight");
+                self.in_flight(max, &f, (kind, id.clone()), shadow, limits)?;
             }
             if let Some(rpm) = r.rpm {
                 merge(
@@ -139,7 +186,7 @@ impl Validator<'_> {
 /// Adds `limit` to `scope`'s limits; for the same charge and window the smaller max is kept
 /// (storage keys of one chain must be distinct).
 fn merge(limits: &mut Limits, scope: (ScopeKind, String), limit: ScopeLimit) {
-    let list = limits.entry(scope).or_default();
+    let list = limits.windows.entry(scope).or_default();
     match list
         .iter_mut()
         .find(|l| l.charge == limit.charge && l.limit.window() == limit.limit.window())

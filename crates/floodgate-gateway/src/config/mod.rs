@@ -69,6 +69,11 @@ impl Config {
         v.resolve(raw, redis_url_env)
     }
 
+    /// The concurrency limit of scope `(kind, id)`, if any.
+    pub fn scope_in_flight(&self, kind: ScopeKind, id: &str) -> Option<&InFlightConfig> {
+        self.in_flight.get(&(kind, id.to_owned()))
+    }
+
     /// The limits of scope `(kind, id)`, if any.
     pub fn scope_limits(&self, kind: ScopeKind, id: &str) -> &[ScopeLimit] {
         self.limits

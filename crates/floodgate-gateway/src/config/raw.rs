@@ -100,6 +100,7 @@ pub(super) struct RawStore {
     pub(super) url: Option<Spanned<String>>,
     pub(super) on_error: Option<RawOnError>,
     pub(super) prefix: Option<String>,
+    pub(super) lease_sec: Option<Spanned<u64>>,
 }
 
 /// `on_error`: one mode for everything, or one per kind of limit.
@@ -159,11 +160,12 @@ pub(super) struct RawGateway {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a table like { requests = 100, window_sec = 60 }"
+    expecting = "a table like { requests = 100, window_sec = 60, max_in_flight = 10 }"
 )]
 pub(super) struct RawWindow {
     pub(super) requests: Option<u64>,
     pub(super) window_sec: Option<Spanned<u64>>,
+    pub(super) max_in_flight: Option<Spanned<u64>>,
     pub(super) shadow: Option<bool>,
 }
 
@@ -186,12 +188,13 @@ pub(super) struct RawKey {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm, shadow)"
+    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm, max_in_flight, shadow)"
 )]
 pub(super) struct RawRateLimit {
     pub(super) scope: Spanned<String>,
     pub(super) id: Option<Spanned<String>>,
     pub(super) rpm: Option<u64>,
     pub(super) tpm: Option<u64>,
+    pub(super) max_in_flight: Option<Spanned<u64>>,
     pub(super) shadow: Option<bool>,
 }

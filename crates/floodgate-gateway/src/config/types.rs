@@ -150,6 +150,8 @@ pub struct Config {
     /// Limits per scope, from both config shapes, merged: `(scope, id) -> limits`. The gateway
     /// scope's id is `gateway`.
     pub limits: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
+    /// Concurrency limits per scope (`max_in_flight`): `(scope, id) -> limit`.
+    pub in_flight: BTreeMap<(ScopeKind, String), InFlightConfig>,
     /// The refusal tally and `/alerts`.
     pub alerts: AlertsConfig,
     /// `[admin]`: the admin listener; `None`: none.
@@ -210,6 +212,7 @@ impl Config {
         };
         self.limits
             .keys()
+            .chain(self.in_flight.keys().filter(|s| !self.limits.contains_key(s)))
             .filter(unused)
             .map(|(kind, id)| {
                 format!("no key belongs to {kind} `{id}`: its limits apply to nobody")
@@ -304,6 +307,8 @@ pub struct StoreConfig {
     pub on_error_by_kind: OnErrorKinds,
     /// The Redis key prefix (the library's default `fg:` when `None`).
     pub prefix: Option<String>,
+    /// How long a concurrency slot lives on Redis without renewal (`lease_sec`, default 15).
+    pub lease: Duration,
 }
 
 impl fmt::Debug for StoreConfig {
@@ -314,6 +319,7 @@ impl fmt::Debug for StoreConfig {
             .field("url", &self.url.as_ref().map(|_| "<set>"))
             .field("on_error", &self.on_error_by_kind)
             .field("prefix", &self.prefix)
+            .field("lease", &self.lease)
             .finish()
     }
 }
@@ -444,6 +450,12 @@ pub fn default_workers() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
+/// The shortest `[store] lease_sec`: renewed every third of it, a shorter lease would spend its
+/// margin on one slow round trip.
+pub const MIN_LEASE_SEC: u64 = 3;
+/// The longest `[store] lease_sec`: a dead replica's slots stay taken this long.
+pub const MAX_LEASE_SEC: u64 = 300;
+
 /// The id under which gateway-wide limits are kept.
 pub const GATEWAY_ID: &str = "gateway";
 
@@ -482,5 +494,29 @@ impl fmt::Display for ScopeLimit {
     }
 }
 
-/// Limits per scope, as [`Config::limits`] keeps them: `(scope, id) -> limits`.
-pub(crate) type Limits = BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>;
+/// A scope's concurrency limit (`max_in_flight`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct InFlightConfig {
+    /// The most requests and realtime sessions of the scope running at once (at least 1).
+    pub max: u64,
+    /// Slots taken and given back as usual, but never refusing.
+    pub shadow: bool,
+}
+
+impl fmt::Display for InFlightConfig {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} in flight", self.max)?;
+        if self.shadow {
+            f.write_str(" (shadow)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Limits per scope, as the config resolves them: `(scope, id) -> limits` ([`Config::limits`])
+/// and `(scope, id) -> concurrency limit` ([`Config::in_flight`]).
+#[derive(Debug, Default)]
+pub(crate) struct Limits {
+    pub(crate) windows: BTreeMap<(ScopeKind, String), Vec<ScopeLimit>>,
+    pub(crate) in_flight: BTreeMap<(ScopeKind, String), InFlightConfig>,
+}

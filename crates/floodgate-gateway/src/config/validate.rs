@@ -19,7 +19,8 @@ use super::raw::{
 use super::types::{
     AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
     DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
-    DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig, Limits, MAX_REALTIME_DRAIN_SEC, OnError,
+    DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig, Limits, MAX_LEASE_SEC,
+    MAX_REALTIME_DRAIN_SEC, MIN_LEASE_SEC, OnError,
     OnErrorKinds, PriceConfig, REDIS_URL_ENV, RealtimeConfig, StoreConfig, UpstreamConfig,
     UpstreamTarget, default_max_buffered_mib,
 };
@@ -148,7 +149,7 @@ impl Validator<'_> {
         let upstream = self.upstream(raw.upstream)?;
         let realtime = self.realtime(raw.realtime)?;
 
-        let mut limits = Limits::new();
+        let mut limits = Limits::default();
         // `[gateway] shadow = true`: every limit and budget observed, none enforced.
         let all_shadow = raw.gateway.as_ref().and_then(|g| g.shadow) == Some(true);
         self.gateway_limit(raw.gateway, &mut limits)?;
@@ -160,7 +161,8 @@ impl Validator<'_> {
         let prices = self.prices(raw.prices)?;
         let mut budgets = self.budgets(raw.budgets, &keys.ids)?;
         if all_shadow {
-            limits.values_mut().flatten().for_each(|l| l.shadow = true);
+            limits.windows.values_mut().flatten().for_each(|l| l.shadow = true);
+            limits.in_flight.values_mut().for_each(|l| l.shadow = true);
             budgets.values_mut().flatten().for_each(|b| b.shadow = true);
         }
 
@@ -176,7 +178,8 @@ impl Validator<'_> {
             upstream,
             realtime,
             keys: keys.keys,
-            limits,
+            limits: limits.windows,
+            in_flight: limits.in_flight,
             alerts,
             admin,
             prices,
@@ -733,9 +736,22 @@ impl Validator<'_> {
         raw: Option<RawStore>,
         env_url: Option<String>,
     ) -> Result<StoreConfig, ConfigError> {
-        let (backend, url, on_error, prefix) = match raw {
-            None => (None, None, None, None),
-            Some(s) => (s.backend, s.url, s.on_error, s.prefix),
+        let (backend, url, on_error, prefix, lease_sec) = match raw {
+            None => (None, None, None, None, None),
+            Some(s) => (s.backend, s.url, s.on_error, s.prefix, s.lease_sec),
+        };
+        let lease = match lease_sec {
+            None => floodgate::store::redis::DEFAULT_LEASE,
+            Some(s) if (MIN_LEASE_SEC..=MAX_LEASE_SEC).contains(s.get_ref()) => {
+                Duration::from_secs(*s.get_ref())
+            }
+            Some(s) => {
+                return Err(self.error(
+                    s.span(),
+                    "store.lease_sec",
+                    format!("must be {MIN_LEASE_SEC} to {MAX_LEASE_SEC} seconds"),
+                ));
+            }
         };
         let backend_span = backend.as_ref().map(|b| b.span());
         let backend = backend.map_or(Backend::Memory, Spanned::into_inner);
@@ -806,6 +822,7 @@ impl Validator<'_> {
             on_error: by_kind.uniform().unwrap_or(OnError::Closed),
             on_error_by_kind: by_kind,
             prefix,
+            lease,
         })
     }
 

@@ -24,6 +24,7 @@ use crate::auth::{KeyEntry, ResolvedChain};
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
+use crate::slots::Slots;
 use crate::tally::Subject;
 
 /// One request's context: who sent it, what limits it, what it is.
@@ -50,6 +51,9 @@ pub(super) struct Admitted {
     decision: ChainDecision,
     /// [`Decision::Admitted`], or [`Decision::Unenforced`] when the store failed open.
     pub(super) log_as: Decision,
+    /// The concurrency slots the request holds, if its chain has concurrency limits: given back
+    /// when this is dropped, or when the body it is moved into ends.
+    slots: Option<Slots>,
 }
 
 impl Ctx {
@@ -244,7 +248,15 @@ impl Ctx {
             (Decision::Unenforced, Outcome::Unenforced)
         };
         self.state.metrics().request(outcome);
-        Ok(Admitted { decision, log_as })
+        let charger = self.state.charges();
+        let slots = decision
+            .lease
+            .map(|lease| Slots::new(charger, Arc::clone(&self.chain), lease));
+        Ok(Admitted {
+            decision,
+            log_as,
+            slots,
+        })
     }
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
@@ -262,11 +274,14 @@ impl Ctx {
     }
 
     /// Whether a store failure lets this request's chain through unchecked: every kind of
-    /// limit it has (requests, tokens) fails open.
+    /// limit it has (requests, concurrency counted as requests, tokens) fails open.
     fn chain_fails_open(&self) -> bool {
         let limits = self.chain.limits();
         let has = |charge| limits.iter().any(|l| l.charge() == charge);
-        (!has(floodgate::Charge::Admission) || self.state.fails_open(LimitKind::Requests))
+        // Concurrency limits count requests: they fail as request limits do.
+        let counts_requests =
+            has(floodgate::Charge::Admission) || !self.chain.in_flight().is_empty();
+        (!counts_requests || self.state.fails_open(LimitKind::Requests))
             && (!has(floodgate::Charge::Reactive) || self.state.fails_open(LimitKind::Tokens))
     }
 
@@ -289,13 +304,36 @@ impl Ctx {
             let tokens = s.charge == floodgate::Charge::Reactive;
             metrics.limit(s.scope, tokens, outcome);
         }
+        // The refusing one is the first enforced full one, when no rate limit refused.
+        let mut refusing = decision.refused_in_flight().is_some();
+        for s in &decision.in_flight {
+            let outcome = if s.shadow && s.over {
+                LimitOutcome::ShadowOver
+            } else if refusing && s.over {
+                refusing = false;
+                LimitOutcome::Over
+            } else if s.remaining().saturating_mul(5) <= s.max {
+                LimitOutcome::Near
+            } else {
+                LimitOutcome::Within
+            };
+            metrics.in_flight_limit(s.scope, outcome);
+        }
     }
 
     /// The 429 for a request the chain refused, with the refusing limit's headers; counted in
     /// the refusal tally.
     fn refuse(&self, decision: &ChainDecision) -> Response {
-        let (err, log_as) = match decision.refusing() {
-            Some(r) => {
+        let (err, log_as) = match (decision.refusing(), decision.refused_in_flight()) {
+            (None, Some(r)) => {
+                self.count_refusal(r.scope);
+                let err = AppError::ConcurrencyLimited {
+                    scope: r.scope,
+                    max: r.max,
+                };
+                (err, Decision::InFlight(r.scope))
+            }
+            (Some(r), _) => {
                 self.count_refusal(r.scope);
                 let err = AppError::RateLimited {
                     scope: r.scope,
@@ -305,13 +343,19 @@ impl Ctx {
                 };
                 (err, Decision::Refused(r.scope))
             }
-            None => {
+            (None, None) => {
                 let err = AppError::Internal("refused without a refusing limit".into());
                 (err, Decision::RefusedUnnamed)
             }
         };
+        let own_wait = err.retry_after();
         let mut resp = self.answer(err, log_as);
         headers::apply(resp.headers_mut(), decision, &self.fixed);
+        headers::apply_in_flight(resp.headers_mut(), decision);
+        if let Some(wait) = own_wait {
+            // A concurrency refusal: no rate limit refused, so no limit's wait was set.
+            headers::apply_retry_after(resp.headers_mut(), wait);
+        }
         resp
     }
 
@@ -363,6 +407,13 @@ impl Admitted {
     /// Sets the chain's rate-limit headers on an answer to the admitted request.
     pub(super) fn apply_headers(&self, headers: &mut HeaderMap, ctx: &Ctx) {
         headers::apply(headers, &self.decision, &ctx.fixed);
+        headers::apply_in_flight(headers, &self.decision);
+    }
+
+    /// The request's concurrency slots, to hold for as long as its answer is sent (a body, a
+    /// realtime session); `None` when its chain has none, or once taken.
+    pub(super) fn take_slots(&mut self) -> Option<Slots> {
+        self.slots.take()
     }
 }
 
@@ -371,7 +422,7 @@ fn outcome_of(decision: Decision) -> Outcome {
     match decision {
         Decision::Admitted => Outcome::Admitted,
         Decision::Unenforced => Outcome::Unenforced,
-        Decision::Refused(scope) => Outcome::Refused(scope),
+        Decision::Refused(scope) | Decision::InFlight(scope) => Outcome::Refused(scope),
         Decision::Budget(scope) => Outcome::Budget(scope),
         // The process's own cap refused: a refusal of the gateway, as the tally counts it.
         Decision::TooManyConnections => Outcome::Refused(ScopeKind::Gateway),

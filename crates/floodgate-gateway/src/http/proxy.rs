@@ -15,6 +15,7 @@ use crate::access_log::{self, Decision};
 use crate::error::AppError;
 use crate::metering::{Meter, MeteredBody, Spend};
 use crate::openai::realtime::is_realtime;
+use crate::slots::HoldingBody;
 
 /// Answers a request for `/v1/...`.
 pub(super) async fn proxy(state: AppState, req: Request) -> Response {
@@ -79,7 +80,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         Ok(checked) => checked,
         Err((err, decision)) => return ctx.reject(err, decision).await,
     };
-    let admitted = match ctx.admit().await {
+    let mut admitted = match ctx.admit().await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -128,10 +129,17 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
             Meter::None
         }
     };
+    // The request holds its concurrency slots until its body is sent whole or dropped (the
+    // caller gone); a metered body read on after its caller left holds none.
+    let slots = admitted.take_slots();
+    let held = |body: Body| match slots {
+        Some(slots) => Body::new(HoldingBody::new(body, slots)),
+        None => body,
+    };
     if matches!(meter, Meter::None) && !access_log::enabled() {
         // Nothing to read and no line to write when the body ends (the request log is off):
         // the upstream body goes out as it is, without a wrapper.
-        return Response::from_parts(head, body);
+        return Response::from_parts(head, held(body));
     }
     let line = ctx.pending_line(head.status, &admitted);
     let spend = ctx.spend_budgets.map(|budgets| Spend {
@@ -140,5 +148,5 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         request_model: model,
     });
     let body = MeteredBody::new(body, meter, (ctx.state.charges(), ctx.chain), spend, line);
-    Response::from_parts(head, Body::new(body))
+    Response::from_parts(head, held(Body::new(body)))
 }

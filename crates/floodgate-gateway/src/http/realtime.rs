@@ -121,7 +121,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         };
         return ctx.answer(err, Decision::TooManyConnections);
     };
-    let admitted = match ctx.admit().await {
+    let mut admitted = match ctx.admit().await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -173,7 +173,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     // A metered session's caller is told its own chain's limits after each turn.
     let rates = metered.then(|| Arc::clone(&ctx.chain));
     sessions.spawn(
-        slot,
+        (slot, admitted.take_slots()),
         Arc::clone(&ctx.key.id),
         SessionMeter {
             charger,

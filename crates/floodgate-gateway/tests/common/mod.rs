@@ -492,3 +492,28 @@ pub fn serve_binary(file: &std::path::Path) -> std::process::Child {
         .spawn()
         .unwrap()
 }
+
+/// The Redis server tests use (`FLOODGATE_TEST_REDIS_URL`), or `None` with a note (the test
+/// skips) — unless `FLOODGATE_REQUIRE_REDIS=1` (CI), when a skip is a failure.
+pub fn test_redis_url(test: &str) -> Option<String> {
+    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+                "{test}: FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is not set"
+            );
+            eprintln!("{test}: skipped, FLOODGATE_TEST_REDIS_URL is not set");
+            None
+        }
+    }
+}
+
+/// A key prefix no other test (or run) uses.
+pub fn fresh_prefix() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("fgtest:{}-{nanos}:", std::process::id())
+}

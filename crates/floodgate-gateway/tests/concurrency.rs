@@ -1,0 +1,389 @@
+//! Concurrency limits (`max_in_flight`, docs/design.md §9): a request holds a slot in each of
+//! its chain's concurrency limits from its admission to the end of its answer; a refusal takes
+//! none anywhere; across replicas on Redis the slots are leases that a live replica renews and a
+//! dead one's lapse.
+//!
+//! The upstream here holds every request at a gate until the test opens it, and counts how
+//! many it holds at once: tests wait for those events, not for time (except where time passing
+//! is the point: a lease outliving its lease time, a dead replica's lapsing).
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::extract::State;
+use axum::routing::post;
+use common::*;
+use tokio::net::TcpListener;
+use tokio::sync::{Notify, Semaphore};
+
+/// An upstream that holds each request until [`Gate::open`] lets one through.
+#[derive(Clone)]
+struct Gate {
+    inner: Arc<GateInner>,
+}
+
+struct GateInner {
+    /// Requests held now, and the most ever held at once.
+    held: AtomicUsize,
+    most: AtomicUsize,
+    /// Requests that arrived.
+    arrived: AtomicUsize,
+    changed: Notify,
+    permits: Semaphore,
+}
+
+impl Gate {
+    async fn serve() -> (Gate, String) {
+        let gate = Gate {
+            inner: Arc::new(GateInner {
+                held: AtomicUsize::new(0),
+                most: AtomicUsize::new(0),
+                arrived: AtomicUsize::new(0),
+                changed: Notify::new(),
+                permits: Semaphore::new(0),
+            }),
+        };
+        let app = Router::new()
+            .route("/v1/chat/completions", post(held))
+            .with_state(gate.clone());
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        (gate, url)
+    }
+
+    /// Lets `n` held requests (or the next ones to come) answer.
+    fn open(&self, n: usize) {
+        self.inner.permits.add_permits(n);
+    }
+
+    fn most(&self) -> usize {
+        self.inner.most.load(Ordering::SeqCst)
+    }
+
+    /// Waits until `n` requests have arrived in all (bounded, so a test fails, not hangs).
+    async fn arrived(&self, n: usize) {
+        let wait = async {
+            loop {
+                let changed = self.inner.changed.notified();
+                if self.inner.arrived.load(Ordering::SeqCst) >= n {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .unwrap_or_else(|_| panic!("{n} requests never arrived upstream"));
+    }
+}
+
+async fn held(State(gate): State<Gate>) -> axum::Json<serde_json::Value> {
+    let g = &gate.inner;
+    let now = g.held.fetch_add(1, Ordering::SeqCst) + 1;
+    g.most.fetch_max(now, Ordering::SeqCst);
+    g.arrived.fetch_add(1, Ordering::SeqCst);
+    g.changed.notify_waiters();
+    // Dropped with the request (a caller gone), the counter still comes down.
+    struct Leaving<'a>(&'a GateInner);
+    impl Drop for Leaving<'_> {
+        fn drop(&mut self) {
+            self.0.held.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+    let _leaving = Leaving(g);
+    g.permits.acquire().await.unwrap().forget();
+    axum::Json(serde_json::json!({
+        "id": "x", "object": "chat.completion", "model": "fake",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+    }))
+}
+
+const BODY: &str = r#"{"model":"m","messages":[]}"#;
+
+fn two_at_once(store: &str) -> String {
+    format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+{store}
+[[keys]]
+id = "alice"
+secret = "sk-alice"
+org = "acme"
+rate_limit = {{ requests = 100, max_in_flight = 2 }}
+[[keys]]
+id = "bob"
+secret = "sk-bob"
+org = "acme"
+[[rate_limits]]
+scope = "org"
+id = "acme"
+tpm = 100000
+"#
+    )
+}
+
+type Sent = tokio::task::JoinHandle<Reply>;
+
+fn send(gw: &Arc<Gateway>, key: &'static str) -> Sent {
+    let gw = Arc::clone(gw);
+    tokio::spawn(async move { gw.chat(key, BODY).await })
+}
+
+/// Splits `sends` once `running` of them are held upstream: the answered ones (refusals come
+/// back without waiting for the gate) and those still running.
+async fn split(sends: Vec<Sent>, running: usize) -> (Vec<Reply>, Vec<Sent>) {
+    let mut answered = Vec::new();
+    let mut pending = sends;
+    while pending.len() > running {
+        let (done, _, rest) = futures_util::future::select_all(pending).await;
+        answered.push(done.unwrap());
+        pending = rest;
+    }
+    (answered, pending)
+}
+
+/// The first of `running` to finish, once the gate lets one through.
+async fn first_done(running: Vec<Sent>) -> (Reply, Vec<Sent>) {
+    let (done, _, rest) = futures_util::future::select_all(running).await;
+    (done.unwrap(), rest)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_runs_at_most_its_slots_and_a_refusal_takes_none() {
+    let (gate, url) = Gate::serve().await;
+    let gw = Arc::new(gateway(&two_at_once(""), &url).await);
+    let sends: Vec<Sent> = (0..5).map(|_| send(&gw, "sk-alice")).collect();
+    // Two run; three are refused while they do.
+    gate.arrived(2).await;
+    let (refused, running) = split(sends, 2).await;
+    assert_eq!(gate.most(), 2);
+    for r in &refused {
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], "concurrency_limit_exceeded");
+        let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+        assert!(message.contains("for key"), "{message}");
+        assert_eq!(r.header("retry-after"), Some("1"));
+        assert_eq!(r.header("retry-after-ms"), Some("1000"));
+        assert_eq!(r.header("x-floodgate-in-flight-limit"), Some("2"));
+        assert_eq!(r.header("x-floodgate-in-flight-remaining"), Some("0"));
+        assert_eq!(r.header("x-floodgate-in-flight-scope"), Some("key"));
+        // The rate limits as now: two requests charged, none of the refused.
+        assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("98"));
+    }
+    // Another key of the org is not held back: it reaches the upstream beside them.
+    let bob = send(&gw, "sk-bob");
+    gate.arrived(3).await;
+    // One finishes: its slot comes back once its body is sent, and the next one runs.
+    gate.open(1);
+    let (done, running) = first_done(running).await;
+    assert_eq!(done.status, 200);
+    assert_eq!(done.header("x-floodgate-in-flight-limit"), Some("2"));
+    assert_eq!(done.header("x-floodgate-in-flight-remaining"), Some("0"));
+    gw.settled().await;
+    let next = send(&gw, "sk-alice");
+    gate.arrived(4).await;
+    gate.open(3);
+    let next = next.await.unwrap();
+    assert_eq!(next.status, 200, "{}", next.text());
+    assert_eq!(next.header("x-ratelimit-remaining-requests"), Some("97"));
+    for s in running {
+        assert_eq!(s.await.unwrap().status, 200);
+    }
+    let bob = bob.await.unwrap();
+    assert_eq!(bob.status, 200);
+    assert_eq!(bob.header("x-floodgate-in-flight-limit"), None, "bob has none");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_that_leaves_gives_its_slot_back() {
+    let (gate, url) = Gate::serve().await;
+    let text = two_at_once("").replace("max_in_flight = 2", "max_in_flight = 1");
+    let gw = Arc::new(gateway(&text, &url).await);
+    let leaving = {
+        let gw = Arc::clone(&gw);
+        tokio::spawn(async move { gw.chat("sk-alice", BODY).await })
+    };
+    gate.arrived(1).await;
+    assert_eq!(gw.chat("sk-alice", BODY).await.status, 429);
+    leaving.abort();
+    // The caller gone, the gateway drops the request and gives the slot back.
+    gw.settled().await;
+    let start = Instant::now();
+    loop {
+        let again = send(&gw, "sk-alice");
+        gate.open(2);
+        let r = again.await.unwrap();
+        if r.status == 200 {
+            break;
+        }
+        // The abort reaches the gateway when the connection closes: a moment after.
+        assert!(start.elapsed() < Duration::from_secs(5), "the slot never came back");
+        gw.settled().await;
+    }
+}
+
+/// Three replicas (three stores on one Redis, as three processes would have).
+async fn replicas(text: &str, url: &str, n: usize) -> Vec<Arc<Gateway>> {
+    let c = config(text, url);
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+        out.push(Arc::new(gateway_on(&c, store).await));
+    }
+    out
+}
+
+fn on_redis(url: &str, max: u64, lease_sec: u64) -> String {
+    format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+[store]
+backend = "redis"
+url = "{url}"
+prefix = "{prefix}"
+lease_sec = {lease_sec}
+[[keys]]
+id = "alice"
+secret = "sk-alice"
+org = "acme"
+rate_limit = {{ requests = 1000, max_in_flight = {max} }}
+"#,
+        prefix = fresh_prefix()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_redis_run_at_most_the_slots_between_them() {
+    let Some(redis) = test_redis_url("three_replicas_on_redis_run_at_most_the_slots_between_them")
+    else {
+        return;
+    };
+    let (gate, url) = Gate::serve().await;
+    let gws = replicas(&on_redis(&redis, 3, 15), &url, 3).await;
+    let sends: Vec<_> = (0..20)
+        .map(|i| {
+            let gw = Arc::clone(&gws[i % 3]);
+            tokio::spawn(async move { gw.chat("sk-alice", BODY).await })
+        })
+        .collect();
+    gate.arrived(3).await;
+    // Every other request is refused while three run.
+    let (refused, mut running) = split(sends, 3).await;
+    assert_eq!(refused.len(), 17);
+    for r in &refused {
+        assert_eq!(r.status, 429, "{}", r.text());
+        assert_eq!(r.json()["error"]["code"], "concurrency_limit_exceeded");
+    }
+    assert_eq!(gate.most(), 3);
+    // As each finishes, the next can start, on any replica.
+    for round in 0..6 {
+        gate.open(1);
+        let (done, rest) = first_done(running).await;
+        running = rest;
+        assert_eq!(done.status, 200);
+        for gw in &gws {
+            gw.settled().await;
+        }
+        running.push(send(&gws[round % 3], "sk-alice"));
+        gate.arrived(4 + round).await;
+        assert_eq!(gate.most(), 3, "never more than three at once");
+    }
+    gate.open(3);
+    for s in running {
+        let r = s.await.unwrap();
+        assert_eq!(r.status, 200);
+        // The refused requests took no slot and charged no rate limit: 3 + 6 ran.
+        assert!(r.header("x-ratelimit-remaining-requests").is_some());
+    }
+    for gw in &gws {
+        gw.settled().await;
+    }
+    let last = send(&gws[0], "sk-alice");
+    gate.open(1);
+    let last = last.await.unwrap();
+    assert_eq!(last.header("x-ratelimit-remaining-requests"), Some("990"));
+    assert_eq!(last.header("x-floodgate-in-flight-remaining"), Some("2"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_replicas_slots_lapse_within_the_lease_and_a_live_one_keeps_its_own() {
+    let Some(redis) =
+        test_redis_url("a_killed_replicas_slots_lapse_within_the_lease_and_a_live_one_keeps_its_own")
+    else {
+        return;
+    };
+    let (gate, url) = Gate::serve().await;
+    let lease = Duration::from_secs(3);
+    let text = on_redis(&redis, 1, lease.as_secs());
+    let port = free_port();
+    let file = std::env::temp_dir().join(format!("fg-lease-{port}.toml"));
+    let binary_text = format!("[server]\nlisten = \"127.0.0.1:{port}\"\n{text}")
+        .replace("{upstream}", &url);
+    std::fs::write(&file, &binary_text).unwrap();
+    let mut child = serve_binary(&file);
+    let live = replicas(&text, &url, 1).await.remove(0);
+    // The binary's replica takes the one slot with a request the upstream holds.
+    let addr = format!("127.0.0.1:{port}");
+    let held = tokio::spawn(async move {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match tokio::net::TcpStream::connect(&addr).await {
+                Ok(mut tcp) => {
+                    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                    let req = format!(
+                        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-alice\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{BODY}",
+                        BODY.len()
+                    );
+                    tcp.write_all(req.as_bytes()).await.unwrap();
+                    let mut buf = Vec::new();
+                    let _ = tcp.read_to_end(&mut buf).await;
+                    return buf;
+                }
+                Err(_) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await
+                }
+                Err(e) => panic!("the binary never listened: {e}"),
+            }
+        }
+    });
+    gate.arrived(1).await;
+    // Longer than the lease: the binary renews its slot, and the other replica is refused
+    // throughout. (Time passing is what this checks.)
+    let start = Instant::now();
+    while start.elapsed() < lease + lease / 2 {
+        let r = live.chat("sk-alice", BODY).await;
+        assert_eq!(r.status, 429, "the slot stays held at {:?}", start.elapsed());
+        assert_eq!(r.json()["error"]["code"], "concurrency_limit_exceeded");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // kill -9: nothing gives the slot back; its lease lapses.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let killed = Instant::now();
+    let _ = held.await;
+    loop {
+        let attempt = send(&live, "sk-alice");
+        // Let an admitted one answer (two: the killed replica's request may still wait at the
+        // gate); a refused one never reaches it.
+        gate.open(2);
+        let r = attempt.await.unwrap();
+        if r.status == 200 {
+            break;
+        }
+        assert!(
+            killed.elapsed() < lease + Duration::from_secs(2),
+            "the dead replica's slot never lapsed"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(killed.elapsed() <= lease + Duration::from_millis(500));
+    let _ = std::fs::remove_file(&file);
+}
