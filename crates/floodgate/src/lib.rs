@@ -36,6 +36,8 @@ pub mod budget;
 pub mod chain;
 pub mod clock;
 mod error;
+#[cfg(feature = "http")]
+pub mod http;
 mod limiter;
 pub mod period;
 pub mod store;
