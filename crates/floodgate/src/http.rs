@@ -1,7 +1,7 @@
 //! Rate-limit response headers: the most restrictive limit's state, in the three dialects that
 //! clients read (classic `X-RateLimit-*`, IETF `RateLimit-Policy`/`RateLimit`, OpenAI
 //! `x-ratelimit-*-{requests,tokens}`), plus `Retry-After`/`retry-after-ms` on a refusal
-//! (docs/design.md §6). The gateway writes them with these functions.
+//! (docs/design.md §6). The gateway and the [tower layer](crate::tower) write them alike.
 //!
 //! A chain's decision is written by [`apply`], with the chain's fixed values formatted once
 //! ([`ChainHeaders`]); a token bucket's answer by [`apply_bucket`]. Both only insert: a caller

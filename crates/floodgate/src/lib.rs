@@ -14,6 +14,12 @@
 //! truth. The math lives in pure functions ([`window`], [`bucket`], [`chain`]) that both stores
 //! apply identically.
 //!
+//! For HTTP services: with the `http` feature, `floodgate::http` writes a decision as
+//! response headers (`X-RateLimit-*`, the IETF `RateLimit` fields, OpenAI's
+//! `x-ratelimit-*`, `Retry-After`), as the floodgate gateway sends them; with the `tower`
+//! feature, `floodgate::tower::RateLimitLayer` limits any tower service
+//! (axum, tonic, hyper) per name or per chain of names, and answers refusals with 429.
+//!
 //! ```
 //! use floodgate::{Admission, Rate, TokenBucket};
 //! use floodgate::store::MemoryStore;
@@ -41,6 +47,8 @@ pub mod http;
 mod limiter;
 pub mod period;
 pub mod store;
+#[cfg(feature = "tower")]
+pub mod tower;
 pub mod window;
 
 pub use bucket::{Admission, Rate};
