@@ -1,6 +1,6 @@
 //! The tower layer, driven with `tower::ServiceExt::oneshot`: headers on admitted and refused
 //! requests, chains and buckets, cost, unnamed requests, store failures, gRPC refusals, axum's
-//! `Router::layer`, and exactly N of M concurrent requests admitted, on the memory store and,
+//! `Router::layer` and tonic's server, and exactly N of M concurrent requests admitted, on the memory store and,
 //! when `FLOODGATE_TEST_REDIS_URL` is set, on Redis (a skip is a failure with
 //! `FLOODGATE_REQUIRE_REDIS=1`).
 
@@ -216,6 +216,39 @@ async fn axum_routers_take_the_layer() {
         .await
         .unwrap();
     assert_eq!(second.status(), 429);
+}
+
+#[tokio::test]
+async fn tonics_server_takes_the_layer() {
+    use tonic::body::Body as GrpcBody;
+    use tonic::service::Routes;
+
+    const ONE: TokenBucket<str> = TokenBucket::new("grpc", 1, Rate::per_second(1));
+    let key = |r: &Request<GrpcBody>| Some(r.headers().get("x-api-key")?.to_str().ok()?.to_owned());
+    let layer = RateLimitLayer::new(MemoryStore::new(), ONE, key);
+    // The server takes it as a layer around its routes (built, never run).
+    let server = tonic::transport::Server::builder()
+        .layer(layer.clone())
+        .add_routes(Routes::default())
+        .serve("127.0.0.1:0".parse().unwrap());
+    drop(server);
+
+    let call = || {
+        Request::builder()
+            .uri("/floodgate.Test/Call")
+            .header("content-type", "application/grpc")
+            .header("x-api-key", "alice")
+            .body(GrpcBody::empty())
+            .unwrap()
+    };
+    let routes = layer.layer(Routes::default());
+    let first = routes.clone().oneshot(call()).await.unwrap();
+    // Admitted, and answered by the routes: no such method.
+    assert_eq!(first.headers()["grpc-status"], "12");
+    assert_eq!(first.headers()["x-ratelimit-remaining"], "0");
+    let refused = routes.oneshot(call()).await.unwrap();
+    assert_eq!(refused.status(), 429);
+    assert_eq!(refused.headers()["grpc-status"], "8");
 }
 
 /// Exactly `n` of `m` concurrent requests for one name are admitted on `store`.
