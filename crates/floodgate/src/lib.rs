@@ -16,6 +16,12 @@
 //! truth. The math lives in pure functions ([`window`], [`bucket`], [`chain`]) that both stores
 //! apply identically.
 //!
+//! For HTTP services: with the `http` feature, `floodgate::http` writes a decision as
+//! response headers (`X-RateLimit-*`, the IETF `RateLimit` fields, OpenAI's
+//! `x-ratelimit-*`, `Retry-After`), as the floodgate gateway sends them; with the `tower`
+//! feature, `floodgate::tower::RateLimitLayer` limits any tower service
+//! (axum, tonic, hyper) per name or per chain of names, and answers refusals with 429.
+//!
 //! ```
 //! use floodgate::{Admission, Rate, TokenBucket};
 //! use floodgate::store::MemoryStore;
@@ -38,10 +44,14 @@ pub mod budget;
 pub mod chain;
 pub mod clock;
 mod error;
+#[cfg(feature = "http")]
+pub mod http;
 pub mod in_flight;
 mod limiter;
 pub mod period;
 pub mod store;
+#[cfg(feature = "tower")]
+pub mod tower;
 pub mod window;
 
 pub use bucket::{Admission, Rate};
@@ -54,7 +64,8 @@ pub use limiter::{BucketName, Chain, TokenBucket};
 pub use period::{Period, PeriodCounter};
 pub use window::{Charge, WindowLimit};
 
-/// The README's library example, compiled and run as a doctest.
+/// The README's examples, compiled (and the library's run) as doctests: with every feature they
+/// use (`cargo test --all-features`, as scripts/test runs them).
 #[doc = include_str!("../../../README.md")]
-#[cfg(doctest)]
+#[cfg(all(doctest, feature = "tower", feature = "redis"))]
 pub struct ReadmeDoctests;

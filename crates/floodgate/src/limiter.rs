@@ -303,6 +303,11 @@ impl<N: ?Sized + BucketName> TokenBucket<N> {
         }
     }
 
+    /// The limiter's name: part of every storage key, and its policy's name in response headers.
+    pub const fn name(&self) -> &'static str {
+        self.name
+    }
+
     /// The bucket's capacity and rate.
     pub const fn limit(&self) -> BucketLimit {
         self.limit
