@@ -18,3 +18,11 @@ async fn memory_store_passes_the_period_vectors() {
 async fn memory_store_races_past_a_shadow_limit_and_charges_it() {
     common::race_past_a_shadow_limit(MemoryStore::new()).await;
 }
+
+#[tokio::test]
+async fn state_read_and_clear_on_memory() {
+    let store = MemoryStore::new();
+    common::run_state_read_and_clear(&store).await;
+    // Reads wrote nothing: only the two windows admitted since the clear are held.
+    assert_eq!(store.len(), 2);
+}

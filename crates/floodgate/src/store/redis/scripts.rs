@@ -51,6 +51,16 @@ macro_rules! lua {
             include_str!($file)
         )
     };
+    // The state scripts read windows and counters alike (state.lua).
+    (state $file:literal) => {
+        concat!(
+            include_str!("clock.lua"),
+            include_str!("window.lua"),
+            include_str!("period.lua"),
+            include_str!("state.lua"),
+            include_str!($file)
+        )
+    };
 }
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
@@ -59,6 +69,8 @@ const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
 const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
+const STATE_READ_LUA: &str = lua!(state "state_read.lua");
+const STATE_CLEAR_LUA: &str = lua!(state "state_clear.lua");
 
 fn op(name: &'static str, source: &str, replay: Replay) -> Op {
     Op {
@@ -78,9 +90,15 @@ pub(super) static PERIODS_READ: LazyLock<Op> =
     LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
 pub(super) static PERIODS_ADD: LazyLock<Op> =
     LazyLock::new(|| op("periods_add", PERIODS_ADD_LUA, Replay::Never));
+// An operator's read, and a reset (a delete: idempotent).
+pub(super) static STATE_READ: LazyLock<Op> =
+    LazyLock::new(|| op("state_read", STATE_READ_LUA, Replay::Once));
+pub(super) static STATE_CLEAR: LazyLock<Op> =
+    LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`. For benchmarks
+/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
+/// `state_clear`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -95,6 +113,8 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
         "periods_add" => PERIODS_ADD_LUA,
+        "state_read" => STATE_READ_LUA,
+        "state_clear" => STATE_CLEAR_LUA,
         _ => return None,
     })
 }
@@ -158,5 +178,8 @@ mod tests {
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);
+        assert_eq!(STATE_READ.replay, Replay::Once);
+        assert_eq!(STATE_CLEAR.replay, Replay::Once);
+        assert!(script_source("state_clear").is_some_and(|s| s.contains("'DEL'")));
     }
 }
