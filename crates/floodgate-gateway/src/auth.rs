@@ -103,7 +103,14 @@ struct Customer {
     budgets: Vec<(Budget, bool)>,
 }
 
-fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
+/// The limits of scope `(kind, id)` stored under `tenant`'s hash tag, as every chain holds
+/// them (the admin listener reads and resets the very same state).
+pub(crate) fn limits_of(
+    config: &Config,
+    tenant: &str,
+    kind: ScopeKind,
+    id: &str,
+) -> Vec<ChainLimit> {
     config
         .scope_limits(kind, id)
         .iter()
@@ -114,7 +121,12 @@ fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<Ch
 }
 
 /// A scope's budgets, each with whether it is a shadow one.
-fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<(Budget, bool)> {
+pub(crate) fn budgets_of(
+    config: &Config,
+    tenant: &str,
+    kind: ScopeKind,
+    id: &str,
+) -> Vec<(Budget, bool)> {
     config
         .scope_budgets(kind, id)
         .iter()
