@@ -18,8 +18,8 @@ use axum::response::{IntoResponse, Response};
 use serde::Deserialize;
 use serde_json::json;
 
-use super::session::{COOKIE, Session, Verdict};
-use super::{Admin, Peer, busy, json_body, unix_now};
+use super::session::{COOKIE, SESSION_TTL, Session, Sessions, Verdict};
+use super::wire::{Peer, busy, csrf, json_body, unix_now};
 
 const PAGE: &str = include_str!("console/index.html");
 const STYLE: &str = include_str!("console/console.css");
@@ -32,8 +32,14 @@ struct SignIn {
     secret: String,
 }
 
-/// The console's answer to `path`, or `None` for a path that is not the console's.
-pub(super) async fn route(admin: &Admin, path: &str, req: Request<Body>) -> Option<Response> {
+/// The console's answer to `path`, or `None` for a path that is not the console's. `secret` is
+/// the digest of `[admin] secret` (`None`: no sign-in succeeds).
+pub(super) async fn route(
+    sessions: &Sessions,
+    secret: Option<&[u8; 32]>,
+    path: &str,
+    req: Request<Body>,
+) -> Option<Response> {
     let method = req.method().clone();
     let get = method == Method::GET || method == Method::HEAD;
     let asset = |content_type: &'static str, body: &'static str| {
@@ -54,12 +60,12 @@ pub(super) async fn route(admin: &Admin, path: &str, req: Request<Body>) -> Opti
         "/" | "/index.html" => asset("text/html; charset=utf-8", PAGE),
         "/console.css" => asset("text/css; charset=utf-8", STYLE),
         "/console.js" => asset("text/javascript; charset=utf-8", SCRIPT),
-        "/console/session" if get => match admin.session(req.headers()) {
-            Some(session) => signed_in(admin, &session),
+        "/console/session" if get => match sessions.from_headers(req.headers(), unix_now()) {
+            Some(session) => signed_in(sessions, &session),
             None => not_signed_in(),
         },
-        "/console/sign-in" if method == Method::POST => sign_in(admin, req).await,
-        "/console/sign-out" if method == Method::POST => sign_out(admin, req.headers()),
+        "/console/sign-in" if method == Method::POST => sign_in(sessions, secret, req).await,
+        "/console/sign-out" if method == Method::POST => sign_out(sessions, req.headers()),
         "/console/session" | "/console/sign-in" | "/console/sign-out" => {
             StatusCode::METHOD_NOT_ALLOWED.into_response()
         }
@@ -67,9 +73,9 @@ pub(super) async fn route(admin: &Admin, path: &str, req: Request<Body>) -> Opti
     })
 }
 
-fn signed_in(admin: &Admin, session: &Session) -> Response {
+fn signed_in(sessions: &Sessions, session: &Session) -> Response {
     Json(json!({
-        "csrf": admin.inner.sessions.csrf(session),
+        "csrf": sessions.csrf(session),
         "expires": session.expires,
     }))
     .into_response()
@@ -83,14 +89,14 @@ fn not_signed_in() -> Response {
         .into_response()
 }
 
-async fn sign_in(admin: &Admin, req: Request<Body>) -> Response {
+async fn sign_in(sessions: &Sessions, secret: Option<&[u8; 32]>, req: Request<Body>) -> Response {
     let peer = req.extensions().get::<Peer>().map(|p| p.0);
     let secure = over_tls(req.headers());
     let body: SignIn = match json_body(req).await {
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    match admin.check_secret(&body.secret).await {
+    match sessions.check(&body.secret, secret).await {
         Verdict::Right => {}
         Verdict::Wrong => {
             // The attempt is logged, never what was typed.
@@ -103,7 +109,7 @@ async fn sign_in(admin: &Admin, req: Request<Body>) -> Response {
         }
         Verdict::Busy => return busy(),
     }
-    let (cookie, session) = match admin.inner.sessions.issue(unix_now()) {
+    let (cookie, session) = match sessions.issue(unix_now()) {
         Ok(issued) => issued,
         Err(e) => {
             tracing::error!(error = %e, "console sign-in: cannot make a session");
@@ -111,24 +117,24 @@ async fn sign_in(admin: &Admin, req: Request<Body>) -> Response {
         }
     };
     tracing::info!(peer = ?peer, session = %session.short_id(), "console sign-in");
-    let mut response = signed_in(admin, &session);
+    let mut response = signed_in(sessions, &session);
     let attributes = format!(
         "{COOKIE}={cookie}; Path=/; Max-Age={}; HttpOnly; SameSite=Strict{}",
-        super::SESSION_TTL.as_secs(),
+        SESSION_TTL.as_secs(),
         if secure { "; Secure" } else { "" }
     );
     set_cookie(&mut response, &attributes);
     response
 }
 
-fn sign_out(admin: &Admin, headers: &HeaderMap) -> Response {
-    let Some(session) = admin.session(headers) else {
+fn sign_out(sessions: &Sessions, headers: &HeaderMap) -> Response {
+    let Some(session) = sessions.from_headers(headers, unix_now()) else {
         return not_signed_in();
     };
-    if let Err(refused) = admin.csrf(&super::Caller::Console(session), headers) {
-        return refused;
+    if let Err(refused) = csrf(sessions, &session, headers) {
+        return refused.into_response();
     }
-    admin.inner.sessions.revoke(&session, unix_now());
+    sessions.revoke(&session, unix_now());
     tracing::info!(session = %session.short_id(), "console sign-out");
     let mut response = StatusCode::NO_CONTENT.into_response();
     let secure = if over_tls(headers) { "; Secure" } else { "" };

@@ -15,6 +15,7 @@ mod api;
 mod console;
 mod scopes;
 mod session;
+mod wire;
 
 pub use api::{BudgetUsage, InFlight, LimitUsage, Reset, ScopeUsage, Usage};
 pub use scopes::{Catalogue, Scope};
@@ -22,12 +23,11 @@ pub use session::{COOKIE, SESSION_TTL, Sessions, WRONG_SECRET_DELAY};
 
 use std::convert::Infallible;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Json;
 use axum::body::Body;
-use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, COOKIE as COOKIE_HEADER};
+use axum::http::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE};
 use axum::http::{HeaderMap, HeaderValue, Method, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use hyper::body::Incoming;
@@ -42,11 +42,7 @@ use crate::http::Process;
 use crate::metrics::CONTENT_TYPE as METRICS_CONTENT_TYPE;
 use crate::store::GatewayStore;
 use session::{Session, Verdict};
-
-/// The largest body an admin call reads (a reset, a sign-in).
-const MAX_BODY: usize = 64 * 1024;
-/// The header a console call that changes state carries its CSRF token in.
-const CSRF_HEADER: &str = "x-csrf-token";
+use wire::{Peer, Refusal, json_body, unix_now};
 
 /// What the admin listener serves: the process's shared state and store, under `[admin]`'s
 /// rules. Cheap to clone.
@@ -73,10 +69,6 @@ enum Caller {
     /// A console session.
     Console(Session),
 }
-
-/// The peer of an admin connection, put in each request's extensions by [`run`].
-#[derive(Clone, Copy, Debug)]
-struct Peer(SocketAddr);
 
 impl Admin {
     /// The admin listener of `process`, as `config` sets it, reading and resetting state on
@@ -111,7 +103,14 @@ impl Admin {
             "/metrics" => self.metrics(req.method(), req.headers()).await,
             "/admin" => AppError::NotFound.into_response(),
             p if p.starts_with("/admin/") => self.api(req).await,
-            p => match console::route(self, p, req).await {
+            p => match console::route(
+                &self.inner.sessions,
+                self.inner.config.secret_sha256.as_ref(),
+                p,
+                req,
+            )
+            .await
+            {
                 Some(response) => response,
                 None => AppError::NotFound.into_response(),
             },
@@ -125,7 +124,7 @@ impl Admin {
         if self.inner.config.metrics_auth
             && let Err(refused) = self.caller(headers).await
         {
-            return refused;
+            return refused.into_response();
         }
         let metrics = &self.inner.process.metrics;
         metrics.realtime_sessions(self.inner.process.live_sessions.count());
@@ -137,7 +136,7 @@ impl Admin {
     async fn api(&self, req: Request<Body>) -> Response {
         let caller = match self.caller(req.headers()).await {
             Ok(c) => c,
-            Err(refused) => return refused,
+            Err(refused) => return refused.into_response(),
         };
         let method = req.method().clone();
         let path = req.uri().path().to_owned();
@@ -162,7 +161,7 @@ impl Admin {
             }
             "/admin/reset" if method == Method::POST => {
                 if let Err(refused) = self.csrf(&caller, req.headers()) {
-                    return refused;
+                    return refused.into_response();
                 }
                 let peer = req.extensions().get::<Peer>().map(|p| p.0);
                 let request: api::ResetRequest = match json_body(req).await {
@@ -214,57 +213,37 @@ impl Admin {
 
     /// Who `req` comes from: the bearer secret (checked in its turn: see `session.rs`), else a
     /// console session's cookie. A refusal is the answer to send.
-    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Response> {
+    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
         if let Some(token) = bearer(headers) {
             return match self.check_secret(token).await {
                 Verdict::Right => Ok(Caller::Bearer),
-                Verdict::Wrong => Err(AppError::Unauthorized.into_response()),
-                Verdict::Busy => Err(busy()),
+                Verdict::Wrong => Err(Refusal::Unauthorized),
+                Verdict::Busy => Err(Refusal::Busy),
             };
         }
         self.session(headers)
             .map(Caller::Console)
-            .ok_or_else(|| AppError::Unauthorized.into_response())
+            .ok_or(Refusal::Unauthorized)
     }
 
-    /// Checks a presented secret against `[admin] secret` in its turn; with no secret set,
-    /// nothing is right.
+    /// Checks a presented secret against `[admin] secret` in its turn.
     async fn check_secret(&self, presented: &str) -> Verdict {
-        match &self.inner.config.secret_sha256 {
-            Some(want) => self.inner.sessions.check_secret(presented, want).await,
-            None => Verdict::Wrong,
-        }
+        let want = self.inner.config.secret_sha256.as_ref();
+        self.inner.sessions.check(presented, want).await
     }
 
     /// The console session of a request's cookie, if valid.
     fn session(&self, headers: &HeaderMap) -> Option<Session> {
-        let now = unix_now();
-        headers
-            .get_all(COOKIE_HEADER)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
-            .find_map(|value| self.inner.sessions.verify(value, now))
+        self.inner.sessions.from_headers(headers, unix_now())
     }
 
     /// A call that changes state: with a session it needs the session's CSRF token (403
     /// otherwise); with the bearer, nothing more.
-    fn csrf(&self, caller: &Caller, headers: &HeaderMap) -> Result<(), Response> {
-        let Caller::Console(session) = caller else {
-            return Ok(());
-        };
-        let token = headers.get(CSRF_HEADER).and_then(|v| v.to_str().ok());
-        if token.is_some_and(|t| self.inner.sessions.csrf_ok(session, t)) {
-            return Ok(());
+    fn csrf(&self, caller: &Caller, headers: &HeaderMap) -> Result<(), Refusal> {
+        match caller {
+            Caller::Console(session) => wire::csrf(&self.inner.sessions, session, headers),
+            Caller::Bearer => Ok(()),
         }
-        Err((
-            StatusCode::FORBIDDEN,
-            Json(serde_json::json!({
-                "error": { "message": format!("a console call that changes state needs its `{CSRF_HEADER}` header") }
-            })),
-        )
-            .into_response())
     }
 }
 
@@ -286,25 +265,6 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| token.trim())
-}
-
-/// 429: too many secret checks waiting; this one was not checked.
-fn busy() -> Response {
-    (
-        StatusCode::TOO_MANY_REQUESTS,
-        [(axum::http::header::RETRY_AFTER, "1")],
-        Json(serde_json::json!({
-            "error": { "message": "too many sign-in attempts at once: try again in a second" }
-        })),
-    )
-        .into_response()
-}
-
-/// Now, in Unix seconds.
-fn unix_now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
 }
 
 fn parse_query(query: Option<&str>) -> Result<api::UsageQuery, api::ApiError> {
@@ -363,24 +323,6 @@ fn percent_decode(s: &str) -> String {
         i += 1;
     }
     String::from_utf8_lossy(&out).into_owned()
-}
-
-/// A JSON body of at most [`MAX_BODY`] bytes, sent as `application/json`.
-async fn json_body<T: serde::de::DeserializeOwned>(req: Request<Body>) -> Result<T, api::ApiError> {
-    let is_json = req
-        .headers()
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.trim_start().starts_with("application/json"));
-    if !is_json {
-        return Err(api::ApiError::BadRequest(
-            "send the body as `content-type: application/json`".into(),
-        ));
-    }
-    let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY)
-        .await
-        .map_err(|_| api::ApiError::BadRequest(format!("a body of at most {MAX_BODY} bytes")))?;
-    serde_json::from_slice(&bytes).map_err(|e| api::ApiError::BadRequest(format!("the body: {e}")))
 }
 
 /// The headers every admin answer carries: no framing, no sniffing, no referrer, no caching,

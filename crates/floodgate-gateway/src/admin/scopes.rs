@@ -105,6 +105,7 @@ team = "ml"
 [[keys]]
 id = "solo"
 secret = "sk-s"
+org = "other"
 team = "ml"
 [[rate_limits]]
 scope = "team"
@@ -129,10 +130,11 @@ rpm = 2
             [
                 "key a org:acme 0",
                 "key b org:acme 0",
-                "key solo key:solo 0",
-                "team ml key:solo 1",
+                "key solo org:other 0",
                 "team ml org:acme 1",
+                "team ml org:other 1",
                 "org acme org:acme 0",
+                "org other org:other 0",
                 "customer c1 customer:c1 1",
                 "gateway gateway gateway 1",
             ]
@@ -142,6 +144,6 @@ rpm = 2
             .find(ScopeKind::Team, "ml")
             .map(|s| s.limits[0].key())
             .collect();
-        assert_eq!(team, ["{key:solo}:team:ml:req", "{org:acme}:team:ml:req"]);
+        assert_eq!(team, ["{org:acme}:team:ml:req", "{org:other}:team:ml:req"]);
     }
 }

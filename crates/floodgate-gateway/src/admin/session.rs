@@ -19,6 +19,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
+use axum::http::HeaderMap;
+use axum::http::header::COOKIE as COOKIE_HEADER;
 use ring::hmac;
 use ring::rand::{SecureRandom, SystemRandom};
 use sha2::{Digest, Sha256};
@@ -84,8 +86,9 @@ impl Sessions {
         })
     }
 
-    /// Checks `presented` against the digest `want` in its turn (see the module's doc).
-    pub async fn check_secret(&self, presented: &str, want: &[u8; 32]) -> Verdict {
+    /// Checks `presented` against the digest `want` in its turn (see the module's doc); with
+    /// no secret set (`None`), nothing is right, and the turn is taken all the same.
+    pub async fn check(&self, presented: &str, want: Option<&[u8; 32]>) -> Verdict {
         if self.waiting.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING {
             self.waiting.fetch_sub(1, Ordering::AcqRel);
             return Verdict::Busy;
@@ -94,7 +97,8 @@ impl Sessions {
         self.waiting.fetch_sub(1, Ordering::AcqRel);
         // Digests compared: equal length always, and a digest's bytes tell nothing of the
         // secret's.
-        if <[u8; 32]>::from(Sha256::digest(presented.as_bytes())) == *want {
+        let digest = <[u8; 32]>::from(Sha256::digest(presented.as_bytes()));
+        if want.is_some_and(|want| digest == *want) {
             return Verdict::Right;
         }
         tokio::time::sleep(WRONG_SECRET_DELAY).await;
@@ -128,6 +132,17 @@ impl Sessions {
             return None;
         }
         Some(Session { nonce, expires })
+    }
+
+    /// The session of a request's `floodgate_session` cookie at `now`, if one is valid.
+    pub fn from_headers(&self, headers: &HeaderMap, now: u64) -> Option<Session> {
+        headers
+            .get_all(COOKIE_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(';'))
+            .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
+            .find_map(|value| self.verify(value, now))
     }
 
     /// The CSRF token of `session`.
@@ -210,13 +225,14 @@ mod tests {
         let guesses: Vec<_> = (0..3)
             .map(|i| {
                 let s = sessions.clone();
-                tokio::spawn(async move { s.check_secret(&format!("guess{i}"), &want).await })
+                tokio::spawn(async move { s.check(&format!("guess{i}"), Some(&want)).await })
             })
             .collect();
         for g in guesses {
             assert_eq!(g.await.unwrap(), Verdict::Wrong);
         }
         assert!(start.elapsed() >= 3 * WRONG_SECRET_DELAY, "one at a time");
-        assert_eq!(sessions.check_secret("right", &want).await, Verdict::Right);
+        assert_eq!(sessions.check("right", Some(&want)).await, Verdict::Right);
+        assert_eq!(sessions.check("right", None).await, Verdict::Wrong);
     }
 }
