@@ -107,7 +107,14 @@ struct Customer {
     in_flight: Option<InFlightLimit>,
 }
 
-fn limits_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<ChainLimit> {
+/// The limits of scope `(kind, id)` stored under `tenant`'s hash tag, as every chain holds
+/// them (the admin listener reads and resets the very same state).
+pub(crate) fn limits_of(
+    config: &Config,
+    tenant: &str,
+    kind: ScopeKind,
+    id: &str,
+) -> Vec<ChainLimit> {
     config
         .scope_limits(kind, id)
         .iter()
@@ -124,7 +131,12 @@ fn in_flight_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Opt
 }
 
 /// A scope's budgets, each with whether it is a shadow one.
-fn budgets_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Vec<(Budget, bool)> {
+pub(crate) fn budgets_of(
+    config: &Config,
+    tenant: &str,
+    kind: ScopeKind,
+    id: &str,
+) -> Vec<(Budget, bool)> {
     config
         .scope_budgets(kind, id)
         .iter()

@@ -46,6 +46,7 @@ mod openai;
 pub mod pricing;
 pub mod realtime;
 pub mod reload;
+pub mod report;
 pub mod server;
 pub mod startup;
 pub mod store;

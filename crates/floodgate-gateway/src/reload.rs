@@ -111,6 +111,7 @@ impl Reloader {
         for warning in new.unused_limit_warnings() {
             tracing::warn!("{warning}");
         }
+        self.process.set_running(new.clone());
         *running = new;
         Ok(())
     }

@@ -21,10 +21,10 @@ async fn with_admin(text: &str, upstream: &str) -> (Gateway, SocketAddr) {
     let c = config(text, upstream);
     let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
     let process = Process::new(&c, Arc::new(Tally::in_memory(&c)));
-    let state = AppState::for_worker(&c, store, &process).unwrap();
+    let state = AppState::for_worker(&c, store.clone(), &process).unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let admin = Admin::new(c.admin.clone().expect("an [admin] section"), process);
+    let admin = Admin::new(c.admin.clone().expect("an [admin] section"), process, store).unwrap();
     tokio::spawn(admin::run(listener, admin, std::future::pending()));
     (gateway_with(state).await, addr)
 }

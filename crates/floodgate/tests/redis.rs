@@ -217,6 +217,39 @@ async fn shared_vectors_pass_on_redis() {
     common::run_vectors(&AnyStore::from(store(&url).await)).await;
 }
 
+#[tokio::test]
+async fn state_read_and_clear_on_redis() {
+    let Some(url) = redis_url("state_read_and_clear_on_redis") else {
+        return;
+    };
+    let store = store(&url).await;
+    common::run_state_read_and_clear(&store).await;
+    // A read writes nothing: of the 1 200 limits read and the cleared ones, only those admitted
+    // since exist.
+    let mut raw = raw(&url).await;
+    let keys: Vec<String> = raw
+        .keys(format!("{}*", store.config().prefix))
+        .await
+        .unwrap();
+    let mut keys: Vec<&str> = keys
+        .iter()
+        .map(|k| &k[store.config().prefix.len()..])
+        .collect();
+    keys.sort();
+    assert_eq!(
+        keys,
+        ["{org:acme}:key:many1100:req", "{org:acme}:key:st:req"],
+        "{keys:?}"
+    );
+    // Unreachable: an error, not zeros, even on a store that fails open.
+    let mut down = config("redis://127.0.0.1:1");
+    down.on_error = OnError::Open;
+    let down = RedisStore::connect(down).await.unwrap();
+    let limits = [req("x", ScopeKind::Key, 1)];
+    assert!(down.read_state(&limits, &[], None).await.is_err());
+    assert!(down.clear_state(&limits, &[], None).await.is_err());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn concurrent_admissions_past_a_shadow_limit_charge_it_in_batches() {
     let Some(url) = redis_url("concurrent_admissions_past_a_shadow_limit_charge_it_in_batches")

@@ -28,3 +28,11 @@ async fn memory_store_passes_the_concurrency_vectors() {
 async fn memory_store_gives_concurrent_requests_exactly_the_free_slots() {
     common::race_for_slots(MemoryStore::new()).await;
 }
+
+#[tokio::test]
+async fn state_read_and_clear_on_memory() {
+    let store = MemoryStore::new();
+    common::run_state_read_and_clear(&store).await;
+    // Reads wrote nothing: only the two windows admitted since the clear are held.
+    assert_eq!(store.len(), 2);
+}

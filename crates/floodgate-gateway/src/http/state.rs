@@ -111,6 +111,9 @@ pub struct Process {
     pub connections: Arc<Semaphore>,
     /// The metrics `/metrics` shows.
     pub metrics: Metrics,
+    /// The config in force, for the admin listener (its usage, reset and config answers): a
+    /// reload replaces it once every worker has the new one.
+    running: Arc<RwLock<Arc<Config>>>,
 }
 
 /// `mib` MiB in bytes, saturating where `usize` is narrower.
@@ -127,7 +130,20 @@ impl Process {
             buffers: Buffers::new(mib_to_bytes(config.max_buffered_mib), config.keys.len()),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             metrics: Metrics::new(),
+            running: Arc::new(RwLock::new(Arc::new(config.clone()))),
         }
+    }
+
+    /// The config in force.
+    pub fn running(&self) -> Arc<Config> {
+        let running = self.running.read().unwrap_or_else(PoisonError::into_inner);
+        Arc::clone(&running)
+    }
+
+    /// Makes `config` the one in force (a reload, once every worker has it).
+    pub fn set_running(&self, config: Config) {
+        let mut running = self.running.write().unwrap_or_else(PoisonError::into_inner);
+        *running = Arc::new(config);
     }
 }
 

@@ -153,20 +153,31 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
     let process = Process::new(config, Arc::clone(&tally));
     // The admin listener, on the background runtime: bound before the workers, so that an
     // address already taken stops the start.
+    let mut _admin_store_guard = None;
     if let Some(admin) = &config.admin {
         let addr = admin.listen;
         let listener = background
             .block_on(tokio::net::TcpListener::bind(addr))
             .map_err(|source| StartError::Listen { addr, source })?;
-        tracing::info!(%addr, "admin listener: /metrics, /admin/*");
+        // The admin API reads and resets the workers' state: the memory store they share, or
+        // a Redis connection of its own, whose driver runs here on the background runtime.
+        let admin_store = match &shared {
+            Some(store) => store.clone(),
+            None => {
+                let (store, guard) = background
+                    .block_on(store::open(&config.store))
+                    .map_err(StartError::Store)?;
+                _admin_store_guard = Some(guard);
+                store
+            }
+        };
+        let admin =
+            Admin::new(admin.clone(), process.clone(), admin_store).map_err(StartError::Worker)?;
+        tracing::info!(%addr, "admin listener: the console at /, /admin/*, /metrics");
         let mut stopping = stop_rx.clone();
-        background.spawn(crate::admin::run(
-            listener,
-            Admin::new(admin.clone(), process.clone()),
-            async move {
-                let _ = stopping.wait_for(|s| *s).await;
-            },
-        ));
+        background.spawn(crate::admin::run(listener, admin, async move {
+            let _ = stopping.wait_for(|s| *s).await;
+        }));
     }
     let (ready_tx, ready_rx) = mpsc::channel::<Result<(SocketAddr, AppState), StartError>>();
     // Each worker's state, for reloads.

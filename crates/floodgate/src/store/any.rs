@@ -1,7 +1,10 @@
 //! A store chosen at run time: the gateway's configuration names the backend.
 
 use super::redis::RedisStore;
-use super::{BucketKey, BucketObservation, MemoryStore, Observation, PeriodObservation, Store};
+use super::{
+    BucketKey, BucketObservation, MemoryStore, Observation, PeriodObservation, StateObservation,
+    Store,
+};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::ChainLimit;
@@ -140,6 +143,30 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.release(slots, lease, now).await,
             AnyStore::Redis(s) => s.release(slots, lease, now).await,
+        }
+    }
+
+    async fn read_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.read_state(limits, counters, now).await,
+            AnyStore::Redis(s) => s.read_state(limits, counters, now).await,
+        }
+    }
+
+    async fn clear_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.clear_state(limits, counters, now).await,
+            AnyStore::Redis(s) => s.clear_state(limits, counters, now).await,
         }
     }
 }

@@ -10,7 +10,9 @@ use std::time::Duration;
 use foldhash::fast::{FixedState, RandomState};
 use hashbrown::HashTable;
 
-use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
+use super::{
+    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
+};
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
 use crate::chain::{ChainLimit, first_refusal};
@@ -598,6 +600,69 @@ impl MemoryStore {
     }
 }
 
+impl MemoryStore {
+    /// [`Store::read_state`], without the future.
+    pub fn read_state_sync(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> StateObservation {
+        self.state_sync(limits, counters, now, false)
+    }
+
+    /// [`Store::clear_state`], without the future.
+    pub fn clear_state_sync(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> StateObservation {
+        self.state_sync(limits, counters, now, true)
+    }
+
+    /// Reads each window and counter at `now` under its shard's lock, and with `clear` removes
+    /// it under the same lock: what is answered is what went.
+    fn state_sync(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+        clear: bool,
+    ) -> StateObservation {
+        let (now, _) = self.times(now);
+        let snapshots = limits
+            .iter()
+            .map(|l| {
+                let (hash, shard) = self.locate(l.key());
+                let mut shard = self.lock(shard);
+                let state = shard.window(hash, l.key(), now);
+                if clear && let Ok(found) = shard.windows.find_entry(hash, |s| &*s.key == l.key()) {
+                    found.remove();
+                }
+                Snapshot::at(state, now, l.limit())
+            })
+            .collect();
+        let totals = counters
+            .iter()
+            .map(|c| {
+                let (hash, shard) = self.locate(c.key());
+                let mut shard = self.lock(shard);
+                let state = shard.period(hash, c.key(), now);
+                if clear && let Ok(found) = shard.periods.find_entry(hash, |s| &*s.key == c.key()) {
+                    found.remove();
+                }
+                PeriodState::total_at(state, c.period(), now)
+            })
+            .collect();
+        StateObservation {
+            now,
+            snapshots,
+            totals,
+        }
+    }
+}
+
 /// The locked shard `shard` among `guards` (which hold every shard a chain touches).
 fn locked<'a>(guards: &'a mut [(usize, MutexGuard<'_, Shard>)], shard: usize) -> &'a mut Shard {
     let at = guards.iter().position(|(i, _)| *i == shard).unwrap_or(0);
@@ -684,6 +749,23 @@ impl Store for MemoryStore {
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Error> {
         Ok(self.add_periods_sync(counters, amount, now))
+    }
+    async fn read_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        Ok(self.read_state_sync(limits, counters, now))
+    }
+
+    async fn clear_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        Ok(self.clear_state_sync(limits, counters, now))
     }
 }
 

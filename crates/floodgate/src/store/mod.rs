@@ -69,6 +69,18 @@ pub struct PeriodObservation {
     pub totals: Vec<u64>,
 }
 
+/// What a store held for windows and period counters at one instant: an operator's read
+/// ([`Store::read_state`]) or what a reset took away ([`Store::clear_state`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StateObservation {
+    /// The instant of the read: each window's bucket and each counter's period.
+    pub now: Timestamp,
+    /// Each window limit's counts at `now`, in order (what an admission of cost 0 sees).
+    pub snapshots: Vec<Snapshot>,
+    /// Each counter's total in its period at `now`, in order.
+    pub totals: Vec<u64>,
+}
+
 /// Where a token bucket lives: the limiter's name and the bucket's name within it.
 ///
 /// Its text form, the storage key, is `{tb:limiter:name}`: hash-tagged on the name. The memory
@@ -204,4 +216,32 @@ pub trait Store: Send + Sync {
         lease: Lease,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Reads the counts of every window of `limits` and the totals of every counter of
+    /// `counters` at `now`, changing nothing: what an admission of cost 0 and a budget check
+    /// would see, without the admission's write (no state is created, no expiry pushed back).
+    /// For operators (the gateway's usage API), so not one atomic step: the memory store reads
+    /// each under its own lock, Redis a thousand keys per script (batched, never a call per
+    /// limit), all at the one instant `now` the first script decides. A store that
+    /// cannot be reached is an error, whatever its failure mode: an operator is told, not
+    /// shown zeros.
+    fn read_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<StateObservation, Error>> + Send;
+
+    /// Deletes the state of every window of `limits` and every counter of `counters` (an
+    /// operator's reset) and answers what each held at `now` before it went, as
+    /// [`read_state`](Self::read_state) would have, read and deleted in one step per lock (per
+    /// script of a thousand keys on Redis). A decision taken before stays taken (its charge goes
+    /// with the state), and what is charged after (a response's tokens or spend finishing
+    /// later) lands in the fresh state. Idempotent, so replayed once like a read.
+    fn clear_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<StateObservation, Error>> + Send;
 }

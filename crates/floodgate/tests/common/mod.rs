@@ -819,4 +819,82 @@ pub async fn race_for_slots<S: Store + Clone + 'static>(store: S) {
     for _ in 0..2 {
         assert!(chain.admit_at(&store, 1, at(1)).await.unwrap().admitted);
     }
+
+/// An operator's read and reset on `store`, at pinned times: a read sees what admissions,
+/// records and adds left, rolled to its instant, and writes nothing (a never-written window
+/// stays absent, so a cleared one reads 0 after); a clear answers what it took and leaves
+/// nothing; the next admission starts from empty. Then the same over more keys than one Redis
+/// script takes (1 000), in one answer.
+pub async fn run_state_read_and_clear<S: Store>(store: &S) {
+    use floodgate::window::Snapshot;
+    let key = limit(ScopeKind::Key, "st", Charge::Admission, 3);
+    let tokens = limit(ScopeKind::Key, "st", Charge::Reactive, 100);
+    let idle = limit(ScopeKind::Org, "idle", Charge::Admission, 9);
+    let chain = Chain::new(vec![key.clone(), tokens.clone()]);
+    let budget = Budget::new("org:acme", ScopeKind::Key, "st", Period::Day, 500);
+    let budgets = Budgets::new(vec![budget.clone()]);
+    for ms in [0, 1_000] {
+        assert!(chain.admit_at(store, 1, at(ms)).await.unwrap().admitted);
+    }
+    chain.record_at(store, 40, at(2_000)).await.unwrap();
+    budgets.spend_at(store, 120, at(2_000)).await.unwrap();
+    let limits = [key.clone(), tokens.clone(), idle.clone()];
+    let counters = [budget.counter().clone()];
+    // 30 s in: the bucket of T0 holds them all.
+    let seen = store
+        .read_state(&limits, &counters, Some(at(30_000)))
+        .await
+        .unwrap();
+    let snap = |cur, prev| Snapshot {
+        bucket: (T0 + 30_000_000) / 60_000_000,
+        cur,
+        prev,
+        elapsed: 30_000_000,
+    };
+    assert_eq!(seen.now, at(30_000));
+    assert_eq!(seen.snapshots, [snap(2, 0), snap(40, 0), snap(0, 0)]);
+    assert_eq!(seen.totals, [120]);
+    // A minute later they have rolled into the previous bucket, and the read changed nothing.
+    let later = store
+        .read_state(&limits, &counters, Some(at(90_000)))
+        .await
+        .unwrap();
+    assert_eq!(
+        (later.snapshots[0].cur, later.snapshots[0].prev),
+        (0, 2),
+        "{later:?}"
+    );
+    // The clear answers what it took: the same as a read at that instant.
+    let cleared = store
+        .clear_state(&limits, &counters, Some(at(30_000)))
+        .await
+        .unwrap();
+    assert_eq!(cleared, seen);
+    let after = store
+        .read_state(&limits, &counters, Some(at(30_000)))
+        .await
+        .unwrap();
+    assert_eq!(after.snapshots, [snap(0, 0); 3]);
+    assert_eq!(after.totals, [0]);
+    // Three more requests pass where one would have been refused.
+    for ms in [31_000, 32_000, 33_000] {
+        assert!(chain.admit_at(store, 1, at(ms)).await.unwrap().admitted);
+    }
+    assert!(!chain.admit_at(store, 1, at(34_000)).await.unwrap().admitted);
+
+    // More keys than one script takes: every one read, in order, at one instant.
+    let many: Vec<ChainLimit> = (0..1_200)
+        .map(|i| limit(ScopeKind::Key, &format!("many{i}"), Charge::Admission, 10))
+        .collect();
+    let last = Chain::new(vec![many[1_100].clone()]);
+    assert!(last.admit_at(store, 1, at(40_000)).await.unwrap().admitted);
+    let seen = store
+        .read_state(&many, &counters, Some(at(41_000)))
+        .await
+        .unwrap();
+    assert_eq!(seen.snapshots.len(), 1_200);
+    let charged: Vec<usize> = (0..1_200).filter(|&i| seen.snapshots[i].cur > 0).collect();
+    assert_eq!(charged, [1_100]);
+    assert_eq!(seen.totals, [0]);
+    assert!(seen.snapshots.iter().all(|s| s.elapsed == 41_000_000));
 }

@@ -40,8 +40,8 @@
 //! The module, one file per concern: this one holds the store and its [`Store`] operations;
 //! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
 //! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
-//! circuit breaker; `batch.rs` the batching of admissions; `slots.rs` concurrency slots, their leases and
-//! renewal; `stats.rs` the counters.
+//! circuit breaker; `batch.rs` the batching of admissions; `slots.rs` concurrency slots, their
+//! leases and renewal; `state.rs` an operator's reads and resets; `stats.rs` the counters.
 
 use std::borrow::Cow;
 use std::fmt;
@@ -57,6 +57,7 @@ mod config;
 mod conn;
 mod scripts;
 mod slots;
+mod state;
 mod stats;
 
 pub use config::{DEFAULT_LEASE, OnError, RedisClock, RedisConfig};
@@ -65,10 +66,12 @@ pub use stats::RedisStats;
 
 use batch::AdmitQueue;
 use conn::{Failure, bad_reply, int};
-use scripts::{ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, RECORD, RESET};
+use scripts::{ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, RECORD, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
-use super::{BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Store};
+use super::{
+    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
+};
 use crate::Error;
 use crate::bucket::BucketLimit;
 use crate::chain::{ChainLimit, ScopeKind};
@@ -484,6 +487,24 @@ impl Store for RedisStore {
                 bump(&self.inner.counters.errors);
                 f.into()
             })
+    }
+
+    async fn read_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        self.state_call(&STATE_READ, limits, counters, now).await
+    }
+
+    async fn clear_state(
+        &self,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
+        self.state_call(&STATE_CLEAR, limits, counters, now).await
     }
 }
 

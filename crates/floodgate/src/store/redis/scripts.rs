@@ -51,6 +51,16 @@ macro_rules! lua {
             include_str!($file)
         )
     };
+    // The state scripts read windows and counters alike (state.lua).
+    (state $file:literal) => {
+        concat!(
+            include_str!("clock.lua"),
+            include_str!("window.lua"),
+            include_str!("period.lua"),
+            include_str!("state.lua"),
+            include_str!($file)
+        )
+    };
 }
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
@@ -62,6 +72,8 @@ const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
 const RENEW_LUA: &str = lua!("renew.lua");
+const STATE_READ_LUA: &str = lua!(state "state_read.lua");
+const STATE_CLEAR_LUA: &str = lua!(state "state_clear.lua");
 
 fn op(name: &'static str, source: &str, replay: Replay) -> Op {
     Op {
@@ -89,9 +101,15 @@ pub(super) static RELEASE: LazyLock<Op> =
     LazyLock::new(|| op("release", RELEASE_LUA, Replay::Once));
 pub(super) static RENEW: LazyLock<Op> = LazyLock::new(|| op("renew", RENEW_LUA, Replay::Once));
 
+// An operator's read, and a reset (a delete: idempotent).
+pub(super) static STATE_READ: LazyLock<Op> =
+    LazyLock::new(|| op("state_read", STATE_READ_LUA, Replay::Once));
+pub(super) static STATE_CLEAR: LazyLock<Op> =
+    LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
+
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`,
-/// `admit_holding`, `release`, `renew`. For benchmarks
+/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
+/// `state_clear`, `admit_holding`, `release`, `renew`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -109,6 +127,8 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
         "renew" => RENEW_LUA,
+        "state_read" => STATE_READ_LUA,
+        "state_clear" => STATE_CLEAR_LUA,
         _ => return None,
     })
 }
@@ -178,5 +198,8 @@ mod tests {
         for op in [&ADMIT_HOLDING, &RELEASE, &RENEW] {
             assert_eq!(op.replay, Replay::Once);
         }
+        assert_eq!(STATE_READ.replay, Replay::Once);
+        assert_eq!(STATE_CLEAR.replay, Replay::Once);
+        assert!(script_source("state_clear").is_some_and(|s| s.contains("'DEL'")));
     }
 }

@@ -1,0 +1,441 @@
+//! The admin API and the console's sign-in on the admin listener: exact usage figures after a
+//! known sequence on the memory store and on Redis (when `FLOODGATE_TEST_REDIS_URL` is set;
+//! a skip fails with `FLOODGATE_REQUIRE_REDIS=1`), a reset that clears and lets the next
+//! request pass, no secret in any answer, 401 without the bearer and for a caller's key, and
+//! sessions: a wrong secret answered slowly, the cookie's attributes, CSRF on a reset.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, StatusCode};
+use floodgate_gateway::admin::{self, Admin, WRONG_SECRET_DELAY};
+use floodgate_gateway::tally::Tally;
+use floodgate_gateway::{AppState, Process};
+use http_body_util::BodyExt;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+
+use common::*;
+
+/// Alice: 3 requests a minute, in org acme (10 requests and 1 000 tokens a minute, a budget of
+/// $5 a day); bob: unlimited, in acme too. Every model: $1 / $2 per million tokens.
+const CONFIG: &str = r#"
+[admin]
+listen = "127.0.0.1:0"
+secret = "sk-ops-secret"
+[upstream]
+base_url = "{upstream}"
+{store}
+[[keys]]
+id = "alice"
+secret = "sk-alice-secret"
+org = "acme"
+rate_limit = { requests = 3 }
+[[keys]]
+id = "bob"
+secret = "sk-bob-secret"
+org = "acme"
+[[rate_limits]]
+scope = "org"
+id = "acme"
+rpm = 10
+tpm = 1000
+[[prices]]
+model = "*"
+input_per_million = 1.0
+output_per_million = 2.0
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "day"
+usd = 5
+"#;
+
+const SECRETS: [&str; 3] = ["sk-ops-secret", "sk-alice-secret", "sk-bob-secret"];
+
+struct Setup {
+    gw: Gateway,
+    admin: SocketAddr,
+    client: Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+}
+
+/// A gateway and its admin listener on `store` (a `[store]` section, or nothing for memory).
+async fn setup(store: &str, upstream: &str) -> Setup {
+    let c = config(&CONFIG.replace("{store}", store), upstream);
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let process = Process::new(&c, Arc::new(Tally::in_memory(&c)));
+    let state = AppState::for_worker(&c, store.clone(), &process).unwrap();
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let admin = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
+    tokio::spawn(admin::run(listener, admin, std::future::pending()));
+    Setup {
+        gw: gateway_with(state).await,
+        admin: addr,
+        client: Client::builder(TokioExecutor::new()).build_http(),
+    }
+}
+
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+}
+
+impl Answer {
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or_else(|e| panic!("{e}: {}", self.body))
+    }
+}
+
+impl Setup {
+    async fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("http://{}{path}", self.admin));
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let resp = self
+            .client
+            .request(b.body(Body::from(body.to_owned())).unwrap())
+            .await
+            .unwrap();
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        let answer = Answer {
+            status: parts.status,
+            headers: parts.headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        };
+        for secret in SECRETS {
+            assert!(
+                !answer.body.contains(secret),
+                "{path} shows a secret: {}",
+                answer.body
+            );
+        }
+        assert_eq!(
+            answer.headers["x-content-type-options"], "nosniff",
+            "{path}: every answer carries the security headers"
+        );
+        answer
+    }
+
+    async fn get(&self, path: &str) -> Answer {
+        self.call(
+            "GET",
+            path,
+            &[("authorization", "Bearer sk-ops-secret")],
+            "",
+        )
+        .await
+    }
+
+    async fn reset(&self, body: Value) -> Answer {
+        self.call(
+            "POST",
+            "/admin/reset",
+            &[
+                ("authorization", "Bearer sk-ops-secret"),
+                ("content-type", "application/json"),
+            ],
+            &body.to_string(),
+        )
+        .await
+    }
+}
+
+/// The known sequence and its exact figures, on whichever store `store` names.
+async fn known_sequence(store: &str) {
+    let up = fake_upstream().await;
+    let s = setup(store, &up.url()).await;
+    // Two of alice's requests, 50 tokens each (25 in at $1, 25 out at $2 per million).
+    for _ in 0..2 {
+        assert_eq!(s.gw.chat("sk-alice-secret", CHAT).await.status, 200);
+    }
+    s.gw.settled().await;
+
+    let alice = s.get("/admin/usage?scope=key&id=alice").await;
+    assert_eq!(alice.status, 200, "{}", alice.body);
+    let alice = alice.json();
+    assert_eq!(alice["total"], 1);
+    let scope = &alice["scopes"][0];
+    assert_eq!(
+        (&scope["scope"], &scope["id"]),
+        (&json!("key"), &json!("alice"))
+    );
+    assert_eq!(scope["tenant"], "org:acme");
+    assert_eq!(scope["in_flight"], Value::Null);
+    let limit = &scope["limits"][0];
+    assert_eq!(limit["kind"], "requests");
+    assert_eq!(limit["limit"], 3);
+    assert_eq!(limit["window_sec"], 60);
+    assert_eq!(limit["used"], 2.0);
+    assert_eq!(limit["remaining"], 1);
+    let reset_sec = limit["reset_sec"].as_u64().unwrap();
+    assert!((61..=120).contains(&reset_sec), "{reset_sec}");
+
+    let org = s.get("/admin/usage?scope=org&id=acme").await.json();
+    let org = &org["scopes"][0];
+    let figures = |l: &Value| (l["kind"].clone(), l["used"].clone(), l["remaining"].clone());
+    assert_eq!(
+        figures(&org["limits"][0]),
+        (json!("requests"), json!(2.0), json!(8))
+    );
+    assert_eq!(
+        figures(&org["limits"][1]),
+        (json!("tokens"), json!(100.0), json!(900))
+    );
+    let budget = &org["budgets"][0];
+    assert_eq!(budget["period"], "day");
+    assert_eq!(budget["cap_usd"], 5.0);
+    // 2 × (25 × $1 + 25 × $2) per million tokens.
+    assert_eq!(budget["spent_usd"], 0.00015);
+    assert_eq!(budget["remaining_usd"], 4.99985);
+    assert!(
+        budget["period_end"]
+            .as_str()
+            .unwrap()
+            .ends_with("T00:00:00.000Z")
+    );
+
+    // Every scope of the config, in order; a page and its cursor.
+    let all = s.get("/admin/usage").await.json();
+    let listed: Vec<String> = all["scopes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            format!(
+                "{} {}",
+                s["scope"].as_str().unwrap(),
+                s["id"].as_str().unwrap()
+            )
+        })
+        .collect();
+    assert_eq!(
+        listed,
+        ["key alice", "key bob", "org acme", "gateway gateway"]
+    );
+    let page = s.get("/admin/usage?limit=2").await.json();
+    assert_eq!(
+        (page["total"].clone(), page["next_cursor"].clone()),
+        (json!(4), json!("2"))
+    );
+    let next = s.get("/admin/usage?limit=2&cursor=2").await.json();
+    assert_eq!(next["scopes"][0]["id"], "acme");
+    assert_eq!(next["next_cursor"], Value::Null);
+    assert_eq!(
+        s.get("/admin/usage?q=LIC").await.json()["scopes"][0]["id"],
+        "alice"
+    );
+    assert_eq!(s.get("/admin/usage?scope=team&id=x").await.status, 404);
+    assert_eq!(s.get("/admin/usage?scope=planet").await.status, 400);
+    // Reading charged nothing: the figures are the same.
+    let again = s.get("/admin/usage?scope=key&id=alice").await.json();
+    assert_eq!(again["scopes"][0]["limits"][0]["used"], 2.0);
+
+    // The third passes, the fourth is refused; the alert counts it.
+    assert_eq!(s.gw.chat("sk-alice-secret", CHAT).await.status, 200);
+    assert_eq!(s.gw.chat("sk-alice-secret", CHAT).await.status, 429);
+    s.gw.settled().await;
+    let alerts = s.get("/admin/alerts").await.json();
+    assert_eq!(alerts["alerts"][0]["key"], "alice");
+    assert_eq!(alerts["alerts"][0]["count"], 1);
+    assert_eq!(alerts["alerts"][0]["type"], "rate_limit");
+
+    // A reset answers what it cleared, and the next request passes.
+    let reset = s.reset(json!({"scope": "key", "id": "alice"})).await;
+    assert_eq!(reset.status, 200, "{}", reset.body);
+    let cleared = &reset.json()["cleared"][0];
+    assert_eq!(cleared["limits"][0]["used"], 3.0);
+    assert_eq!(cleared["budgets"], json!([]));
+    let after = s.get("/admin/usage?scope=key&id=alice").await.json();
+    assert_eq!(after["scopes"][0]["limits"][0]["used"], 0.0);
+    assert_eq!(s.gw.chat("sk-alice-secret", CHAT).await.status, 200);
+    s.gw.settled().await;
+    // The org's spend stays until a reset asks for budgets too.
+    let org_reset = s
+        .reset(json!({"scope": "org", "id": "acme", "budgets": true}))
+        .await
+        .json();
+    let cleared = &org_reset["cleared"][0];
+    assert_eq!(cleared["limits"][0]["used"], 4.0);
+    assert_eq!(cleared["limits"][1]["used"], 200.0);
+    assert_eq!(cleared["budgets"][0]["spent_usd"], 0.0003);
+    let org = s.get("/admin/usage?scope=org&id=acme").await.json();
+    assert_eq!(org["scopes"][0]["budgets"][0]["spent_usd"], 0.0);
+    assert_eq!(
+        s.reset(json!({"scope": "key", "id": "carol"})).await.status,
+        404
+    );
+    assert_eq!(s.reset(json!({"scope": "key"})).await.status, 400);
+
+    // The config as check-config prints it, without a secret (checked by `call`).
+    let config = s.get("/admin/config").await;
+    assert_eq!(config.status, 200);
+    assert!(
+        config.body.contains("key alice [org=acme]"),
+        "{}",
+        config.body
+    );
+}
+
+#[tokio::test]
+async fn the_admin_api_on_the_memory_store() {
+    known_sequence("").await;
+}
+
+#[tokio::test]
+async fn the_admin_api_on_redis() {
+    let Some(url) = std::env::var("FLOODGATE_TEST_REDIS_URL")
+        .ok()
+        .filter(|u| !u.is_empty())
+    else {
+        assert!(
+            std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+            "FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is unset"
+        );
+        eprintln!("the_admin_api_on_redis: skipped, FLOODGATE_TEST_REDIS_URL is unset");
+        return;
+    };
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let store =
+        format!("[store]\nbackend = \"redis\"\nurl = \"{url}\"\nprefix = \"fgadmin:{nanos}:\"");
+    known_sequence(&store).await;
+}
+
+#[tokio::test]
+async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
+    let up = fake_upstream().await;
+    let s = setup("", &up.url()).await;
+    assert_eq!(s.call("GET", "/admin/usage", &[], "").await.status, 401);
+    // A caller's key is not the admin's: refused, and only after the wrong secret's delay.
+    let start = Instant::now();
+    let key = [("authorization", "Bearer sk-alice-secret")];
+    assert_eq!(s.call("GET", "/admin/usage", &key, "").await.status, 401);
+    assert!(start.elapsed() >= WRONG_SECRET_DELAY);
+    let reset = [
+        ("authorization", "Bearer sk-alice-secret"),
+        ("content-type", "application/json"),
+    ];
+    let body = r#"{"scope":"key","id":"alice"}"#;
+    assert_eq!(
+        s.call("POST", "/admin/reset", &reset, body).await.status,
+        401
+    );
+
+    // The console: its page without signing in, with the security headers.
+    let page = s.call("GET", "/", &[], "").await;
+    assert_eq!(page.status, 200);
+    assert!(page.body.contains("/console.js"));
+    let csp = page.headers["content-security-policy"].to_str().unwrap();
+    assert!(csp.contains("default-src 'none'") && csp.contains("frame-ancestors 'none'"));
+    assert_eq!(s.call("GET", "/console.js", &[], "").await.status, 200);
+    assert_eq!(s.call("GET", "/console/session", &[], "").await.status, 401);
+    let json = [("content-type", "application/json")];
+    let start = Instant::now();
+    let wrong = s
+        .call("POST", "/console/sign-in", &json, r#"{"secret":"guess"}"#)
+        .await;
+    assert_eq!(wrong.status, 401);
+    assert!(start.elapsed() >= WRONG_SECRET_DELAY);
+    assert!(!wrong.headers.contains_key("set-cookie"));
+    let right = s
+        .call(
+            "POST",
+            "/console/sign-in",
+            &json,
+            r#"{"secret":"sk-ops-secret"}"#,
+        )
+        .await;
+    assert_eq!(right.status, 200);
+    let cookie = right.headers["set-cookie"].to_str().unwrap().to_owned();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", "Max-Age="] {
+        assert!(cookie.contains(attribute), "{cookie}");
+    }
+    assert!(!cookie.contains("Secure"), "plain HTTP: {cookie}");
+    let csrf = right.json()["csrf"].as_str().unwrap().to_owned();
+    let session = cookie.split(';').next().unwrap().to_owned();
+    let with_cookie = [("cookie", session.as_str())];
+    assert_eq!(
+        s.call("GET", "/admin/usage", &with_cookie, "").await.status,
+        200
+    );
+    let again = s.call("GET", "/console/session", &with_cookie, "").await;
+    assert_eq!(again.json()["csrf"], csrf.as_str());
+    // A reset with the cookie needs the CSRF token.
+    let no_csrf = [
+        ("cookie", session.as_str()),
+        ("content-type", "application/json"),
+    ];
+    assert_eq!(
+        s.call("POST", "/admin/reset", &no_csrf, body).await.status,
+        403
+    );
+    let bad_csrf = [
+        ("cookie", session.as_str()),
+        ("content-type", "application/json"),
+        ("x-csrf-token", "00"),
+    ];
+    assert_eq!(
+        s.call("POST", "/admin/reset", &bad_csrf, body).await.status,
+        403
+    );
+    let with_csrf = [
+        ("cookie", session.as_str()),
+        ("content-type", "application/json"),
+        ("x-csrf-token", csrf.as_str()),
+    ];
+    assert_eq!(
+        s.call("POST", "/admin/reset", &with_csrf, body)
+            .await
+            .status,
+        200
+    );
+    // Behind a TLS proxy the cookie is Secure.
+    let tls = [
+        ("content-type", "application/json"),
+        ("x-forwarded-proto", "https"),
+    ];
+    let over_tls = s
+        .call(
+            "POST",
+            "/console/sign-in",
+            &tls,
+            r#"{"secret":"sk-ops-secret"}"#,
+        )
+        .await;
+    assert!(
+        over_tls.headers["set-cookie"]
+            .to_str()
+            .unwrap()
+            .contains("; Secure")
+    );
+    // Signed out, the cookie opens nothing.
+    let out = [
+        ("cookie", session.as_str()),
+        ("x-csrf-token", csrf.as_str()),
+    ];
+    assert_eq!(
+        s.call("POST", "/console/sign-out", &out, "").await.status,
+        204
+    );
+    assert_eq!(
+        s.call("GET", "/admin/usage", &with_cookie, "").await.status,
+        401
+    );
+    // A forged cookie neither.
+    let forged = [("cookie", "floodgate_session=99999999999.00.00")];
+    assert_eq!(s.call("GET", "/admin/usage", &forged, "").await.status, 401);
+}
