@@ -125,7 +125,12 @@ pub(crate) fn limits_of(
 }
 
 /// A scope's concurrency limit, if it has one.
-fn in_flight_of(config: &Config, tenant: &str, kind: ScopeKind, id: &str) -> Option<InFlightLimit> {
+pub(crate) fn in_flight_of(
+    config: &Config,
+    tenant: &str,
+    kind: ScopeKind,
+    id: &str,
+) -> Option<InFlightLimit> {
     let l = config.in_flight.get(&(kind, id.to_owned()))?;
     Some(InFlightLimit::new(tenant, kind, id, l.max).with_shadow(l.shadow))
 }

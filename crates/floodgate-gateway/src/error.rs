@@ -11,7 +11,7 @@ use axum::response::{IntoResponse, Response};
 use floodgate::{Charge, Period, ScopeKind, WindowLimit};
 use serde_json::json;
 
-/// The `Retry-After` of a concurrency refusal (docs/design.md §9). No retry time is known: a
+/// The `Retry-After` of a concurrency refusal (docs/design.md §10). No retry time is known: a
 /// slot frees when a running request ends, which can be at any moment. One second is the
 /// shortest wait `Retry-After` can say; sooner, a client would mostly poll a limit still full.
 pub const CONCURRENCY_RETRY: Duration = Duration::from_secs(1);

@@ -42,7 +42,7 @@ const IN_FLIGHT_LIMIT: HeaderName = HeaderName::from_static("x-floodgate-in-flig
 const IN_FLIGHT_REMAINING: HeaderName = HeaderName::from_static("x-floodgate-in-flight-remaining");
 const IN_FLIGHT_SCOPE: HeaderName = HeaderName::from_static("x-floodgate-in-flight-scope");
 
-/// The concurrency headers (docs/design.md §9): the most restrictive enforced concurrency
+/// The concurrency headers (docs/design.md §10): the most restrictive enforced concurrency
 /// limit's `x-floodgate-in-flight-limit` (its max), `-remaining` (slots left for other requests,
 /// this one's taken) and `-scope` (its kind, never its id). The refusing limit on a concurrency
 /// refusal. Nothing for a chain without concurrency limits. An upstream's headers of these

@@ -1,4 +1,4 @@
-//! The concurrency slots an admitted request holds (docs/design.md §9): taken by its chain's
+//! The concurrency slots an admitted request holds (docs/design.md §10): taken by its chain's
 //! admission, given back when its answer is done — its body sent or dropped (the caller gone, a
 //! stream cut), the upstream failed, its realtime session closed.
 //!

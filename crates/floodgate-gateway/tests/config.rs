@@ -68,6 +68,17 @@ const CASES: &[(&str, usize, &str)] = &[
         "server.max_buffered_mib",
     ),
     ("max-connections-zero.toml", 2, "server.max_connections"),
+    (
+        "max-in-flight-zero.toml",
+        7,
+        "keys[0].rate_limit.max_in_flight",
+    ),
+    (
+        "max-in-flight-zero-rate-limits.toml",
+        6,
+        "rate_limits[0].max_in_flight",
+    ),
+    ("lease-too-short.toml", 2, "store.lease_sec"),
     ("max-body-too-large.toml", 3, "server.max_body_mib"),
     ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),
     ("budget-negative-usd.toml", 8, "budgets[0].usd"),
@@ -162,7 +173,9 @@ fn a_value_of_the_wrong_shape_says_what_was_expected() {
         .unwrap_err()
         .to_string();
     assert!(
-        err.contains("expected a table like { requests = 100, window_sec = 60 }"),
+        err.contains(
+            "expected a table like { requests = 100, window_sec = 60, max_in_flight = 10 }"
+        ),
         "{err}"
     );
     assert!(!err.contains("Raw"), "no internal names: {err}");

@@ -1451,3 +1451,63 @@ async fn an_unmetered_session_whose_caller_fails_frees_its_slot_at_once() {
     send_and_reset(&gw, b"hold").await;
     live_sessions_reach(&gw, 0).await;
 }
+
+/// A key's `max_in_flight` caps its sessions: a session holds its slot for its whole life, on
+/// every one of `n` replicas sharing the store `store` names, and gives it back when it closes.
+async fn sessions_hold_their_slots(store: &str, n: usize) {
+    let up = ws_upstream().await;
+    let text = format!(
+        "{}\n{store}\n",
+        PLAIN.replace("requests = 5", "requests = 50, max_in_flight = 1")
+    );
+    let c = config_for(&text, &up.url());
+    let mut replicas = Vec::new();
+    for _ in 0..n {
+        let s = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+        replicas.push(gateway_on(&c, s).await);
+    }
+    let mut first = open(&replicas[0], Some("sk-k"), &[]).await;
+    assert_eq!(first.status, 101, "{}", first.body);
+    assert_eq!(first.header("x-floodgate-in-flight-remaining"), Some("0"));
+    // On every replica: one session at a time.
+    for gw in &replicas {
+        let refused = open(gw, Some("sk-k"), &[]).await;
+        assert_eq!(refused.status, 429, "{}", refused.body);
+        assert_eq!(refused.code(), "concurrency_limit_exceeded");
+        assert_eq!(refused.header("retry-after"), Some("1"));
+    }
+    assert_eq!(
+        up.seen.count(),
+        1,
+        "the refused upgrades never reached the upstream"
+    );
+    first.ws().send(TEXT, b"still mine").await;
+    assert_eq!(first.ws().message().await.unwrap().1, b"still mine");
+    first.ws().send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(first.ws().closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&replicas[0], 0).await;
+    replicas[0].settled().await;
+    let mut next = open(&replicas[n - 1], Some("sk-k"), &[]).await;
+    assert_eq!(next.status, 101, "{}", next.body);
+    next.ws().send(TEXT, b"mine now").await;
+    assert_eq!(next.ws().message().await.unwrap().1, b"mine now");
+}
+
+#[tokio::test]
+async fn a_session_holds_its_keys_slot_until_it_closes() {
+    // Gateways on memory stores count alone: one replica.
+    sessions_hold_their_slots("", 1).await;
+}
+
+#[tokio::test]
+async fn a_session_holds_its_keys_slot_on_every_replica_on_redis() {
+    let Some(url) = test_redis_url("a_session_holds_its_keys_slot_on_every_replica_on_redis")
+    else {
+        return;
+    };
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"{url}\"\nprefix = \"{}\"",
+        fresh_prefix()
+    );
+    sessions_hold_their_slots(&store, 2).await;
+}

@@ -1,4 +1,4 @@
-//! Concurrency limits: how many requests of a scope may run at once (docs/design.md §9).
+//! Concurrency limits: how many requests of a scope may run at once (docs/design.md §10).
 //!
 //! A rate limit counts requests that *start* in a window; an [`InFlightLimit`] counts requests
 //! that are *running*. A request takes a slot in every concurrency limit of its chain in the

@@ -10,7 +10,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use floodgate::store::{StateObservation, Store};
 use floodgate::window::Snapshot;
-use floodgate::{Budget, ChainLimit, Charge, PeriodCounter, ScopeKind, Timestamp};
+use floodgate::{Budget, ChainLimit, Charge, InFlightLimit, PeriodCounter, ScopeKind, Timestamp};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -118,8 +118,8 @@ pub struct BudgetUsage {
     pub shadow: bool,
 }
 
-/// In-flight requests of a scope against its cap. No scope has a cap on requests in flight yet:
-/// the field is `null` until concurrency limits fill it in.
+/// Requests of a scope running now against its concurrency limit (`max_in_flight`): live slots,
+/// across every replica on Redis.
 #[derive(Debug, Serialize)]
 pub struct InFlight {
     /// Requests in flight now.
@@ -141,7 +141,7 @@ pub struct ScopeUsage {
     pub limits: Vec<LimitUsage>,
     /// Each budget.
     pub budgets: Vec<BudgetUsage>,
-    /// Requests in flight against the scope's cap: always `null` for now (see [`InFlight`]).
+    /// Requests running against the scope's concurrency limit; `null` for a scope without one.
     pub in_flight: Option<InFlight>,
 }
 
@@ -224,13 +224,16 @@ fn state_of<'a>(
     (limits, counters)
 }
 
-/// Each of `scopes` with its share of `seen` (read for [`state_of`] of them, in order).
+/// Each of `scopes` with its share of `seen` (read for [`state_of`] of them, in order) and of
+/// `running` (one count per scope with a concurrency limit, in order).
 fn usage_of<'a>(
     scopes: impl Iterator<Item = &'a Scope>,
     seen: &StateObservation,
+    running: &[u64],
 ) -> Vec<ScopeUsage> {
     let mut snapshots = seen.snapshots.iter();
     let mut totals = seen.totals.iter();
+    let mut running = running.iter();
     scopes
         .map(|s| ScopeUsage {
             scope: s.kind.as_str(),
@@ -248,9 +251,17 @@ fn usage_of<'a>(
                 .zip(totals.by_ref())
                 .map(|((b, shadow), spent)| budget_usage(b, *shadow, *spent, seen.now))
                 .collect(),
-            in_flight: None,
+            in_flight: s.in_flight.as_ref().map(|l| InFlight {
+                current: running.next().copied().unwrap_or(0),
+                max: l.max(),
+            }),
         })
         .collect()
+}
+
+/// The concurrency limits of `scopes`, in order, for one store call.
+fn slots_of<'a>(scopes: impl Iterator<Item = &'a Scope>) -> Vec<InFlightLimit> {
+    scopes.filter_map(|s| s.in_flight.clone()).collect()
 }
 
 fn parse_kind(name: &str) -> Result<ScopeKind, ApiError> {
@@ -307,11 +318,13 @@ pub async fn usage(
     let page = &matching[start..end];
     let (limits, counters) = state_of(page.iter().copied());
     let seen = store.read_state(&limits, &counters, None).await?;
+    let slots = slots_of(page.iter().copied());
+    let running = store.read_running(&slots, Some(seen.now)).await?;
     Ok(Usage {
         now: rfc3339(seen.now),
         store: crate::store::name(store),
         total: matching.len(),
-        scopes: usage_of(page.iter().copied(), &seen),
+        scopes: usage_of(page.iter().copied(), &seen, &running),
         next_cursor: (end < matching.len()).then(|| end.to_string()),
     })
 }
@@ -359,10 +372,14 @@ pub async fn reset(
         counters.clear();
     }
     let seen = store.clear_state(&limits, &counters, None).await?;
+    // A reset clears windows and spend, never the slots of requests still running: those are
+    // shown as they are.
+    let slots = slots_of(found.iter().copied());
+    let running = store.read_running(&slots, Some(seen.now)).await?;
     // Without `budgets` no counter was read: each scope's budgets list is empty.
     Ok(Reset {
         now: rfc3339(seen.now),
-        cleared: usage_of(found.iter().copied(), &seen),
+        cleared: usage_of(found.iter().copied(), &seen, &running),
     })
 }
 

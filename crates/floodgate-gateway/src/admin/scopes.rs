@@ -6,9 +6,9 @@
 //! A scope's state is stored under its tenant's hash tag (docs/design.md §5): a team shared by
 //! keys of two orgs has a window per org, and is listed once per tenant.
 
-use floodgate::{Budget, ChainLimit, ScopeKind};
+use floodgate::{Budget, ChainLimit, InFlightLimit, ScopeKind};
 
-use crate::auth::{budgets_of, limits_of};
+use crate::auth::{budgets_of, in_flight_of, limits_of};
 use crate::config::{Config, GATEWAY_ID};
 
 /// One scope under one tenant, with what is stored for it.
@@ -25,6 +25,8 @@ pub struct Scope {
     pub limits: Vec<ChainLimit>,
     /// Its budgets, each with whether it is a shadow one.
     pub budgets: Vec<(Budget, bool)>,
+    /// Its concurrency limit (`max_in_flight`), if any.
+    pub in_flight: Option<InFlightLimit>,
 }
 
 /// Every scope of a config, in a fixed order: by kind (narrowest first), then id, then tenant.
@@ -46,6 +48,7 @@ impl Catalogue {
                     id: id.to_owned(),
                     limits: limits_of(config, &tenant, kind, id),
                     budgets: budgets_of(config, &tenant, kind, id),
+                    in_flight: in_flight_of(config, &tenant, kind, id),
                     tenant,
                 });
             }
@@ -56,7 +59,8 @@ impl Catalogue {
                 add(kind, id, tenant.clone());
             }
         }
-        for (kind, id) in config.limits.keys().chain(config.budgets.keys()) {
+        let configured = config.limits.keys().chain(config.budgets.keys());
+        for (kind, id) in configured.chain(config.in_flight.keys()) {
             if *kind == ScopeKind::Customer {
                 add(*kind, id, format!("customer:{id}"));
             }

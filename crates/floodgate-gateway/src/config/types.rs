@@ -212,7 +212,11 @@ impl Config {
         };
         self.limits
             .keys()
-            .chain(self.in_flight.keys().filter(|s| !self.limits.contains_key(s)))
+            .chain(
+                self.in_flight
+                    .keys()
+                    .filter(|s| !self.limits.contains_key(s)),
+            )
             .filter(unused)
             .map(|(kind, id)| {
                 format!("no key belongs to {kind} `{id}`: its limits apply to nobody")

@@ -20,9 +20,8 @@ use super::types::{
     AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
     DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig, Limits, MAX_LEASE_SEC,
-    MAX_REALTIME_DRAIN_SEC, MIN_LEASE_SEC, OnError,
-    OnErrorKinds, PriceConfig, REDIS_URL_ENV, RealtimeConfig, StoreConfig, UpstreamConfig,
-    UpstreamTarget, default_max_buffered_mib,
+    MAX_REALTIME_DRAIN_SEC, MIN_LEASE_SEC, OnError, OnErrorKinds, PriceConfig, REDIS_URL_ENV,
+    RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget, default_max_buffered_mib,
 };
 
 /// The text of one config file being validated: what turns a span into a line and column.
@@ -161,7 +160,11 @@ impl Validator<'_> {
         let prices = self.prices(raw.prices)?;
         let mut budgets = self.budgets(raw.budgets, &keys.ids)?;
         if all_shadow {
-            limits.windows.values_mut().flatten().for_each(|l| l.shadow = true);
+            limits
+                .windows
+                .values_mut()
+                .flatten()
+                .for_each(|l| l.shadow = true);
             limits.in_flight.values_mut().for_each(|l| l.shadow = true);
             budgets.values_mut().flatten().for_each(|b| b.shadow = true);
         }

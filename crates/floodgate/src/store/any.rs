@@ -169,4 +169,15 @@ impl Store for AnyStore {
             AnyStore::Redis(s) => s.clear_state(limits, counters, now).await,
         }
     }
+
+    async fn read_running(
+        &self,
+        slots: &[InFlightLimit],
+        now: Option<Timestamp>,
+    ) -> Result<Vec<u64>, Error> {
+        match self {
+            AnyStore::Memory(s) => s.read_running(slots, now).await,
+            AnyStore::Redis(s) => s.read_running(slots, now).await,
+        }
+    }
 }

@@ -244,4 +244,13 @@ pub trait Store: Send + Sync {
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<StateObservation, Error>> + Send;
+
+    /// The requests holding slots of each concurrency limit of `slots` at `now` (live leases
+    /// only), changing nothing: for operators (the gateway's usage API). A store that cannot be
+    /// reached is an error, as for [`read_state`](Self::read_state).
+    fn read_running(
+        &self,
+        slots: &[InFlightLimit],
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<Vec<u64>, Error>> + Send;
 }

@@ -794,6 +794,11 @@ pub async fn run_in_flight_vectors<S: Store>(store: &S) {
     // Key "c" holds the one lease; the org holds it beside key "d"'s two: full.
     let next = admit(0, 210).await;
     assert_eq!(running(&next), [(1, false), (3, true)]);
+    // An operator's read sees the same, and changes nothing.
+    for _ in 0..2 {
+        let read = store.read_running(chain.in_flight(), Some(at(220))).await;
+        assert_eq!(read.unwrap(), [1, 3]);
+    }
 }
 
 /// Races 64 requests for the slots of vectors' chain 0 (2 at once): exactly 2 are admitted and
@@ -819,6 +824,7 @@ pub async fn race_for_slots<S: Store + Clone + 'static>(store: S) {
     for _ in 0..2 {
         assert!(chain.admit_at(&store, 1, at(1)).await.unwrap().admitted);
     }
+}
 
 /// An operator's read and reset on `store`, at pinned times: a read sees what admissions,
 /// records and adds left, rolled to its instant, and writes nothing (a never-written window

@@ -371,6 +371,17 @@ impl Store for RedisStore {
         })
     }
 
+    async fn read_running(
+        &self,
+        slots: &[InFlightLimit],
+        now: Option<Timestamp>,
+    ) -> Result<Vec<u64>, Error> {
+        self.read_running_inner(slots, now).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
+    }
+
     async fn record(
         &self,
         limits: &[ChainLimit],

@@ -72,6 +72,7 @@ const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
 const RENEW_LUA: &str = lua!("renew.lua");
+const RUNNING_LUA: &str = lua!("running.lua");
 const STATE_READ_LUA: &str = lua!(state "state_read.lua");
 const STATE_CLEAR_LUA: &str = lua!(state "state_clear.lua");
 
@@ -100,6 +101,8 @@ pub(super) static ADMIT_HOLDING: LazyLock<Op> =
 pub(super) static RELEASE: LazyLock<Op> =
     LazyLock::new(|| op("release", RELEASE_LUA, Replay::Once));
 pub(super) static RENEW: LazyLock<Op> = LazyLock::new(|| op("renew", RENEW_LUA, Replay::Once));
+pub(super) static RUNNING: LazyLock<Op> =
+    LazyLock::new(|| op("running", RUNNING_LUA, Replay::Once));
 
 // An operator's read, and a reset (a delete: idempotent).
 pub(super) static STATE_READ: LazyLock<Op> =
@@ -109,7 +112,7 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
 /// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
-/// `state_clear`, `admit_holding`, `release`, `renew`. For benchmarks
+/// `state_clear`, `admit_holding`, `release`, `renew`, `running`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -127,6 +130,7 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
         "renew" => RENEW_LUA,
+        "running" => RUNNING_LUA,
         "state_read" => STATE_READ_LUA,
         "state_clear" => STATE_CLEAR_LUA,
         _ => return None,
@@ -195,7 +199,7 @@ mod tests {
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);
-        for op in [&ADMIT_HOLDING, &RELEASE, &RENEW] {
+        for op in [&ADMIT_HOLDING, &RELEASE, &RENEW, &RUNNING] {
             assert_eq!(op.replay, Replay::Once);
         }
         assert_eq!(STATE_READ.replay, Replay::Once);

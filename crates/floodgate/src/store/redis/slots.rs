@@ -15,7 +15,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::conn::{Failure, bad_reply};
-use super::scripts::{ADMIT_HOLDING, RELEASE, RENEW};
+use super::scripts::{ADMIT_HOLDING, RELEASE, RENEW, RUNNING};
 use super::stats::bump;
 use super::{Inner, RedisStore, ttl_millis};
 use crate::chain::ChainLimit;
@@ -138,6 +138,29 @@ impl RedisStore {
         self.time_arg(&mut cmd, now);
         cmd.arg(self.member(lease));
         self.inner.run::<u64>(&RELEASE, &cmd).await.map(drop)
+    }
+
+    /// Each slot set's live members at `now`, [`RENEW_CHUNK`] sets per script, changing
+    /// nothing.
+    pub(super) async fn read_running_inner(
+        &self,
+        slots: &[InFlightLimit],
+        now: Option<Timestamp>,
+    ) -> Result<Vec<u64>, Failure> {
+        let mut out = Vec::with_capacity(slots.len());
+        for chunk in slots.chunks(RENEW_CHUNK) {
+            let mut cmd = self.evalsha(&RUNNING, chunk.len(), 1);
+            for s in chunk {
+                self.key_arg(&mut cmd, &[s.key()]);
+            }
+            self.time_arg(&mut cmd, now);
+            let counts: Vec<u64> = self.inner.run(&RUNNING, &cmd).await?;
+            if counts.len() != chunk.len() {
+                return Err(bad_reply());
+            }
+            out.extend(counts);
+        }
+        Ok(out)
     }
 
     /// Renews every lease held, [`RENEW_CHUNK`] slots per call. A failed call is left to the
