@@ -45,6 +45,8 @@ mod openai;
 pub mod pricing;
 pub mod realtime;
 pub mod reload;
+#[cfg(feature = "rls")]
+pub mod rls;
 pub mod server;
 pub mod startup;
 pub mod store;
