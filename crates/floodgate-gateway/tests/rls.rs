@@ -163,6 +163,15 @@ fn every_readme_example_loads_and_share_threshold_is_refused() {
 }
 
 #[test]
+fn the_shipped_examples_load() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    for f in ["rls.yaml", "rls-bench.yaml"] {
+        let c = RlsConfig::load(&examples.join(f)).unwrap();
+        assert_eq!(c.domains().len(), 1, "{f}");
+    }
+}
+
+#[test]
 fn bad_configs_name_file_line_and_field() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rls-bad-configs");
     let mut seen = 0;
