@@ -46,6 +46,8 @@ pub mod pricing;
 pub mod realtime;
 pub mod reload;
 pub mod report;
+#[cfg(feature = "rls")]
+pub mod rls;
 pub mod server;
 mod slots;
 pub mod startup;

@@ -1,4 +1,5 @@
-//! The `floodgate` binary: `floodgate serve --config FILE` and `floodgate check-config FILE`.
+//! The `floodgate` binary: `floodgate serve --config FILE`, `floodgate check-config FILE` and,
+//! with the `rls` feature, `floodgate rls --config PATH` (Envoy's rate limit service).
 
 use std::io;
 use std::path::PathBuf;
@@ -36,6 +37,37 @@ enum Command {
         /// The TOML config file.
         file: PathBuf,
     },
+    /// Serve Envoy's rate limit service (gRPC) from envoyproxy/ratelimit's YAML.
+    #[cfg(feature = "rls")]
+    Rls(RlsArgs),
+}
+
+/// `floodgate rls`: docs/envoy.md.
+#[cfg(feature = "rls")]
+#[derive(clap::Args)]
+struct RlsArgs {
+    /// A YAML file, or a directory of them (every *.yaml and *.yml, one domain each).
+    #[arg(long, short)]
+    config: PathBuf,
+    /// The gRPC listener.
+    #[arg(long, default_value = floodgate_gateway::rls::DEFAULT_LISTEN)]
+    listen: std::net::SocketAddr,
+    /// Decide on Redis (else in memory); FLOODGATE_REDIS_URL when not given.
+    #[arg(long)]
+    redis_url: Option<String>,
+    /// The Redis keys' prefix.
+    #[arg(long)]
+    redis_prefix: Option<String>,
+    /// With the store unreachable: `open` answers OK unchecked; `closed` answers UNAVAILABLE,
+    /// so that Envoy's failure_mode_deny decides.
+    #[arg(long, default_value = "open", value_parser = ["open", "closed"])]
+    on_store_error: String,
+    /// Serve GET /metrics (Prometheus) on this address; no admin listener without it.
+    #[arg(long)]
+    admin_listen: Option<std::net::SocketAddr>,
+    /// Validate the config, print its domains and exit.
+    #[arg(long)]
+    check: bool,
 }
 
 fn main() -> ExitCode {
@@ -43,7 +75,65 @@ fn main() -> ExitCode {
     match cli.command {
         Command::CheckConfig { file } => check_config(&file),
         Command::Serve { config } => serve(&config),
+        #[cfg(feature = "rls")]
+        Command::Rls(args) => rls(args),
     }
+}
+
+#[cfg(feature = "rls")]
+fn rls(args: RlsArgs) -> ExitCode {
+    use floodgate::store::redis::OnError as RedisOnError;
+    use floodgate_gateway::rls::{RlsConfig, RlsOptions};
+    if args.check {
+        return match RlsConfig::load(&args.config) {
+            Ok(c) => {
+                println!("{}: OK", args.config.display());
+                for d in c.domains() {
+                    println!("domain: {d}");
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
+    init_logs();
+    let redis_url = args.redis_url.or_else(|| {
+        std::env::var("FLOODGATE_REDIS_URL")
+            .ok()
+            .filter(|u| !u.trim().is_empty())
+    });
+    let options = RlsOptions {
+        config: args.config,
+        listen: args.listen,
+        redis_url,
+        redis_prefix: args.redis_prefix,
+        on_error: if args.on_store_error == "closed" {
+            RedisOnError::Closed
+        } else {
+            RedisOnError::Open
+        },
+        admin_listen: args.admin_listen,
+    };
+    match floodgate_gateway::rls::serve(&options) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn init_logs() {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_env_filter(
+            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
+        )
+        .init();
 }
 
 fn check_config(file: &PathBuf) -> ExitCode {
@@ -66,13 +156,7 @@ fn check_config(file: &PathBuf) -> ExitCode {
 }
 
 fn serve(path: &PathBuf) -> ExitCode {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+    init_logs();
     let config = match Config::load(path) {
         Ok(c) => c,
         Err(e) => {

@@ -90,7 +90,7 @@ const KINDS: [&str; 3] = ["requests", "tokens", "in_flight"];
 const STATUS_CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
 
 /// Store calls: 50 µs to 1 s.
-const STORE_BUCKETS: [f64; 14] = [
+pub(crate) const STORE_BUCKETS: [f64; 14] = [
     0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
 ];
 /// Upstream answers to their headers: 1 ms to 60 s (a reasoning model's first byte).
@@ -404,7 +404,7 @@ pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
 /// OpenMetrics text as Prometheus's text format: a counter family's `HELP` and `TYPE` name its
 /// samples (`x_total`, not `x`), and there is no `# EOF` or `# UNIT` line.
-fn to_prometheus_text(open_metrics: &str) -> String {
+pub(crate) fn to_prometheus_text(open_metrics: &str) -> String {
     let counters: Vec<&str> = open_metrics
         .lines()
         .filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter"))
@@ -435,7 +435,7 @@ fn to_prometheus_text(open_metrics: &str) -> String {
     out
 }
 
-fn unix_now() -> f64 {
+pub(crate) fn unix_now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0.0, |d| d.as_secs_f64())
@@ -456,7 +456,7 @@ struct HistogramInner {
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Histogram {
+    pub(crate) fn new(bounds: &'static [f64]) -> Histogram {
         Histogram(Arc::new(HistogramInner {
             bounds,
             counts: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),

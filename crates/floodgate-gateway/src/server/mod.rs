@@ -435,7 +435,7 @@ fn listen(addr: SocketAddr, reuse_port: bool) -> std::io::Result<tokio::net::Tcp
 }
 
 /// Each SIGHUP, as a message (none on platforms without it).
-fn hangups() -> std::io::Result<tmpsc::UnboundedReceiver<()>> {
+pub(crate) fn hangups() -> std::io::Result<tmpsc::UnboundedReceiver<()>> {
     let (tx, rx) = tmpsc::unbounded_channel();
     #[cfg(unix)]
     {
@@ -455,7 +455,7 @@ fn hangups() -> std::io::Result<tmpsc::UnboundedReceiver<()>> {
 }
 
 /// SIGTERM and Ctrl-C, taken over from their default action (ending the process) once built.
-struct Signals {
+pub(crate) struct Signals {
     #[cfg(unix)]
     term: tokio::signal::unix::Signal,
     #[cfg(unix)]
@@ -466,7 +466,7 @@ struct Signals {
 
 impl Signals {
     /// Installs the handlers now; needs a runtime with its signal driver (`enable_all`).
-    fn new() -> std::io::Result<Signals> {
+    pub(crate) fn new() -> std::io::Result<Signals> {
         #[cfg(unix)]
         {
             use tokio::signal::unix::{SignalKind, signal};
@@ -486,7 +486,7 @@ impl Signals {
     }
 
     /// Resolves on the next SIGTERM or Ctrl-C.
-    async fn recv(&mut self) {
+    pub(crate) async fn recv(&mut self) {
         #[cfg(unix)]
         tokio::select! {
             _ = self.term.recv() => {},

@@ -1,0 +1,406 @@
+//! `ShouldRateLimit`: a request's descriptors, matched against the running config, decided as
+//! one chain admission on the store (docs/envoy.md).
+//!
+//! - Each descriptor's rule is its most specific match ([`RlsConfig::lookup`]); `replaces` drops
+//!   the rules named by any matched rule (an `unlimited` one included), as envoyproxy/ratelimit
+//!   does.
+//! - Every limited descriptor becomes a limit of one [`Chain`], admitted in one atomic step:
+//!   the request passes only if every enforced limit passes, and a refused request is charged to
+//!   none of them (envoyproxy/ratelimit adds the hits to every counter, refused or not).
+//! - The cost is `hits_addend`: a descriptor's own when set (0 checks without charging), else
+//!   the request's, with 0 meaning 1. Descriptors with different costs cannot share one
+//!   admission (a store admits one cost): each cost is admitted in turn, in request order, and
+//!   a refusal stops the rest; what earlier costs admitted stays charged (docs/envoy.md).
+//! - Counters are named by the request's entries, as envoyproxy/ratelimit's cache keys are, in
+//!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus`, never a key
+//!   of the gateway's (whose tags are `org:...` or a scope).
+
+use std::collections::HashSet;
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
+    Code, DescriptorStatus, RateLimit,
+};
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use floodgate::store::AnyStore;
+use floodgate::{Chain, ChainDecision, ChainLimit, Charge, LimitStatus, ScopeKind};
+use tonic::{Request, Response, Status};
+
+use super::config::{RlsConfig, Rule};
+use super::metrics::{Answer, DescriptorOutcome, RlsMetrics};
+
+/// The rate limit service: the running config, the store, the metrics.
+#[derive(Debug)]
+pub struct Rls {
+    config: RwLock<Arc<RlsConfig>>,
+    store: AnyStore,
+    metrics: RlsMetrics,
+}
+
+/// What one descriptor of a request comes to.
+enum Slot<'a> {
+    /// No rule, a refund (`is_negative_hits`, not applied), or a replaced rule.
+    Free(DescriptorOutcome),
+    /// `unlimited`.
+    Unlimited,
+    /// A limit of the admission of cost `cost`, at index `at` of its chain.
+    Limited {
+        rule: &'a Rule,
+        cost: u64,
+        at: usize,
+    },
+}
+
+impl Rls {
+    /// A service deciding on `store` with `config`.
+    pub fn new(config: RlsConfig, store: AnyStore, metrics: RlsMetrics) -> Rls {
+        Rls {
+            config: RwLock::new(Arc::new(config)),
+            store,
+            metrics,
+        }
+    }
+
+    /// The running config.
+    pub fn config(&self) -> Arc<RlsConfig> {
+        // A std lock, held only to clone an Arc: never across an await.
+        Arc::clone(&self.config.read().unwrap_or_else(PoisonError::into_inner))
+    }
+
+    /// Puts `config` in force: calls that start after this see it. Counters are kept: they are
+    /// named by the request's entries and the window, not the size of the limit.
+    pub fn replace_config(&self, config: RlsConfig) {
+        *self.config.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(config);
+    }
+
+    /// The metrics.
+    pub fn metrics(&self) -> &RlsMetrics {
+        &self.metrics
+    }
+
+    /// Answers one `ShouldRateLimit` call.
+    pub async fn decide(&self, req: &RateLimitRequest) -> Result<RateLimitResponse, Status> {
+        let answer = self.decide_inner(req).await;
+        self.metrics.answer(match &answer {
+            Err(_) => Answer::Error,
+            Ok((_, false)) => Answer::Unenforced,
+            Ok((r, true)) if r.overall_code == Code::OverLimit as i32 => Answer::OverLimit,
+            Ok(_) => Answer::Ok,
+        });
+        answer.map(|(r, _)| r)
+    }
+
+    /// The answer, and whether it was decided (not failed open).
+    async fn decide_inner(
+        &self,
+        req: &RateLimitRequest,
+    ) -> Result<(RateLimitResponse, bool), Status> {
+        if req.domain.is_empty() {
+            return Err(Status::invalid_argument(
+                "rate limit domain must not be empty",
+            ));
+        }
+        if req.descriptors.is_empty() {
+            return Err(Status::invalid_argument(
+                "rate limit descriptor list must not be empty",
+            ));
+        }
+        let config = self.config();
+        let rules: Vec<Option<&Rule>> = req
+            .descriptors
+            .iter()
+            .map(|d| {
+                let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+                config.lookup(&req.domain, entries)
+            })
+            .collect();
+        let replaced: HashSet<&str> = rules
+            .iter()
+            .flatten()
+            .flat_map(|r| r.replaces.iter().map(String::as_str))
+            .collect();
+        let tenant = format!("rls:{}", escape(&req.domain));
+        // The admissions, one per distinct cost in request order, and each descriptor's place.
+        let mut admissions: Vec<(u64, Vec<ChainLimit>)> = Vec::new();
+        let mut slots = Vec::with_capacity(rules.len());
+        for (d, rule) in req.descriptors.iter().zip(&rules) {
+            let slot = match rule {
+                _ if d.is_negative_hits => Slot::Free(DescriptorOutcome::Unmatched),
+                None => Slot::Free(DescriptorOutcome::Unmatched),
+                Some(r) if !r.name.is_empty() && replaced.contains(r.name.as_str()) => {
+                    Slot::Free(DescriptorOutcome::Replaced)
+                }
+                Some(r) => match r.window_limit() {
+                    None => Slot::Unlimited,
+                    Some(window) => {
+                        let cost = cost(req, d);
+                        let limit = ChainLimit::new(
+                            &tenant,
+                            ScopeKind::Gateway,
+                            &counter_id(d),
+                            Charge::Admission,
+                            window,
+                        )
+                        .with_shadow(r.shadow);
+                        let group = match admissions.iter().position(|(c, _)| *c == cost) {
+                            Some(g) => g,
+                            None => {
+                                admissions.push((cost, Vec::new()));
+                                admissions.len() - 1
+                            }
+                        };
+                        let limits = &mut admissions[group].1;
+                        // The same counter twice in one request (the same descriptor sent
+                        // twice) is one limit of the chain: a chain's keys are distinct.
+                        let at = match limits.iter().position(|l| l.key() == limit.key()) {
+                            Some(at) => at,
+                            None => {
+                                limits.push(limit);
+                                limits.len() - 1
+                            }
+                        };
+                        Slot::Limited { rule: r, cost, at }
+                    }
+                },
+            };
+            slots.push(slot);
+        }
+        // Decide each admission in turn; a refusal stops the rest.
+        let mut decisions: Vec<(u64, ChainDecision)> = Vec::with_capacity(admissions.len());
+        for (cost, limits) in admissions {
+            let chain = Chain::new(limits);
+            let started = Instant::now();
+            let decided = chain.admit(&self.store, cost).await;
+            let failed = !decided.as_ref().is_ok_and(|d| d.enforced);
+            self.metrics.store_call(started.elapsed(), failed);
+            let decision = decided.map_err(|e| {
+                tracing::warn!(error = %e, "store unavailable: failing closed");
+                Status::unavailable("the rate limit store is unavailable")
+            })?;
+            let refused = !decision.admitted;
+            decisions.push((cost, decision));
+            if refused {
+                break;
+            }
+        }
+        let enforced = decisions.iter().all(|(_, d)| d.enforced);
+        let mut response = RateLimitResponse {
+            overall_code: Code::Ok as i32,
+            ..RateLimitResponse::default()
+        };
+        // The limit the headers describe: the first refusing one, else the one with the fewest
+        // units left (the first of equals); never a shadow one.
+        let mut primary: Option<(&Rule, &LimitStatus, bool)> = None;
+        let mut retry_after = None;
+        for slot in &slots {
+            let status = match slot {
+                Slot::Free(outcome) => {
+                    self.metrics.descriptor(*outcome);
+                    DescriptorStatus {
+                        code: Code::Ok as i32,
+                        ..DescriptorStatus::default()
+                    }
+                }
+                Slot::Unlimited => {
+                    self.metrics.descriptor(DescriptorOutcome::Unlimited);
+                    DescriptorStatus {
+                        code: Code::Ok as i32,
+                        limit_remaining: u32::MAX,
+                        ..DescriptorStatus::default()
+                    }
+                }
+                Slot::Limited { rule, cost, at } => {
+                    let decided = decisions
+                        .iter()
+                        .find(|(c, _)| c == cost)
+                        .and_then(|(_, d)| Some((d, d.statuses.get(*at)?)));
+                    let current_limit = rule.limit.map(|(n, unit)| RateLimit {
+                        name: rule.name.clone(),
+                        requests_per_unit: n,
+                        unit: unit.proto(),
+                    });
+                    match decided {
+                        // Not decided: the store failed open, or an earlier cost refused.
+                        None => DescriptorStatus {
+                            code: Code::Ok as i32,
+                            current_limit,
+                            ..DescriptorStatus::default()
+                        },
+                        Some((decision, st)) => {
+                            let refusing = !decision.admitted && st.over && !st.shadow;
+                            self.metrics.descriptor(outcome(st, refusing));
+                            if refusing {
+                                response.overall_code = Code::OverLimit as i32;
+                            }
+                            let better = match primary {
+                                None => true,
+                                Some((_, p, p_refusing)) => {
+                                    !p_refusing && (refusing || st.remaining < p.remaining)
+                                }
+                            };
+                            if !st.shadow && better {
+                                primary = Some((rule, st, refusing));
+                                if refusing {
+                                    retry_after = decision.retry_after;
+                                }
+                            }
+                            // A refusal no wait cures (the cost above the limit): full again
+                            // after a window, and still refused.
+                            let reset = if refusing && decision.retry_after.is_none() {
+                                st.limit.window()
+                            } else {
+                                st.reset
+                            };
+                            DescriptorStatus {
+                                code: if refusing { Code::OverLimit } else { Code::Ok } as i32,
+                                current_limit,
+                                limit_remaining: u32::try_from(st.remaining).unwrap_or(u32::MAX),
+                                duration_until_reset: Some(proto_duration(reset)),
+                                ..DescriptorStatus::default()
+                            }
+                        }
+                    }
+                }
+            };
+            response.statuses.push(status);
+        }
+        if let Some((rule, st, _)) = primary {
+            response.response_headers_to_add = headers(rule, st, retry_after);
+        }
+        Ok((response, enforced))
+    }
+}
+
+#[tonic::async_trait]
+impl RateLimitService for Rls {
+    async fn should_rate_limit(
+        &self,
+        request: Request<RateLimitRequest>,
+    ) -> Result<Response<RateLimitResponse>, Status> {
+        self.decide(request.get_ref()).await.map(Response::new)
+    }
+}
+
+/// A descriptor's cost, as envoyproxy/ratelimit counts it.
+fn cost(req: &RateLimitRequest, d: &RateLimitDescriptor) -> u64 {
+    match &d.hits_addend {
+        Some(v) => v.value,
+        None => u64::from(req.hits_addend.max(1)),
+    }
+}
+
+fn outcome(st: &LimitStatus, refusing: bool) -> DescriptorOutcome {
+    match () {
+        _ if refusing => DescriptorOutcome::Over,
+        _ if st.shadow && st.over => DescriptorOutcome::ShadowOver,
+        // 80% used or more: fewer than a fifth of the units left.
+        _ if st.remaining.saturating_mul(5) <= st.limit.max() => DescriptorOutcome::Near,
+        _ => DescriptorOutcome::Within,
+    }
+}
+
+/// `%`, `.`, `=`, `{` and `}` of a key, value or domain, percent-encoded: the counter's name
+/// then reads back to one list of entries, and the hash tag stays the domain.
+fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        match c {
+            '%' | '.' | '=' | '{' | '}' => out.push_str(&format!("%{:02X}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// The counter a descriptor is counted under: its entries, `KEY=VALUE` joined by `.`.
+fn counter_id(d: &RateLimitDescriptor) -> String {
+    let mut id = String::new();
+    for (i, e) in d.entries.iter().enumerate() {
+        if i > 0 {
+            id.push('.');
+        }
+        id.push_str(&escape(&e.key));
+        id.push('=');
+        id.push_str(&escape(&e.value));
+    }
+    id
+}
+
+fn proto_duration(d: Duration) -> ProtoDuration {
+    ProtoDuration {
+        seconds: i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        nanos: i32::try_from(d.subsec_nanos()).unwrap_or(0),
+    }
+}
+
+fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// The headers Envoy adds to its response: the primary limit's state in the IETF draft's
+/// `RateLimit-Policy`/`RateLimit` fields (as the gateway sends them, the policy named by the
+/// rule's `name` or its descriptor keys, never a value) and the classic `X-RateLimit-*`, and on
+/// a refusal `Retry-After` and `retry-after-ms`, exact (docs/design.md §1).
+fn headers(rule: &Rule, st: &LimitStatus, retry_after: Option<Duration>) -> Vec<HeaderValue> {
+    let policy = if rule.name.is_empty() {
+        &rule.keys
+    } else {
+        &rule.name
+    };
+    let policy = policy.replace(['"', '\\'], "_");
+    let header = |key: &str, value: String| HeaderValue {
+        key: key.to_owned(),
+        value,
+        ..HeaderValue::default()
+    };
+    let max = st.limit.max();
+    let mut out = vec![
+        header("x-ratelimit-limit", max.to_string()),
+        header("x-ratelimit-remaining", st.remaining.to_string()),
+        header(
+            "ratelimit-policy",
+            format!("\"{policy}\";q={max};w={}", ceil_secs(st.limit.window())),
+        ),
+        header(
+            "ratelimit",
+            format!("\"{policy}\";r={};t={}", st.remaining, ceil_secs(st.reset)),
+        ),
+    ];
+    if let Some(wait) = retry_after {
+        out.push(header("retry-after", ceil_secs(wait).to_string()));
+        let ms = wait.as_millis() + u128::from(wait.subsec_nanos() % 1_000_000 > 0);
+        out.push(header("retry-after-ms", ms.to_string()));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+
+    #[test]
+    fn counter_names_cannot_collide() {
+        let d = |entries: &[(&str, &str)]| RateLimitDescriptor {
+            entries: entries
+                .iter()
+                .map(|(k, v)| Entry {
+                    key: (*k).into(),
+                    value: (*v).into(),
+                })
+                .collect(),
+            ..RateLimitDescriptor::default()
+        };
+        assert_eq!(counter_id(&d(&[("a", "b"), ("c", "d")])), "a=b.c=d");
+        assert_ne!(
+            counter_id(&d(&[("a", "b.c=d")])),
+            counter_id(&d(&[("a", "b"), ("c", "d")]))
+        );
+        assert_eq!(escape("x{y}"), "x%7By%7D");
+    }
+}

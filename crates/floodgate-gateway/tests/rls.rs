@@ -1,0 +1,583 @@
+//! `floodgate rls`: the generated tonic client against the service, in process on the memory
+//! store and as three processes on one Redis; envoyproxy/ratelimit's README examples as
+//! fixtures (`tests/rls-configs/`) and one bad config per refusal (`tests/rls-bad-configs/`,
+//! each naming its expected error on its first line).
+#![cfg(feature = "rls")]
+#![allow(missing_docs)]
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
+use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
+use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::google::protobuf::UInt64Value;
+use floodgate::store::{AnyStore, MemoryStore};
+use floodgate_gateway::rls::metrics::RlsMetrics;
+use floodgate_gateway::rls::reload::Reloader;
+use floodgate_gateway::rls::{Rls, RlsConfig};
+use tonic::transport::Channel;
+
+mod common;
+use common::free_port;
+
+const OK: i32 = Code::Ok as i32;
+const OVER: i32 = Code::OverLimit as i32;
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rls-configs")
+}
+
+fn descriptor(entries: &[(&str, &str)]) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        entries: entries
+            .iter()
+            .map(|(k, v)| Entry {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..RateLimitDescriptor::default()
+    }
+}
+
+fn request(domain: &str, descriptors: &[&[(&str, &str)]]) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors: descriptors.iter().map(|d| descriptor(d)).collect(),
+        hits_addend: 0,
+    }
+}
+
+struct Service {
+    client: RateLimitServiceClient<Channel>,
+    rls: Arc<Rls>,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Service {
+    async fn call(&mut self, req: RateLimitRequest) -> RateLimitResponse {
+        self.client
+            .should_rate_limit(req)
+            .await
+            .unwrap()
+            .into_inner()
+    }
+
+    /// The overall codes of `n` calls of `req`.
+    async fn codes(&mut self, req: &RateLimitRequest, n: usize) -> Vec<i32> {
+        let mut out = Vec::new();
+        for _ in 0..n {
+            out.push(self.call(req.clone()).await.overall_code);
+        }
+        out
+    }
+}
+
+/// The service in process, on the memory store, with every file of `files` in a directory.
+async fn service(files: &[&str]) -> (Service, tempdir::Dir) {
+    let dir = tempdir::Dir::new();
+    for f in files {
+        std::fs::copy(fixtures().join(f), dir.path().join(f)).unwrap();
+    }
+    let config = RlsConfig::load(dir.path()).unwrap();
+    (start(config).await, dir)
+}
+
+async fn start(config: RlsConfig) -> Service {
+    let rls = Arc::new(Rls::new(
+        config,
+        AnyStore::Memory(MemoryStore::new()),
+        RlsMetrics::new(),
+    ));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(floodgate_gateway::rls::run(
+        listener,
+        Arc::clone(&rls),
+        async {
+            let _ = stopped.await;
+        },
+    ));
+    let client = RateLimitServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    Service {
+        client,
+        rls,
+        _stop: stop,
+    }
+}
+
+/// A throwaway directory, removed on drop.
+mod tempdir {
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    pub struct Dir(PathBuf);
+
+    impl Dir {
+        pub fn new() -> Dir {
+            static N: AtomicUsize = AtomicUsize::new(0);
+            let p = std::env::temp_dir().join(format!(
+                "floodgate-rls-{}-{}",
+                std::process::id(),
+                N.fetch_add(1, Ordering::SeqCst)
+            ));
+            std::fs::create_dir_all(&p).unwrap();
+            Dir(p)
+        }
+        pub fn path(&self) -> &Path {
+            &self.0
+        }
+    }
+
+    impl Drop for Dir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
+#[test]
+fn every_readme_example_loads_and_share_threshold_is_refused() {
+    for entry in std::fs::read_dir(fixtures()).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        let loaded = RlsConfig::load(&path);
+        if name.starts_with("readme-example11") {
+            let e = loaded.unwrap_err().to_string();
+            assert!(
+                e.contains("share_threshold is not supported"),
+                "{name}: {e}"
+            );
+        } else {
+            assert!(loaded.is_ok(), "{name}: {loaded:?}");
+        }
+    }
+}
+
+#[test]
+fn the_shipped_examples_load() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../examples");
+    for f in ["rls.yaml", "rls-bench.yaml"] {
+        let c = RlsConfig::load(&examples.join(f)).unwrap();
+        assert_eq!(c.domains().len(), 1, "{f}");
+    }
+}
+
+#[test]
+fn bad_configs_name_file_line_and_field() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rls-bad-configs");
+    let mut seen = 0;
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let text = std::fs::read_to_string(&path).unwrap();
+        let want = text
+            .lines()
+            .next()
+            .unwrap()
+            .strip_prefix("# error: ")
+            .unwrap();
+        let e = RlsConfig::load(&path).unwrap_err().to_string();
+        let expected = format!("{}{want}", path.display());
+        assert!(e.starts_with(&expected), "{e}\nwanted {expected}");
+        seen += 1;
+    }
+    assert!(seen >= 10);
+}
+
+#[test]
+fn a_directory_with_one_domain_twice_is_refused() {
+    let dir = tempdir::Dir::new();
+    for f in ["readme-example09-12.yaml", "readme-example09-13.yaml"] {
+        std::fs::copy(fixtures().join(f), dir.path().join(f)).unwrap();
+    }
+    let e = RlsConfig::load(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("duplicate domain 'example9'"), "{e}");
+}
+
+#[tokio::test]
+async fn the_most_specific_match_decides() {
+    // Example 1 and 3: key and value before key alone; a value the config lists with 0 refuses.
+    let (mut s, _dir) = service(&["readme-example01-3.yaml", "readme-example03-5.yaml"]).await;
+    let any = request("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.1")]]);
+    let codes = s.codes(&any, 11).await;
+    assert_eq!(codes[..10], [OK; 10]);
+    assert_eq!(codes[10], OVER, "10 a second");
+    let other = request("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.2")]]);
+    assert_eq!(s.call(other).await.overall_code, OK, "each address its own");
+    let blocked = request("edge_proxy_per_ip", &[&[("remote_address", "50.0.0.5")]]);
+    let r = s.call(blocked).await;
+    assert_eq!(r.overall_code, OVER);
+    let st = &r.statuses[0];
+    assert_eq!(st.current_limit.as_ref().unwrap().requests_per_unit, 0);
+    // Unknown value of a key listed only with values: no rule, not limited.
+    let unlisted = request("mongo_cps", &[&[("database", "orders")]]);
+    let r = s.call(unlisted).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].current_limit.clone()),
+        (OK, None)
+    );
+    let unknown = request("nowhere", &[&[("database", "users")]]);
+    assert_eq!(s.call(unknown).await.overall_code, OK);
+}
+
+#[tokio::test]
+async fn nested_descriptors_are_decided_together_and_a_refusal_charges_none() {
+    // Example 2: 5 marketing messages a day to a number, 100 messages a day to it.
+    let (mut s, _dir) = service(&["readme-example02-4.yaml"]).await;
+    let both = request(
+        "messaging",
+        &[
+            &[("message_type", "marketing"), ("to_number", "2061111111")],
+            &[("to_number", "2061111111")],
+        ],
+    );
+    for i in 0..5 {
+        let r = s.call(both.clone()).await;
+        assert_eq!(r.overall_code, OK, "call {i}");
+        assert_eq!(r.statuses[0].limit_remaining, 4 - i);
+        assert_eq!(r.statuses[1].limit_remaining, 99 - i);
+    }
+    let r = s.call(both.clone()).await;
+    assert_eq!(r.overall_code, OVER);
+    assert_eq!(r.statuses[0].code, OVER);
+    assert_eq!(r.statuses[1].code, OK);
+    assert_eq!(
+        r.statuses[1].limit_remaining, 95,
+        "the refused call charged nothing"
+    );
+    // The refusal's wait is exact, and the headers say it.
+    let wait = r.statuses[0].duration_until_reset.unwrap();
+    assert!(wait.seconds > 0 && wait.seconds <= 86_400, "{wait:?}");
+    let header = |name: &str| {
+        r.response_headers_to_add
+            .iter()
+            .find(|h| h.key == name)
+            .map(|h| h.value.clone())
+    };
+    assert_eq!(header("x-ratelimit-limit").as_deref(), Some("5"));
+    assert_eq!(header("x-ratelimit-remaining").as_deref(), Some("0"));
+    assert_eq!(
+        header("ratelimit-policy").as_deref(),
+        Some("\"message_type.to_number\";q=5;w=86400")
+    );
+    assert!(header("retry-after").is_some() && header("retry-after-ms").is_some());
+    // The other number's counters are its own.
+    let single = request("messaging", &[&[("to_number", "2062222222")]]);
+    let r = s.call(single).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 99));
+    // Example 4: a rule applies at its own depth only.
+    let (mut s, _dir) = service(&["readme-example04-6.yaml"]).await;
+    let deeper = request("example4", &[&[("key", "value"), ("subkey", "subvalue")]]);
+    let r = s.call(deeper).await;
+    assert_eq!(r.statuses[0].current_limit, None);
+}
+
+#[tokio::test]
+async fn unlimited_shadow_mode_and_wildcards() {
+    let (mut s, _dir) = service(&[
+        "readme-example05-8.yaml",
+        "readme-example06-9.yaml",
+        "readme-example09-13.yaml",
+    ])
+    .await;
+    let ldap = s.call(request("internal", &[&[("ldap", "x")]])).await;
+    assert_eq!(
+        (ldap.overall_code, ldap.statuses[0].limit_remaining),
+        (OK, u32::MAX)
+    );
+    // Example 6: user-a's 10 a second is a shadow limit; user-b's 20 is enforced.
+    let a = request("example6", &[&[("service", "auth"), ("user", "user-a")]]);
+    let codes = s.codes(&a, 15).await;
+    assert_eq!(codes, [OK; 15], "shadow mode never refuses");
+    let b = request("example6", &[&[("service", "auth"), ("user", "user-b")]]);
+    let codes = s.codes(&b, 21).await;
+    assert_eq!(codes.iter().filter(|&&c| c == OVER).count(), 1);
+    // Example 9: `/api/*/action`.
+    let hit = request("example9", &[&[("path", "/api/12/action")]]);
+    assert_eq!(
+        s.call(hit).await.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit),
+        Some(20)
+    );
+    let miss = request("example9", &[&[("path", "/api/12/other")]]);
+    assert_eq!(s.call(miss).await.statuses[0].current_limit, None);
+}
+
+#[tokio::test]
+async fn replaces_drops_the_named_rule_and_leaves_its_counter_alone() {
+    // Example 7.
+    let (mut s, _dir) = service(&["readme-example07-10.yaml"]).await;
+    let both = request(
+        "example7",
+        &[
+            &[("key_1", "value_1"), ("user", "bkthomps")],
+            &[("key_2", "value_2"), ("user", "bkthomps")],
+        ],
+    );
+    let codes = s.codes(&both, 11).await;
+    assert_eq!(codes[..10], [OK; 10], "10 a second, not 5");
+    assert_eq!(codes[10], OVER);
+    let r = s.call(both).await;
+    assert_eq!(r.statuses[0].current_limit, None, "replaced");
+    let specific = request("example7", &[&[("key_1", "value_1"), ("user", "bkthomps")]]);
+    let r = s.call(specific).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].limit_remaining),
+        (OK, 4),
+        "its 5 a second untouched"
+    );
+}
+
+#[tokio::test]
+async fn hits_addend_is_the_cost() {
+    let (mut s, _dir) = service(&["readme-example03-5.yaml"]).await;
+    let mut req = request("edge_proxy_per_ip", &[&[("remote_address", "10.0.0.1")]]);
+    req.hits_addend = 4;
+    assert_eq!(
+        s.codes(&req, 3).await,
+        [OK, OK, OVER],
+        "4 + 4 fit 10, 12 do not"
+    );
+    // A descriptor's own hits_addend wins; 0 checks without charging.
+    let mut check = req.clone();
+    check.descriptors[0].hits_addend = Some(UInt64Value { value: 0 });
+    let r = s.call(check).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 2));
+    let mut two = req.clone();
+    two.descriptors[0].hits_addend = Some(UInt64Value { value: 2 });
+    assert_eq!(s.codes(&two, 2).await, [OK, OVER]);
+    // A cost above the limit can never pass.
+    let mut huge = request("edge_proxy_per_ip", &[&[("remote_address", "10.0.0.2")]]);
+    huge.hits_addend = 11;
+    assert_eq!(s.call(huge).await.overall_code, OVER);
+    // The request's 0 means 1.
+    let zero = request("edge_proxy_per_ip", &[&[("remote_address", "10.0.0.3")]]);
+    let r = s.call(zero).await;
+    assert_eq!(r.statuses[0].limit_remaining, 9);
+}
+
+#[tokio::test]
+async fn a_bad_request_is_an_invalid_argument() {
+    let (mut s, _dir) = service(&["readme-example03-5.yaml"]).await;
+    let empty = request("edge_proxy_per_ip", &[]);
+    let e = s.client.should_rate_limit(empty).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+}
+
+/// Polls `f` until it holds, for up to 10 s: waits for an event, not for a time.
+async fn eventually(mut f: impl AsyncFnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f().await {
+        assert!(Instant::now() < deadline, "never happened");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test]
+async fn reload_is_whole_or_nothing_and_a_changed_file_is_seen() {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    let limits = |n: u32| {
+        format!(
+            "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {{unit: minute, requests_per_unit: {n}}}\n"
+        )
+    };
+    std::fs::write(&file, limits(3)).unwrap();
+    let mut s = start(RlsConfig::load(dir.path()).unwrap()).await;
+    let req = request("d", &[&[("k", "v")]]);
+    assert_eq!(s.call(req.clone()).await.statuses[0].limit_remaining, 2);
+    let reloader = Reloader::new(dir.path().to_owned(), Arc::clone(&s.rls));
+    std::fs::write(dir.path().join("broken.yaml"), "domain: e\nbogus: 1\n").unwrap();
+    let e = reloader.reload().unwrap_err().to_string();
+    assert!(e.contains("broken.yaml:2: bogus: unknown field"), "{e}");
+    assert_eq!(
+        s.call(req.clone()).await.statuses[0].limit_remaining,
+        1,
+        "kept"
+    );
+    std::fs::remove_file(dir.path().join("broken.yaml")).unwrap();
+    // The watcher sees the change; the counter keeps its count under the new size.
+    let watching = tokio::spawn(async move {
+        floodgate_gateway::rls::reload::watch(&reloader).await;
+    });
+    // Rewritten until seen: the watcher may take its first look after a first write.
+    let mut writes = 0;
+    eventually(async || {
+        writes += 1;
+        std::fs::write(&file, format!("{}# write {writes}\n", limits(10))).unwrap();
+        s.rls
+            .config()
+            .lookup("d", [("k", "v")])
+            .and_then(|r| r.limit)
+            .is_some_and(|(n, _)| n == 10)
+    })
+    .await;
+    assert_eq!(s.call(req).await.statuses[0].limit_remaining, 7);
+    watching.abort();
+}
+
+fn redis_url() -> Option<String> {
+    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
+                "FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is not set"
+            );
+            eprintln!("note: FLOODGATE_TEST_REDIS_URL is not set: skipping the rls Redis test");
+            None
+        }
+    }
+}
+
+/// `floodgate rls` as a process; killed on drop.
+struct Process(std::process::Child);
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn spawn_rls(config: &Path, listen: SocketAddr, extra: &[&str]) -> Process {
+    Process(
+        std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+            .arg("rls")
+            .arg("--config")
+            .arg(config)
+            .arg("--listen")
+            .arg(listen.to_string())
+            .args(extra)
+            .env_remove("FLOODGATE_REDIS_URL")
+            .env("RUST_LOG", "warn")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// A client of the service at `addr`, once it answers.
+async fn connect(addr: SocketAddr) -> RateLimitServiceClient<Channel> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        match RateLimitServiceClient::connect(format!("http://{addr}")).await {
+            Ok(c) => return c,
+            Err(e) => assert!(Instant::now() < deadline, "{addr} never answered: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_processes_on_one_redis_admit_exactly_the_limit() {
+    let Some(url) = redis_url() else { return };
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    // A domain of this run only: counters of earlier runs cannot count.
+    let domain = format!("concurrency-{}-{}", std::process::id(), free_port());
+    std::fs::write(
+        &file,
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: tenant\n    rate_limit: {{unit: hour, requests_per_unit: 25}}\n  - key: route\n    rate_limit: {{unit: hour, requests_per_unit: 1000}}\n"
+        ),
+    )
+    .unwrap();
+    let admin: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+    let mut processes = Vec::new();
+    let mut addrs = Vec::new();
+    for i in 0..3 {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let admin_flag = admin.to_string();
+        let mut extra = vec!["--redis-url", url.as_str()];
+        if i == 0 {
+            extra.extend(["--admin-listen", admin_flag.as_str()]);
+        }
+        processes.push(spawn_rls(&file, addr, &extra));
+        addrs.push(addr);
+    }
+    let mut clients = Vec::new();
+    for a in &addrs {
+        clients.push(connect(*a).await);
+    }
+    let req = request(&domain, &[&[("tenant", "acme")], &[("route", "/v1")]]);
+    let mut calls = Vec::new();
+    for i in 0..90 {
+        let mut client = clients[i % 3].clone();
+        let req = req.clone();
+        calls.push(tokio::spawn(async move {
+            client.should_rate_limit(req).await.unwrap().into_inner()
+        }));
+    }
+    let mut admitted = 0;
+    for c in calls {
+        if c.await.unwrap().overall_code == OK {
+            admitted += 1;
+        }
+    }
+    assert_eq!(admitted, 25, "exactly the limit, across three processes");
+    // Refusals charged nothing: the route's counter took the 25 admitted only.
+    let only_route = request(&domain, &[&[("route", "/v1")]]);
+    let r = clients[1]
+        .should_rate_limit(only_route)
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(r.statuses[0].limit_remaining, 1000 - 26);
+    // The first process's metrics counted its share.
+    let body = http_get(admin, "/metrics").await;
+    assert!(
+        body.contains("floodgate_rls_requests_total{code=\"over_limit\"}"),
+        "{body}"
+    );
+    assert!(body.contains("floodgate_store_duration_seconds_count{op=\"admit\"}"));
+    drop(processes);
+}
+
+async fn http_get(addr: SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    tcp.write_all(
+        format!("GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .unwrap();
+    let mut out = String::new();
+    tcp.read_to_string(&mut out).await.unwrap();
+    out
+}
+
+#[tokio::test]
+async fn the_binary_checks_a_config_and_refuses_a_bad_one() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["rls", "--check", "--config"])
+        .arg(fixtures().join("readme-example02-4.yaml"))
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("domain: messaging"));
+    let bad = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/rls-bad-configs/bad-unit.yaml");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["rls", "--config"])
+        .arg(&bad)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("bad-unit.yaml:7: descriptors[0].rate_limit.unit"),
+        "{err}"
+    );
+}
