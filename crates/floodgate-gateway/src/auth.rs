@@ -203,7 +203,10 @@ impl Keys {
                     .into_iter()
                     .filter_map(|(kind, id)| in_flight_of(config, &tenant, kind, id))
                     .collect();
+                // A key's chain lives as long as the config: its refusals are remembered
+                // (docs/design.md §11). A customer's chain is built per request, so has none.
                 let chain = Chain::new(own.iter().chain(&gateway).cloned().collect())
+                    .cache_refusals()
                     .with_in_flight(
                         own_in_flight
                             .iter()
@@ -233,6 +236,13 @@ impl Keys {
             gateway,
             gateway_budgets,
             gateway_in_flight,
+        }
+    }
+
+    /// Empties every key chain's refusal cache: after a reset lowered counts.
+    pub fn forget_refusals(&self) {
+        for entry in self.by_hash.values() {
+            entry.chain.chain.forget_refusals();
         }
     }
 

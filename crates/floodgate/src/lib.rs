@@ -49,6 +49,7 @@ pub mod http;
 pub mod in_flight;
 mod limiter;
 pub mod period;
+mod refusals;
 pub mod store;
 #[cfg(feature = "tower")]
 pub mod tower;

@@ -4,12 +4,14 @@
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
+use std::sync::Arc;
 
 use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
 use crate::chain::{ChainDecision, ChainLimit};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, InFlightStatus, Lease};
+use crate::refusals::Refusals;
 use crate::store::{BucketKey, NameRef, Store};
 use crate::window::Charge;
 
@@ -33,11 +35,24 @@ use crate::window::Charge;
 /// # Ok(()) }
 /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
 /// ```
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub struct Chain {
     limits: Vec<ChainLimit>,
     in_flight: Vec<InFlightLimit>,
+    /// The refusal cache, when turned on ([`cache_refusals`](Self::cache_refusals)); clones
+    /// share it, as they share the limits.
+    refusals: Option<Arc<Refusals>>,
 }
+
+/// Two chains are equal when their limits are: a refusal cache holds what a store said, not
+/// what the chain is.
+impl PartialEq for Chain {
+    fn eq(&self, other: &Chain) -> bool {
+        self.limits == other.limits && self.in_flight == other.in_flight
+    }
+}
+
+impl Eq for Chain {}
 
 impl Chain {
     /// A chain of `limits`, narrowest first. Each limit must have its own storage key.
@@ -52,7 +67,67 @@ impl Chain {
         Chain {
             limits,
             in_flight: Vec::new(),
+            refusals: None,
         }
+    }
+
+    /// This chain with a refusal cache (docs/design.md §11): its last refusal is remembered in
+    /// the process, and its next requests are refused from it, without asking the store, for as
+    /// long as the counts that refusal saw, carried forward in time, still refuse them. Exact:
+    /// counts only grow between resets, so what those counts refuse the store refuses too, with
+    /// the same statuses when no other traffic came (on the store's clock, the instant is the
+    /// refusal's plus the process's monotonic time since its answer, which errs stricter by at
+    /// most the round trip). A flood from one over-limit caller then costs the store one call
+    /// per retry time instead of one per request.
+    ///
+    /// Whatever lowers a count under the chain (a reset of its state, a refund) must call
+    /// [`forget_refusals`](Self::forget_refusals), or the cache refuses until the remembered
+    /// refusal's retry time, as if the reset had not happened.
+    ///
+    /// ```
+    /// use floodgate::{Chain, ChainLimit, Charge, ScopeKind, Timestamp, WindowLimit};
+    /// use floodgate::store::MemoryStore;
+    ///
+    /// # async fn demo() -> Result<(), floodgate::Error> {
+    /// let chain = Chain::new(vec![ChainLimit::new(
+    ///     "org:acme", ScopeKind::Key, "alice", Charge::Admission, WindowLimit::per_minute(1),
+    /// )])
+    /// .cache_refusals();
+    /// let store = MemoryStore::new();
+    /// let t = Timestamp::from_secs(1_000);
+    /// assert!(chain.admit_at(&store, 1, t).await?.admitted);
+    /// let refused = chain.admit_at(&store, 1, t).await?;
+    /// assert!(!refused.admitted);
+    /// // The next refusal comes from the cache, and is the one the store would give.
+    /// let cached = chain.cached_refusal(1, Some(t)).expect("remembered");
+    /// assert_eq!(cached, refused);
+    /// # Ok(()) }
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+    /// ```
+    pub fn cache_refusals(self) -> Self {
+        Chain {
+            refusals: Some(Arc::default()),
+            ..self
+        }
+    }
+
+    /// Drops the remembered refusal, if any: after a reset or a refund has lowered a count of
+    /// the chain's limits (see [`cache_refusals`](Self::cache_refusals)).
+    pub fn forget_refusals(&self) {
+        if let Some(cache) = &self.refusals {
+            cache.forget();
+        }
+    }
+
+    /// The refusal the cache would answer for a request of `cost` at `now` (`None`: the
+    /// store's clock), without asking the store: `None` if the chain has no cache, nothing is
+    /// remembered, or the remembered counts would admit it (then the store decides).
+    pub fn cached_refusal(&self, cost: u64, now: Option<Timestamp>) -> Option<ChainDecision> {
+        // An admission of cost 0 is a read of the state: the store answers it.
+        if cost == 0 {
+            return None;
+        }
+        self.refusals.as_ref()?.answer(&self.limits, cost, now)
     }
 
     /// This chain with concurrency limits, narrowest first, each with its own storage key: an
@@ -149,6 +224,9 @@ impl Chain {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
+        if let Some(cached) = self.cached_refusal(cost, now) {
+            return Ok(cached);
+        }
         // An admission of cost 0 reads the rate limits and charges nothing: it takes no slot.
         if !self.in_flight.is_empty() && cost > 0 {
             return self.admit_holding(store, cost, now).await;
@@ -163,13 +241,24 @@ impl Chain {
         if !seen.enforced {
             return Ok(ChainDecision::unenforced(seen.now));
         }
-        Ok(ChainDecision::from_snapshots(
+        let decision = ChainDecision::from_snapshots(
             &self.limits,
             &seen.snapshots,
             seen.now,
             cost,
             seen.admitted,
-        ))
+        );
+        self.remember(&decision, &seen.snapshots, cost);
+        Ok(decision)
+    }
+
+    /// Tells the refusal cache, if any, what the store decided.
+    fn remember(&self, decision: &ChainDecision, snapshots: &[crate::window::Snapshot], cost: u64) {
+        if let Some(cache) = &self.refusals
+            && cost > 0
+        {
+            cache.remember(decision, snapshots);
+        }
     }
 
     async fn admit_holding<S: Store>(
@@ -200,6 +289,7 @@ impl Chain {
             .map(|(l, &running)| InFlightStatus::of(l, running, seen.admitted))
             .collect();
         decision.lease = seen.admitted.then_some(lease);
+        self.remember(&decision, &seen.snapshots, cost);
         Ok(decision)
     }
 

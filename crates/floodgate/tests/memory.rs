@@ -14,8 +14,8 @@ use common::{T0, at, limit};
 use floodgate::clock::FakeClock;
 use floodgate::store::MemoryStore;
 use floodgate::{
-    Admission, Chain, Charge, Period, PeriodCounter, Rate, ScopeKind, Timestamp, TokenBucket,
-    WindowLimit,
+    Admission, Chain, ChainLimit, Charge, Period, PeriodCounter, Rate, ScopeKind, Timestamp,
+    TokenBucket, WindowLimit,
 };
 
 /// Runs a memory-store future, which is always ready at once.
@@ -295,4 +295,37 @@ fn period_counters_expire_a_day_after_their_period_ends() {
     assert_eq!(store.len(), 1);
     store.sweep_at(at(gone));
     assert!(store.is_empty());
+}
+
+#[test]
+fn a_refusal_on_the_stores_clock_is_remembered_until_forgotten() {
+    // One request a day: the second is refused, and its refusal is then answered from the
+    // cache at the store's instant plus the monotonic time since (docs/design.md §11).
+    let chain = Chain::new(vec![ChainLimit::new(
+        "org:rc",
+        ScopeKind::Key,
+        "clock",
+        Charge::Admission,
+        WindowLimit::new(1, Duration::from_secs(86_400)),
+    )])
+    .cache_refusals();
+    let store = MemoryStore::new();
+    assert!(ready(chain.admit(&store, 1)).unwrap().admitted);
+    let refused = ready(chain.admit(&store, 1)).unwrap();
+    assert!(!refused.admitted);
+    let cached = chain.cached_refusal(1, None).expect("remembered");
+    assert!(cached.now >= refused.now);
+    assert!(cached.retry_after <= refused.retry_after);
+    assert_eq!(cached.refused_by, refused.refused_by);
+    // An admission of cost 0 is a read: the store answers it, never the cache.
+    assert!(chain.cached_refusal(0, None).is_none());
+    // A pinned instant before the refusal is not answered: the counts then may have been lower.
+    assert!(chain.cached_refusal(1, Some(Timestamp::ZERO)).is_none());
+    // Forgotten (after a reset), the store is asked again.
+    chain.forget_refusals();
+    assert!(chain.cached_refusal(1, None).is_none());
+    // A chain without a cache never answers from one.
+    let plain = Chain::new(chain.limits().to_vec());
+    assert!(ready(plain.admit(&store, 1)).unwrap().refused_by.is_some());
+    assert!(plain.cached_refusal(1, None).is_none());
 }

@@ -218,6 +218,14 @@ async fn shared_vectors_pass_on_redis() {
 }
 
 #[tokio::test]
+async fn a_cached_refusal_on_redis_is_the_stores_own() {
+    let Some(url) = redis_url("a_cached_refusal_on_redis_is_the_stores_own") else {
+        return;
+    };
+    common::run_refusal_cache_sweep(&store(&url).await).await;
+}
+
+#[tokio::test]
 async fn state_read_and_clear_on_redis() {
     let Some(url) = redis_url("state_read_and_clear_on_redis") else {
         return;

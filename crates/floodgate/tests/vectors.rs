@@ -10,6 +10,11 @@ async fn memory_store_passes_the_shared_vectors() {
 }
 
 #[tokio::test]
+async fn a_cached_refusal_on_memory_is_the_stores_own() {
+    common::run_refusal_cache_sweep(&MemoryStore::new()).await;
+}
+
+#[tokio::test]
 async fn memory_store_passes_the_period_vectors() {
     common::run_period_vectors(&MemoryStore::new()).await;
 }

@@ -171,6 +171,8 @@ impl Admin {
                 let catalogue = self.catalogue();
                 match api::reset(&catalogue, &self.inner.store, &request).await {
                     Ok(reset) => {
+                        // Counts went down: no worker may refuse from what it remembered.
+                        self.inner.process.reset_done();
                         tracing::info!(
                             by = %caller.describe(),
                             peer = ?peer,

@@ -218,7 +218,15 @@ impl Ctx {
         if let Some(shadow) = &self.shadow_budgets {
             self.observe_shadow_budgets(shadow).await;
         }
-        let decision = match self.timed_admit(1).await {
+        self.state.forget_refusals_after_reset(&self.live);
+        // A refusal the chain still remembers is answered without the store, exactly as the
+        // store would answer it (docs/design.md §11): no store call to time.
+        let cached = self.chain.cached_refusal(1, None);
+        let decided = match cached {
+            Some(d) => Ok(d),
+            None => self.timed_admit(1).await,
+        };
+        let decision = match decided {
             Ok(d) => d,
             // The store fails closed for the kinds that differ (`on_error` by kind): the
             // chain goes through unchecked when every kind of limit it has fails open.

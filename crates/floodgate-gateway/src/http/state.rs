@@ -1,6 +1,6 @@
 //! [`AppState`]: everything a request needs, one per worker, behind a cheap clone.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -44,6 +44,8 @@ struct Inner {
     metrics: Metrics,
     /// Whether this worker last saw its store's breaker open.
     breaker_seen_open: AtomicBool,
+    /// The process's reset count ([`Process::reset_done`]).
+    resets: Arc<AtomicU64>,
     /// `[store] on_error`, per kind of limit.
     on_error: OnErrorKinds,
 }
@@ -62,6 +64,10 @@ pub struct Live {
     pub alerts_secret: Option<[u8; 32]>,
     /// This worker's counters in the refusal tally (with a slot for each of these keys).
     pub refusals: Arc<Counters>,
+    /// The process's reset count when these keys' refusal caches were last emptied: an admin
+    /// reset bumps [`Process::resets`], and the next admission on this worker empties them
+    /// (docs/design.md §11).
+    resets_seen: AtomicU64,
 }
 
 impl Live {
@@ -81,6 +87,8 @@ impl Live {
             upstream: Upstream::from_config(&config.upstream, in_process)?,
             alerts_secret: config.alerts.secret_sha256,
             refusals: process.tally.worker(),
+            // Fresh chains remember nothing: every reset so far is behind them.
+            resets_seen: AtomicU64::new(process.resets.load(Ordering::Acquire)),
         })
     }
 }
@@ -114,6 +122,9 @@ pub struct Process {
     /// The config in force, for the admin listener (its usage, reset and config answers): a
     /// reload replaces it once every worker has the new one.
     running: Arc<RwLock<Arc<Config>>>,
+    /// How many admin resets have cleared state: each worker empties its chains' refusal
+    /// caches when it sees this change ([`Process::reset_done`]).
+    resets: Arc<AtomicU64>,
 }
 
 /// `mib` MiB in bytes, saturating where `usize` is narrower.
@@ -131,7 +142,15 @@ impl Process {
             connections: Arc::new(Semaphore::new(config.max_connections)),
             metrics: Metrics::new(),
             running: Arc::new(RwLock::new(Arc::new(config.clone()))),
+            resets: Arc::default(),
         }
+    }
+
+    /// Tells every worker that a reset has lowered counts: each empties its chains' refusal
+    /// caches before its next admission, so that nothing is refused from a count the reset took
+    /// away (docs/design.md §11).
+    pub fn reset_done(&self) {
+        self.resets.fetch_add(1, Ordering::AcqRel);
     }
 
     /// The config in force.
@@ -199,6 +218,7 @@ impl AppState {
                 metrics: process.metrics.clone(),
                 breaker_seen_open: AtomicBool::new(false),
                 on_error: config.store.on_error_by_kind,
+                resets: Arc::clone(&process.resets),
             }),
         })
     }
@@ -242,6 +262,15 @@ impl AppState {
             LimitKind::Budgets => kinds.budgets,
         };
         mode == OnError::Open
+    }
+
+    /// Empties `live`'s refusal caches if an admin reset has cleared state since they were
+    /// last emptied: one atomic read per admission otherwise.
+    pub(crate) fn forget_refusals_after_reset(&self, live: &Live) {
+        let resets = self.inner.resets.load(Ordering::Acquire);
+        if live.resets_seen.swap(resets, Ordering::AcqRel) != resets {
+            live.keys.forget_refusals();
+        }
     }
 
     /// The process's metrics.

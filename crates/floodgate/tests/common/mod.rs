@@ -399,6 +399,11 @@ pub fn vectors() -> Vec<Op> {
 /// Runs every vector against `store`, which must be empty (or under a fresh prefix).
 pub async fn run_vectors<S: Store>(store: &S) {
     let chains = chains();
+    // Every admission goes through a refusal cache (docs/design.md §11). Each refusal it
+    // answers without the store must be exactly the store's: the expected figures below are
+    // the store's, and the store, asked again at the same instant, must give the same decision.
+    let cached: Vec<Chain> = chains.iter().cloned().map(Chain::cache_refusals).collect();
+    let mut from_cache = 0;
     for (i, op) in vectors().into_iter().enumerate() {
         match op {
             Op::Admit {
@@ -410,10 +415,20 @@ pub async fn run_vectors<S: Store>(store: &S) {
                 remaining,
                 shadow_over,
             } => {
-                let d = chains[chain]
+                let remembered = cached[chain].cached_refusal(1, Some(at(ms)));
+                let d = cached[chain]
                     .admit_at(store, 1, at(ms))
                     .await
                     .unwrap_or_else(|e| panic!("vector {i}: {e}"));
+                if let Some(r) = remembered {
+                    from_cache += 1;
+                    assert_eq!(d, r, "vector {i}: the cache answered");
+                    let asked = chains[chain]
+                        .admit_at(store, 1, at(ms))
+                        .await
+                        .unwrap_or_else(|e| panic!("vector {i}: {e}"));
+                    assert_eq!(asked, d, "vector {i}: a cached refusal is the store's");
+                }
                 assert_eq!(d.admitted, admitted, "vector {i}: admitted");
                 assert_eq!(d.refused_by, refused_by, "vector {i}: refused_by");
                 assert_eq!(
@@ -464,6 +479,74 @@ pub async fn run_vectors<S: Store>(store: &S) {
             }
         }
     }
+    assert!(from_cache > 0, "the cache answered no refusal");
+}
+
+/// Steady retriers on chains of every kind (one limit, two keys under one org limit, a token
+/// limit charged after each admission, a shadow key limit) asking every 737 ms for two and a
+/// half windows, one to three times an instant, through refusal caches (docs/design.md §11):
+/// every refusal a cache answers is exactly the store's own at that instant, asked again (where
+/// other traffic shares a limit, the store refuses too, its retry no sooner), and none is
+/// answered once the store would admit.
+pub async fn run_refusal_cache_sweep<S: Store>(store: &S) {
+    use Charge::*;
+    use ScopeKind::*;
+    let l = |scope, id, charge, max| {
+        ChainLimit::new("org:rc", scope, id, charge, WindowLimit::per_minute(max))
+    };
+    let plain = [
+        Chain::new(vec![l(Key, "a", Admission, 5)]),
+        Chain::new(vec![l(Key, "b", Admission, 4), l(Org, "rc", Admission, 7)]),
+        Chain::new(vec![l(Key, "c", Admission, 9), l(Org, "rc", Admission, 7)]),
+        Chain::new(vec![l(Key, "t", Admission, 50), l(Key, "t", Reactive, 100)]),
+        Chain::new(vec![
+            l(Key, "s", Admission, 2).shadow(),
+            l(Org, "rs", Admission, 3),
+        ]),
+    ];
+    // Chains 1 and 2 share their org limit: each is the other's other traffic.
+    let shared = |c: usize| c == 1 || c == 2;
+    let cached: Vec<Chain> = plain.iter().cloned().map(Chain::cache_refusals).collect();
+    let (mut hits, mut admitted) = (0, 0);
+    for step in 0..204u64 {
+        let ms = step * 737;
+        for (c, chain) in cached.iter().enumerate() {
+            for _ in 0..=step % 3 {
+                let remembered = chain.cached_refusal(1, Some(at(ms)));
+                let d = chain
+                    .admit_at(store, 1, at(ms))
+                    .await
+                    .unwrap_or_else(|e| panic!("{ms} ms, chain {c}: {e}"));
+                if let Some(r) = remembered {
+                    hits += 1;
+                    assert_eq!(d, r, "{ms} ms, chain {c}: the cache answered");
+                    let asked = plain[c]
+                        .admit_at(store, 1, at(ms))
+                        .await
+                        .unwrap_or_else(|e| panic!("{ms} ms, chain {c}: {e}"));
+                    if shared(c) {
+                        // Another caller charged the org since the refusal was remembered:
+                        // the store refuses too, and its counts can only be higher.
+                        assert!(!asked.admitted, "{ms} ms, chain {c}: the store admits");
+                        assert!(asked.retry_after >= d.retry_after, "{ms} ms, chain {c}");
+                    } else {
+                        assert_eq!(
+                            asked, d,
+                            "{ms} ms, chain {c}: a cached refusal is the store's"
+                        );
+                    }
+                } else if d.admitted {
+                    admitted += 1;
+                    chain
+                        .record_at(store, 30, at(ms))
+                        .await
+                        .unwrap_or_else(|e| panic!("{ms} ms, chain {c}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(hits > 300, "{hits} refusals from the caches");
+    assert!(admitted > 30, "{admitted} admitted");
 }
 
 /// Each limit's count in its current bucket at `ms`, read by an admission of cost 0, which

@@ -1,0 +1,110 @@
+//! The refusal cache: a chain's last refusal, remembered in the process, answers the chain's
+//! next requests without asking the store for as long as it still refuses them
+//! (docs/design.md §11).
+//!
+//! Why it is exact: between two of its writes, a window's counts change only by charges, which
+//! only add, and by time, which the store applies by the same pure function
+//! ([`Snapshot::at`]). So the counts a refusal saw, carried forward to a later instant, are a
+//! lower bound on what the store holds then, and a request those carried counts refuse, the
+//! store refuses too, with the same statuses when no other traffic came. Only what lowers a
+//! count breaks the bound: a reset, a refund. Whoever lowers counts drops the cache
+//! ([`Chain::forget_refusals`](crate::Chain::forget_refusals)).
+//!
+//! Which instant: a pinned one (`admit_at`) as given; on the store's clock, the store's instant
+//! of the refusal plus what the process's monotonic clock has counted since its answer arrived.
+//! That is never later than the store's clock (the answer took time to arrive), so the cache
+//! errs stricter, by at most one round trip, and never by a clock step.
+
+use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::time::Instant;
+
+use crate::chain::{ChainDecision, ChainLimit, first_refusal};
+use crate::clock::Timestamp;
+use crate::in_flight::InFlightStatus;
+use crate::window::{Snapshot, WindowState};
+
+/// A chain's remembered refusal, if any.
+#[derive(Debug, Default)]
+pub(crate) struct Refusals {
+    last: Mutex<Option<Remembered>>,
+}
+
+/// What a refusal saw: enough to decide again at a later instant as the store would.
+#[derive(Debug)]
+struct Remembered {
+    /// The store's instant of the refusal.
+    now: Timestamp,
+    /// When its answer arrived, on the process's monotonic clock.
+    arrived: Instant,
+    /// Each limit's counts at `now`, in chain order.
+    snapshots: Vec<Snapshot>,
+    /// The concurrency limits' states the refusal reported (a refusal takes no slot).
+    in_flight: Vec<InFlightStatus>,
+}
+
+impl Refusals {
+    fn last(&self) -> MutexGuard<'_, Option<Remembered>> {
+        // Every write replaces the whole entry, so a poisoned lock holds a consistent one.
+        self.last.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The refusal of a request of `cost` at `now` (`None`: the store's clock) that the
+    /// remembered counts still give, decided as [`ChainDecision::from_snapshots`] decides the
+    /// store's; `None` when nothing is remembered or the remembered counts would admit it (then
+    /// the entry is dropped: only the store can say more).
+    pub(crate) fn answer(
+        &self,
+        limits: &[ChainLimit],
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Option<ChainDecision> {
+        let mut last = self.last();
+        let seen = last.as_ref()?;
+        let t = now.unwrap_or_else(|| seen.now.saturating_add(seen.arrived.elapsed()));
+        if t < seen.now || seen.snapshots.len() != limits.len() {
+            // A pinned instant before the refusal: the counts then may have been lower.
+            return None;
+        }
+        let carried: Vec<Snapshot> = limits
+            .iter()
+            .zip(&seen.snapshots)
+            .map(|(l, s)| {
+                let state = WindowState {
+                    bucket: s.bucket,
+                    cur: s.cur,
+                    prev: s.prev,
+                };
+                Snapshot::at(Some(state), t, l.limit())
+            })
+            .collect();
+        if first_refusal(limits, &carried, cost).is_none() {
+            *last = None;
+            return None;
+        }
+        let mut decision = ChainDecision::from_snapshots(limits, &carried, t, cost, false);
+        decision.in_flight = seen.in_flight.clone();
+        Some(decision)
+    }
+
+    /// Remembers `decision`, taken from `snapshots` by the store, if it is a refusal that a
+    /// wait can cure (a rate limit refused and a retry time is known); anything else forgets
+    /// what was remembered.
+    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot]) {
+        let cacheable = decision.enforced
+            && !decision.admitted
+            && decision.refused_by.is_some()
+            && decision.retry_after.is_some();
+        let entry = cacheable.then(|| Remembered {
+            now: decision.now,
+            arrived: Instant::now(),
+            snapshots: snapshots.to_vec(),
+            in_flight: decision.in_flight.clone(),
+        });
+        *self.last() = entry;
+    }
+
+    /// Forgets the remembered refusal.
+    pub(crate) fn forget(&self) {
+        *self.last() = None;
+    }
+}
