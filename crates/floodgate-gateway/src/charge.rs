@@ -108,12 +108,18 @@ impl Charger {
         let held = held.unwrap_or_else(|| self.hold());
         let charger = self.clone();
         rt.spawn(async move {
-            if let Some(budgets) = budgets {
-                charger.spend_now(&budgets, micro_usd).await;
-            }
-            if let Some(chain) = chain {
-                charger.tokens_now(&chain, tokens).await;
-            }
+            // Both at once: on Redis they then go out in one charge batch (one script call).
+            let spend = async {
+                if let Some(budgets) = &budgets {
+                    charger.spend_now(budgets, micro_usd).await;
+                }
+            };
+            let tokens = async {
+                if let Some(chain) = &chain {
+                    charger.tokens_now(chain, tokens).await;
+                }
+            };
+            tokio::join!(spend, tokens);
             drop(held);
         });
     }

@@ -271,7 +271,9 @@ async fn a_redis_outage_fails_open_and_limits_return_with_redis() {
             v
         }
     };
-    assert_eq!(statuses(6).await, [200, 200, 200, 200, 200, 429]);
+    // The key's limit of 5, spent but not refused: a refusal would be remembered by the worker
+    // that gave it, and refused again from that memory during the outage (docs/design.md §11).
+    assert_eq!(statuses(5).await, [200; 5]);
 
     drop(server);
     // Redis is gone: admission fails open, traffic keeps flowing.

@@ -2157,3 +2157,77 @@ async fn a_live_lease_is_renewed_past_its_lease_time_and_a_dropped_one_lapses() 
         "released at once"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_charges_go_out_in_batches_and_each_lands_once() {
+    let Some(url) = redis_url("concurrent_charges_go_out_in_batches_and_each_lands_once") else {
+        return;
+    };
+    let store = Arc::new(store(&url).await);
+    // Tokens to one org's token window under two keys' windows, spend to a day and a month.
+    let org = ChainLimit::new(
+        "org:cb",
+        ScopeKind::Org,
+        "cb",
+        Charge::Reactive,
+        WindowLimit::per_minute(1_000_000),
+    );
+    let chains: Vec<Chain> = ["k1", "k2"]
+        .iter()
+        .map(|k| {
+            Chain::new(vec![
+                ChainLimit::new(
+                    "org:cb",
+                    ScopeKind::Key,
+                    k,
+                    Charge::Admission,
+                    WindowLimit::per_minute(10),
+                ),
+                ChainLimit::new(
+                    "org:cb",
+                    ScopeKind::Key,
+                    k,
+                    Charge::Reactive,
+                    WindowLimit::per_minute(1_000_000),
+                ),
+                org.clone(),
+            ])
+        })
+        .collect();
+    let counters = [
+        floodgate::PeriodCounter::new("{org:cb}:org:cb:budget:day", Period::Day),
+        floodgate::PeriodCounter::new("{org:cb}:org:cb:budget:month", Period::Month),
+    ];
+    let t = Timestamp::from_secs(1_700_000_040);
+    let before = store.stats().charge_batches;
+    let mut tasks = JoinSet::new();
+    for i in 0..200u64 {
+        let (store, chain, counters) = (
+            store.clone(),
+            chains[(i % 2) as usize].clone(),
+            counters.clone(),
+        );
+        tasks.spawn(async move {
+            chain.record_at(&*store, 3, t).await.unwrap();
+            store
+                .add_periods(&counters, 7, Some(t))
+                .await
+                .unwrap()
+                .totals
+        });
+    }
+    let mut totals: Vec<Vec<u64>> = tasks.join_all().await;
+    let batches = store.stats().charge_batches - before;
+    eprintln!("{batches} script calls for 400 charges");
+    assert!(batches <= 200, "{batches} script calls for 400 charges");
+    // Each add saw the totals after itself: 7, 14, ..., 1400, each exactly once.
+    totals.sort();
+    let expected: Vec<Vec<u64>> = (1..=200).map(|n| vec![7 * n, 7 * n]).collect();
+    assert_eq!(totals, expected);
+    // And every token landed once: 300 to each key, 600 to the org.
+    let seen = store.admit(chains[0].limits(), 0, Some(t)).await.unwrap();
+    let cur: Vec<u64> = seen.snapshots.iter().map(|s| s.cur).collect();
+    assert_eq!(cur, [0, 300, 600]);
+    let read = store.read_periods(&counters, Some(t)).await.unwrap();
+    assert_eq!(read.totals, [1400, 1400]);
+}

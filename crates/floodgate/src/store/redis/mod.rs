@@ -40,7 +40,8 @@
 //! The module, one file per concern: this one holds the store and its [`Store`] operations;
 //! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
 //! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
-//! circuit breaker; `batch.rs` the batching of admissions; `slots.rs` concurrency slots, their
+//! circuit breaker; `batch.rs` the batching of admissions; `charges.rs` the batching of charges
+//! (tokens recorded, spend added); `slots.rs` concurrency slots, their
 //! leases and renewal; `state.rs` an operator's reads and resets; `stats.rs` the counters.
 
 use std::borrow::Cow;
@@ -53,6 +54,7 @@ use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use ::redis::{Client, Cmd, RedisWrite};
 
 mod batch;
+mod charges;
 mod config;
 mod conn;
 mod scripts;
@@ -65,8 +67,9 @@ pub use scripts::script_source;
 pub use stats::RedisStats;
 
 use batch::AdmitQueue;
+use charges::ChargeQueue;
 use conn::{Failure, bad_reply, int};
-use scripts::{ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, RECORD, RESET, STATE_CLEAR, STATE_READ};
+use scripts::{ACQUIRE, Op, PERIODS_READ, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
 use super::{
@@ -100,6 +103,8 @@ struct Inner {
     config: RedisConfig,
     /// Admissions waiting for the next batch (see [`RedisStore::admit_inner`]).
     admissions: std::sync::Mutex<AdmitQueue>,
+    /// Charges waiting for the next charge batch (`charges.rs`).
+    charges: std::sync::Mutex<ChargeQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
     /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
@@ -143,6 +148,7 @@ impl RedisStore {
                 manager,
                 config,
                 admissions: std::sync::Mutex::new(AdmitQueue::default()),
+                charges: std::sync::Mutex::new(ChargeQueue::default()),
                 open: AtomicBool::new(false),
                 unconfirmed: AtomicBool::new(false),
                 outage_since: std::sync::Mutex::new(None),
@@ -388,22 +394,7 @@ impl Store for RedisStore {
         units: u64,
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
-        let reactive = || limits.iter().filter(|l| l.charge() == Charge::Reactive);
-        let n = reactive().count();
-        if n == 0 {
-            return Ok(());
-        }
-        let mut cmd = self.evalsha(&RECORD, n, 2 + 2 * n);
-        for l in reactive() {
-            self.key_arg(&mut cmd, &[l.key()]);
-        }
-        self.time_arg(&mut cmd, now);
-        cmd.arg(units);
-        for l in reactive() {
-            let w = l.limit().window_micros();
-            cmd.arg(w).arg(ttl_millis(w));
-        }
-        self.inner.run::<()>(&RECORD, &cmd).await.map_err(|f| {
+        self.record_inner(limits, units, now).await.map_err(|f| {
             bump(&self.inner.counters.errors);
             f.into()
         })
@@ -489,11 +480,8 @@ impl Store for RedisStore {
         if counters.is_empty() {
             return Ok(no_periods(now));
         }
-        let cmd = self.periods_cmd(&PERIODS_ADD, counters, Some(amount), now);
-        self.inner
-            .run::<Vec<::redis::Value>>(&PERIODS_ADD, &cmd)
+        self.add_periods_inner(counters, amount, now)
             .await
-            .and_then(|reply| periods_reply(&reply, counters.len()))
             .map_err(|f| {
                 bump(&self.inner.counters.errors);
                 f.into()

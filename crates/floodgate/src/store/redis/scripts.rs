@@ -17,8 +17,8 @@ pub(super) enum Replay {
     /// idempotent. Reading period counters: a read, harmless twice.
     Once,
     /// Never replayed: an increment applied twice would count units (tokens, spend) that were
-    /// never used, and nothing would ever take them back. Recording and adding to period
-    /// counters (budgets' spend).
+    /// never used, and nothing would ever take them back. Charges: tokens recorded and spend
+    /// added to period counters (budgets).
     Never,
 }
 
@@ -51,6 +51,15 @@ macro_rules! lua {
             include_str!($file)
         )
     };
+    // The charge script adds to windows and counters alike.
+    (charge $file:literal) => {
+        concat!(
+            include_str!("clock.lua"),
+            include_str!("window.lua"),
+            include_str!("period.lua"),
+            include_str!($file)
+        )
+    };
     // The state scripts read windows and counters alike (state.lua).
     (state $file:literal) => {
         concat!(
@@ -64,11 +73,10 @@ macro_rules! lua {
 }
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
-const RECORD_LUA: &str = lua!(window "record.lua");
+const CHARGE_LUA: &str = lua!(charge "charge.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
-const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
 const RENEW_LUA: &str = lua!("renew.lua");
@@ -86,14 +94,12 @@ fn op(name: &'static str, source: &str, replay: Replay) -> Op {
 
 // Hashed once, on first use.
 pub(super) static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Once));
-pub(super) static RECORD: LazyLock<Op> = LazyLock::new(|| op("record", RECORD_LUA, Replay::Never));
+pub(super) static CHARGE: LazyLock<Op> = LazyLock::new(|| op("charge", CHARGE_LUA, Replay::Never));
 pub(super) static ACQUIRE: LazyLock<Op> =
     LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
 pub(super) static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
 pub(super) static PERIODS_READ: LazyLock<Op> =
     LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
-pub(super) static PERIODS_ADD: LazyLock<Op> =
-    LazyLock::new(|| op("periods_add", PERIODS_ADD_LUA, Replay::Never));
 // Taking a slot twice under one lease takes it once (the script finds its own member); the
 // window charge replays as `admit`'s does.
 pub(super) static ADMIT_HOLDING: LazyLock<Op> =
@@ -111,7 +117,7 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
     LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
+/// name: `admit`, `charge`, `acquire`, `reset`, `periods_read`, `state_read`,
 /// `state_clear`, `admit_holding`, `release`, `renew`, `running`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
@@ -122,11 +128,10 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
 pub fn script_source(op: &str) -> Option<&'static str> {
     Some(match op {
         "admit" => ADMIT_LUA,
-        "record" => RECORD_LUA,
+        "charge" => CHARGE_LUA,
         "acquire" => ACQUIRE_LUA,
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
-        "periods_add" => PERIODS_ADD_LUA,
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
         "renew" => RENEW_LUA,
@@ -179,10 +184,10 @@ mod tests {
     }
 
     #[test]
-    fn every_operation_has_a_script_and_only_record_never_replays() {
+    fn every_operation_has_a_script_and_only_charges_never_replay() {
         for (op, name) in [
             (&ADMIT, "admit"),
-            (&RECORD, "record"),
+            (&CHARGE, "charge"),
             (&ACQUIRE, "acquire"),
             (&ADMIT_HOLDING, "admit_holding"),
             (&RELEASE, "release"),
@@ -191,11 +196,9 @@ mod tests {
             assert_eq!(op.name, name);
             assert!(script_source(name).is_some());
         }
-        assert_eq!(RECORD.replay, Replay::Never);
-        assert_eq!(PERIODS_ADD.replay, Replay::Never);
+        assert_eq!(CHARGE.replay, Replay::Never);
         assert_eq!(PERIODS_READ.replay, Replay::Once);
         assert!(script_source("periods_read").is_some());
-        assert!(script_source("periods_add").is_some());
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);

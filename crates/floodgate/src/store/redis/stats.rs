@@ -25,6 +25,9 @@ pub struct RedisStats {
     pub outages: u64,
     /// Script calls that carried admissions: fewer than admissions when they were batched.
     pub admit_batches: u64,
+    /// Script calls that carried charges (tokens recorded, spend added): fewer than charges
+    /// when they were batched.
+    pub charge_batches: u64,
     /// Whether the circuit breaker is open now (Redis is being probed).
     pub breaker_open: bool,
 }
@@ -40,6 +43,7 @@ pub(super) struct Counters {
     pub(super) replays: AtomicU64,
     pub(super) outages: AtomicU64,
     pub(super) admit_batches: AtomicU64,
+    pub(super) charge_batches: AtomicU64,
 }
 
 /// Counts one event.
@@ -61,6 +65,7 @@ impl RedisStore {
             replays: load(&c.replays),
             outages: load(&c.outages),
             admit_batches: load(&c.admit_batches),
+            charge_batches: load(&c.charge_batches),
             breaker_open: self.inner.open.load(Ordering::Acquire),
         }
     }

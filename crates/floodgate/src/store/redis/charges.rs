@@ -1,0 +1,330 @@
+//! Charge batching: tokens recorded to reactive limits and spend added to period counters go
+//! out as admissions do (group commit, `batch.rs`): while one charge call is in flight, charges
+//! queue, and the next call carries them all, applied in the order they came (`charge.lua`).
+//! Never replayed: a batch whose connection dropped fails whole, as each of its charges alone
+//! would have.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use ::redis::Cmd;
+
+use super::conn::{Failure, bad_reply, int};
+use super::scripts::CHARGE;
+use super::stats::bump;
+use super::{RedisStore, ttl_millis};
+use crate::chain::ChainLimit;
+use crate::clock::Timestamp;
+use crate::period::{MAX_TOTAL, Period, PeriodCounter};
+use crate::store::PeriodObservation;
+use crate::window::Charge;
+
+/// Charges queued for the next batch, and whether a task is sending batches.
+#[derive(Default)]
+pub(super) struct ChargeQueue {
+    pending: Vec<PendingCharge>,
+    sending: bool,
+}
+
+/// What one charge adds.
+enum Work {
+    /// `units` to each reactive limit.
+    Record(Vec<ChainLimit>, u64),
+    /// `amount` to each counter.
+    Periods(Vec<PeriodCounter>, u64),
+}
+
+/// One queued charge: what it adds, its time argument and where its answer goes.
+struct PendingCharge {
+    work: Work,
+    /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
+    time: Option<u64>,
+    reply: tokio::sync::oneshot::Sender<Result<Charged, Failure>>,
+}
+
+/// One charge's answer: the batch's instant and, for counters, their totals after it.
+type Charged = (u64, Vec<u64>);
+
+/// The most charges one batch carries.
+const MAX_BATCH: usize = 256;
+/// The most keys (over all its charges) one batch carries past its first charge: the script
+/// unpacks its keys onto Lua's stack for MGET.
+const MAX_BATCH_KEYS: usize = 4096;
+
+impl RedisStore {
+    /// Adds `units` to every reactive limit of `limits`, through a charge batch.
+    pub(super) async fn record_inner(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Failure> {
+        let reactive: Vec<ChainLimit> = limits
+            .iter()
+            .filter(|l| l.charge() == Charge::Reactive)
+            .cloned()
+            .collect();
+        if reactive.is_empty() {
+            return Ok(());
+        }
+        self.charge(Work::Record(reactive, units), now).await?;
+        Ok(())
+    }
+
+    /// Adds `amount` to every counter of `counters` (not empty), through a charge batch.
+    pub(super) async fn add_periods_inner(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Failure> {
+        let (t, totals) = self
+            .charge(Work::Periods(counters.to_vec(), amount), now)
+            .await?;
+        Ok(PeriodObservation {
+            now: Timestamp::from_micros(t),
+            enforced: true,
+            totals,
+        })
+    }
+
+    /// Queues `work` and waits for its batch. The sending runs in a task of its own, so a
+    /// caller that gives up never strands the others.
+    async fn charge(&self, work: Work, now: Option<Timestamp>) -> Result<Charged, Failure> {
+        if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Failure::Unavailable("circuit breaker open".into()));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let pending = PendingCharge {
+            work,
+            time: now.map(Timestamp::as_micros),
+            reply: tx,
+        };
+        let start = {
+            let mut q = self.charges();
+            q.pending.push(pending);
+            !std::mem::replace(&mut q.sending, true)
+        };
+        if start {
+            tokio::spawn(self.clone().send_charges());
+        }
+        rx.await
+            .map_err(|_| Failure::Unavailable("charge batch abandoned".into()))?
+    }
+
+    fn charges(&self) -> std::sync::MutexGuard<'_, ChargeQueue> {
+        // Pushes and drains cannot leave the queue half-changed.
+        self.inner
+            .charges
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Sends batches until the queue is empty. One batch shares one time argument: charges with
+    /// another (a pinned clock) wait for a later batch. Unlike an admission, a charge whose
+    /// caller gave up still goes: the response it charges for was served.
+    async fn send_charges(self) {
+        // If sending stops early (a panic, a runtime shutting down), the queue must not stay
+        // marked as served: the queued charges fail (each logged by its caller) and the next
+        // charge starts a sender again.
+        struct Unmark<'a> {
+            store: &'a RedisStore,
+            done: bool,
+        }
+        impl Drop for Unmark<'_> {
+            fn drop(&mut self) {
+                if !self.done {
+                    let queued = {
+                        let mut q = self.store.charges();
+                        q.sending = false;
+                        std::mem::take(&mut q.pending)
+                    };
+                    let why = Failure::Unavailable("the charge sender stopped".into());
+                    fail_all(queued, &why);
+                }
+            }
+        }
+        let mut unmark = Unmark {
+            store: &self,
+            done: false,
+        };
+        loop {
+            let batch: Vec<PendingCharge> = {
+                let mut q = self.charges();
+                let mut batch = Vec::new();
+                let mut rest = Vec::new();
+                let mut keys = 0;
+                let mut time = None;
+                // Once one does not fit, none after it goes either: charges land in order.
+                let mut full = false;
+                for p in q.pending.drain(..) {
+                    if *time.get_or_insert(p.time) == p.time && !full {
+                        let n = p.work.keys();
+                        let fits = batch.is_empty()
+                            || (batch.len() < MAX_BATCH && keys + n <= MAX_BATCH_KEYS);
+                        if fits {
+                            keys += n;
+                            batch.push(p);
+                            continue;
+                        }
+                        full = true;
+                    }
+                    rest.push(p);
+                }
+                q.pending = rest;
+                if batch.is_empty() {
+                    q.sending = false;
+                    unmark.done = true;
+                    return;
+                }
+                batch
+            };
+            self.send_charge_batch(batch).await;
+        }
+    }
+
+    async fn send_charge_batch(&self, batch: Vec<PendingCharge>) {
+        let (cmd, distinct, order) = self.pack_charges(&batch);
+        bump(&self.inner.counters.charge_batches);
+        let answer = self
+            .inner
+            .run::<Vec<::redis::Value>>(&CHARGE, &cmd)
+            .await
+            .and_then(|reply| charge_reply(&reply, distinct));
+        let (now, mut totals) = match answer {
+            Ok(answer) => answer,
+            Err(failure) => return fail_all(batch, &failure),
+        };
+        // Each charge's totals after it: the adds replayed in order, as the script applied them.
+        let mut counters = order.into_iter();
+        for p in batch {
+            let seen = match &p.work {
+                Work::Record(..) => Vec::new(),
+                Work::Periods(list, amount) => {
+                    let mut seen = Vec::with_capacity(list.len());
+                    for k in counters.by_ref().take(list.len()) {
+                        let total = &mut totals[k];
+                        *total = total.saturating_add(*amount).min(MAX_TOTAL);
+                        seen.push(*total);
+                    }
+                    seen
+                }
+            };
+            let _ = p.reply.send(Ok((now, seen)));
+        }
+    }
+
+    /// The charge script's call for `batch`: its distinct window keys, then its distinct
+    /// counters, then each charge with its keys' indices. Returns the call, how many distinct
+    /// counters it names, and, for the counters of every period charge in order, the index of
+    /// each among them.
+    fn pack_charges(&self, batch: &[PendingCharge]) -> (Cmd, usize, Vec<usize>) {
+        type Index<'a> = HashMap<&'a str, usize, foldhash::fast::RandomState>;
+        let mut windows: Vec<&ChainLimit> = Vec::new();
+        let mut window_index: Index<'_> = HashMap::default();
+        let mut counters: Vec<&PeriodCounter> = Vec::new();
+        let mut counter_index: Index<'_> = HashMap::default();
+        // Per charge, its keys: windows by their index, counters by theirs (offset below).
+        let mut charges: Vec<(char, u64, Vec<usize>)> = Vec::with_capacity(batch.len());
+        let mut order = Vec::new();
+        for p in batch {
+            match &p.work {
+                Work::Record(limits, units) => {
+                    let keys = limits
+                        .iter()
+                        .map(|l| intern(&mut window_index, &mut windows, l.key(), l))
+                        .collect();
+                    charges.push(('r', *units, keys));
+                }
+                Work::Periods(list, amount) => {
+                    let keys: Vec<usize> = list
+                        .iter()
+                        .map(|c| intern(&mut counter_index, &mut counters, c.key(), c))
+                        .collect();
+                    order.extend(&keys);
+                    charges.push(('p', *amount, keys));
+                }
+            }
+        }
+        let nw = windows.len();
+        let argc = 2
+            + 2 * nw
+            + counters.len()
+            + charges.iter().map(|(_, _, k)| 3 + k.len()).sum::<usize>();
+        let mut cmd = self.evalsha(&CHARGE, nw + counters.len(), argc);
+        for l in &windows {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        for c in &counters {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        match batch[0].time.or_else(|| self.time_of(None)) {
+            Some(t) => cmd.arg(t),
+            None => cmd.arg(""),
+        };
+        cmd.arg(nw);
+        for l in &windows {
+            let w = l.limit().window_micros();
+            cmd.arg(w).arg(ttl_millis(w));
+        }
+        for c in &counters {
+            cmd.arg(match c.period() {
+                Period::Day => "day",
+                Period::Month => "month",
+            });
+        }
+        for (kind, units, keys) in &charges {
+            cmd.arg(if *kind == 'r' { "r" } else { "p" })
+                .arg(*units)
+                .arg(keys.len());
+            let offset = if *kind == 'r' { 1 } else { 1 + nw };
+            for k in keys {
+                cmd.arg(k + offset);
+            }
+        }
+        (cmd, counters.len(), order)
+    }
+}
+
+impl Work {
+    /// How many keys it names.
+    fn keys(&self) -> usize {
+        match self {
+            Work::Record(limits, _) => limits.len(),
+            Work::Periods(counters, _) => counters.len(),
+        }
+    }
+}
+
+/// The index of `key` in `list`, added (with `item`) if new.
+fn intern<'a, T>(
+    index: &mut HashMap<&'a str, usize, foldhash::fast::RandomState>,
+    list: &mut Vec<&'a T>,
+    key: &'a str,
+    item: &'a T,
+) -> usize {
+    match index.entry(key) {
+        Entry::Occupied(e) => *e.get(),
+        Entry::Vacant(e) => {
+            list.push(item);
+            *e.insert(list.len() - 1)
+        }
+    }
+}
+
+/// Fails every charge of a batch with `failure`.
+fn fail_all(batch: Vec<PendingCharge>, failure: &Failure) {
+    for p in batch {
+        let _ = p.reply.send(Err(failure.again()));
+    }
+}
+
+/// Reads the charge script's reply: `{now, total_1, ..., total_m}` for `m` counters.
+fn charge_reply(reply: &[::redis::Value], m: usize) -> Result<(u64, Vec<u64>), Failure> {
+    let (now, totals) = reply.split_first().ok_or_else(bad_reply)?;
+    if totals.len() != m {
+        return Err(bad_reply());
+    }
+    let totals = totals.iter().map(int).collect::<Result<_, _>>()?;
+    Ok((int(now)?, totals))
+}
