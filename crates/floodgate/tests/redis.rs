@@ -2231,3 +2231,40 @@ async fn concurrent_charges_go_out_in_batches_and_each_lands_once() {
     let read = store.read_periods(&counters, Some(t)).await.unwrap();
     assert_eq!(read.totals, [1400, 1400]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_budget_reads_go_out_in_batches_each_with_its_own_totals() {
+    let Some(url) = redis_url("concurrent_budget_reads_go_out_in_batches_each_with_its_own_totals")
+    else {
+        return;
+    };
+    let store = Arc::new(store(&url).await);
+    let counter = |id: &str, period| {
+        floodgate::PeriodCounter::new(format!("{{org:rb}}:key:{id}:budget"), period)
+    };
+    // Ten keys, each spent its own amount, under one org's month.
+    let month = floodgate::PeriodCounter::new("{org:rb}:org:rb:budget", Period::Month);
+    let t = Timestamp::from_secs(1_700_000_040);
+    for k in 0..10u64 {
+        let key = counter(&format!("k{k}"), Period::Day);
+        store
+            .add_periods(&[key, month.clone()], k + 1, Some(t))
+            .await
+            .unwrap();
+    }
+    let before = store.stats().read_batches;
+    let mut tasks = JoinSet::new();
+    for i in 0..200u64 {
+        let store = store.clone();
+        let (key, month) = (counter(&format!("k{}", i % 10), Period::Day), month.clone());
+        tasks.spawn(async move {
+            let seen = store.read_periods(&[key, month], Some(t)).await.unwrap();
+            (i % 10, seen.totals)
+        });
+    }
+    for (k, totals) in tasks.join_all().await {
+        assert_eq!(totals, [k + 1, 55], "key k{k}");
+    }
+    let batches = store.stats().read_batches - before;
+    assert!(batches <= 100, "{batches} script calls for 200 reads");
+}

@@ -1,6 +1,7 @@
 //! Charge batching: tokens recorded to reactive limits and spend added to period counters go
-//! out as admissions do (group commit, `batch.rs`): while one charge call is in flight, charges
-//! queue, and the next call carries them all, applied in the order they came (`charge.lua`).
+//! out in batches (group commit, `group.rs`): while one charge call is in flight, charges
+//! queue, and the next call carries them all, applied in the order they came (`charge.lua`). A
+//! charge whose caller gave up still goes: the response it charges for was served.
 //! Never replayed: a batch whose connection dropped fails whole, as each of its charges alone
 //! would have.
 
@@ -9,22 +10,19 @@ use std::collections::hash_map::Entry;
 
 use ::redis::Cmd;
 
-use super::conn::{Failure, bad_reply, int};
+use super::conn::Failure;
+use super::group::{self, Bounds, Queue, Queued};
 use super::scripts::CHARGE;
 use super::stats::bump;
-use super::{RedisStore, ttl_millis};
+use super::{RedisStore, periods_reply, ttl_millis};
 use crate::chain::ChainLimit;
 use crate::clock::Timestamp;
 use crate::period::{MAX_TOTAL, Period, PeriodCounter};
 use crate::store::PeriodObservation;
 use crate::window::Charge;
 
-/// Charges queued for the next batch, and whether a task is sending batches.
-#[derive(Default)]
-pub(super) struct ChargeQueue {
-    pending: Vec<PendingCharge>,
-    sending: bool,
-}
+/// Charges queued for the next batch.
+pub(super) type ChargeQueue = Queue<PendingCharge>;
 
 /// What one charge adds.
 enum Work {
@@ -35,7 +33,7 @@ enum Work {
 }
 
 /// One queued charge: what it adds, its time argument and where its answer goes.
-struct PendingCharge {
+pub(super) struct PendingCharge {
     work: Work,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     time: Option<u64>,
@@ -45,11 +43,27 @@ struct PendingCharge {
 /// One charge's answer: the batch's instant and, for counters, their totals after it.
 type Charged = (u64, Vec<u64>);
 
-/// The most charges one batch carries.
-const MAX_BATCH: usize = 256;
-/// The most keys (over all its charges) one batch carries past its first charge: the script
-/// unpacks its keys onto Lua's stack for MGET.
-const MAX_BATCH_KEYS: usize = 4096;
+/// The most one batch carries: charges, and keys over all of them past its first (the script
+/// unpacks its keys onto Lua's stack for MGET).
+const BOUNDS: Bounds = Bounds {
+    calls: 256,
+    keys: 4096,
+};
+
+impl Queued for PendingCharge {
+    fn time(&self) -> Option<u64> {
+        self.time
+    }
+    fn keys(&self) -> usize {
+        match &self.work {
+            Work::Record(limits, _) => limits.len(),
+            Work::Periods(counters, _) => counters.len(),
+        }
+    }
+    fn fail(self, failure: &Failure) {
+        let _ = self.reply.send(Err(failure.again()));
+    }
+}
 
 impl RedisStore {
     /// Adds `units` to every reactive limit of `limits`, through a charge batch.
@@ -100,87 +114,15 @@ impl RedisStore {
             time: now.map(Timestamp::as_micros),
             reply: tx,
         };
-        let start = {
-            let mut q = self.charges();
-            q.pending.push(pending);
-            !std::mem::replace(&mut q.sending, true)
-        };
-        if start {
-            tokio::spawn(self.clone().send_charges());
+        if group::push(&self.inner.charges, pending) {
+            let store = self.clone();
+            tokio::spawn(async move {
+                let send = |batch| store.send_charge_batch(batch);
+                group::serve(&store.inner.charges, BOUNDS, send).await;
+            });
         }
         rx.await
             .map_err(|_| Failure::Unavailable("charge batch abandoned".into()))?
-    }
-
-    fn charges(&self) -> std::sync::MutexGuard<'_, ChargeQueue> {
-        // Pushes and drains cannot leave the queue half-changed.
-        self.inner
-            .charges
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Sends batches until the queue is empty. One batch shares one time argument: charges with
-    /// another (a pinned clock) wait for a later batch. Unlike an admission, a charge whose
-    /// caller gave up still goes: the response it charges for was served.
-    async fn send_charges(self) {
-        // If sending stops early (a panic, a runtime shutting down), the queue must not stay
-        // marked as served: the queued charges fail (each logged by its caller) and the next
-        // charge starts a sender again.
-        struct Unmark<'a> {
-            store: &'a RedisStore,
-            done: bool,
-        }
-        impl Drop for Unmark<'_> {
-            fn drop(&mut self) {
-                if !self.done {
-                    let queued = {
-                        let mut q = self.store.charges();
-                        q.sending = false;
-                        std::mem::take(&mut q.pending)
-                    };
-                    let why = Failure::Unavailable("the charge sender stopped".into());
-                    fail_all(queued, &why);
-                }
-            }
-        }
-        let mut unmark = Unmark {
-            store: &self,
-            done: false,
-        };
-        loop {
-            let batch: Vec<PendingCharge> = {
-                let mut q = self.charges();
-                let mut batch = Vec::new();
-                let mut rest = Vec::new();
-                let mut keys = 0;
-                let mut time = None;
-                // Once one does not fit, none after it goes either: charges land in order.
-                let mut full = false;
-                for p in q.pending.drain(..) {
-                    if *time.get_or_insert(p.time) == p.time && !full {
-                        let n = p.work.keys();
-                        let fits = batch.is_empty()
-                            || (batch.len() < MAX_BATCH && keys + n <= MAX_BATCH_KEYS);
-                        if fits {
-                            keys += n;
-                            batch.push(p);
-                            continue;
-                        }
-                        full = true;
-                    }
-                    rest.push(p);
-                }
-                q.pending = rest;
-                if batch.is_empty() {
-                    q.sending = false;
-                    unmark.done = true;
-                    return;
-                }
-                batch
-            };
-            self.send_charge_batch(batch).await;
-        }
     }
 
     async fn send_charge_batch(&self, batch: Vec<PendingCharge>) {
@@ -190,10 +132,17 @@ impl RedisStore {
             .inner
             .run::<Vec<::redis::Value>>(&CHARGE, &cmd)
             .await
-            .and_then(|reply| charge_reply(&reply, distinct));
-        let (now, mut totals) = match answer {
+            .and_then(|reply| periods_reply(&reply, distinct));
+        let PeriodObservation {
+            now, mut totals, ..
+        } = match answer {
             Ok(answer) => answer,
-            Err(failure) => return fail_all(batch, &failure),
+            Err(failure) => {
+                for p in batch {
+                    p.fail(&failure);
+                }
+                return;
+            }
         };
         // Each charge's totals after it: the adds replayed in order, as the script applied them.
         let mut counters = order.into_iter();
@@ -210,7 +159,7 @@ impl RedisStore {
                     seen
                 }
             };
-            let _ = p.reply.send(Ok((now, seen)));
+            let _ = p.reply.send(Ok((now.as_micros(), seen)));
         }
     }
 
@@ -286,16 +235,6 @@ impl RedisStore {
     }
 }
 
-impl Work {
-    /// How many keys it names.
-    fn keys(&self) -> usize {
-        match self {
-            Work::Record(limits, _) => limits.len(),
-            Work::Periods(counters, _) => counters.len(),
-        }
-    }
-}
-
 /// The index of `key` in `list`, added (with `item`) if new.
 fn intern<'a, T>(
     index: &mut HashMap<&'a str, usize, foldhash::fast::RandomState>,
@@ -310,21 +249,4 @@ fn intern<'a, T>(
             *e.insert(list.len() - 1)
         }
     }
-}
-
-/// Fails every charge of a batch with `failure`.
-fn fail_all(batch: Vec<PendingCharge>, failure: &Failure) {
-    for p in batch {
-        let _ = p.reply.send(Err(failure.again()));
-    }
-}
-
-/// Reads the charge script's reply: `{now, total_1, ..., total_m}` for `m` counters.
-fn charge_reply(reply: &[::redis::Value], m: usize) -> Result<(u64, Vec<u64>), Failure> {
-    let (now, totals) = reply.split_first().ok_or_else(bad_reply)?;
-    if totals.len() != m {
-        return Err(bad_reply());
-    }
-    let totals = totals.iter().map(int).collect::<Result<_, _>>()?;
-    Ok((int(now)?, totals))
 }

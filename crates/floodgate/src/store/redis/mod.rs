@@ -57,6 +57,8 @@ mod batch;
 mod charges;
 mod config;
 mod conn;
+mod group;
+mod reads;
 mod scripts;
 mod slots;
 mod state;
@@ -69,7 +71,8 @@ pub use stats::RedisStats;
 use batch::AdmitQueue;
 use charges::ChargeQueue;
 use conn::{Failure, bad_reply, int};
-use scripts::{ACQUIRE, Op, PERIODS_READ, RESET, STATE_CLEAR, STATE_READ};
+use reads::ReadQueue;
+use scripts::{ACQUIRE, Op, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
 use super::{
@@ -105,6 +108,8 @@ struct Inner {
     admissions: std::sync::Mutex<AdmitQueue>,
     /// Charges waiting for the next charge batch (`charges.rs`).
     charges: std::sync::Mutex<ChargeQueue>,
+    /// Budget reads waiting for the next read batch (`reads.rs`).
+    reads: std::sync::Mutex<ReadQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
     /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
@@ -149,6 +154,7 @@ impl RedisStore {
                 config,
                 admissions: std::sync::Mutex::new(AdmitQueue::default()),
                 charges: std::sync::Mutex::new(ChargeQueue::default()),
+                reads: std::sync::Mutex::new(ReadQueue::default()),
                 open: AtomicBool::new(false),
                 unconfirmed: AtomicBool::new(false),
                 outage_since: std::sync::Mutex::new(None),
@@ -451,13 +457,7 @@ impl Store for RedisStore {
             // Nothing to read (and MGET takes at least one key).
             return Ok(no_periods(now));
         }
-        let cmd = self.periods_cmd(&PERIODS_READ, counters, None, now);
-        let seen = self
-            .inner
-            .run::<Vec<::redis::Value>>(&PERIODS_READ, &cmd)
-            .await
-            .and_then(|reply| periods_reply(&reply, counters.len()));
-        match seen {
+        match self.read_periods_inner(counters, now).await {
             Ok(seen) => Ok(seen),
             Err(failure) => {
                 // Unreachable: as for an admission, unchecked (open) or an error (closed).

@@ -28,6 +28,9 @@ pub struct RedisStats {
     /// Script calls that carried charges (tokens recorded, spend added): fewer than charges
     /// when they were batched.
     pub charge_batches: u64,
+    /// Script calls that carried budget reads (period counters read before admissions): fewer
+    /// than reads when they were batched.
+    pub read_batches: u64,
     /// Whether the circuit breaker is open now (Redis is being probed).
     pub breaker_open: bool,
 }
@@ -44,6 +47,7 @@ pub(super) struct Counters {
     pub(super) outages: AtomicU64,
     pub(super) admit_batches: AtomicU64,
     pub(super) charge_batches: AtomicU64,
+    pub(super) read_batches: AtomicU64,
 }
 
 /// Counts one event.
@@ -66,6 +70,7 @@ impl RedisStore {
             outages: load(&c.outages),
             admit_batches: load(&c.admit_batches),
             charge_batches: load(&c.charge_batches),
+            read_batches: load(&c.read_batches),
             breaker_open: self.inner.open.load(Ordering::Acquire),
         }
     }

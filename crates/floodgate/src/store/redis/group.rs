@@ -1,0 +1,120 @@
+//! Group commit, shared by the batched operations (charges, budget reads): while one call of an
+//! operation is in flight, its callers queue, and the next call carries them all, in the order
+//! they came. An idle store sends each at once, alone, so batching adds no wait. The sending
+//! runs in a task of its own, so a caller that gives up never strands the others.
+
+use std::future::Future;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use super::conn::Failure;
+
+/// One queued call of a batched operation.
+pub(super) trait Queued: Send + 'static {
+    /// Its time argument: a pinned time (µs), or `None` for the store's clock. One batch shares
+    /// one time argument.
+    fn time(&self) -> Option<u64>;
+    /// How many keys it names.
+    fn keys(&self) -> usize;
+    /// Answers it with `failure`.
+    fn fail(self, failure: &Failure);
+}
+
+/// Calls waiting for the next batch, and whether a task is sending batches.
+pub(super) struct Queue<T> {
+    pending: Vec<T>,
+    sending: bool,
+}
+
+impl<T> Default for Queue<T> {
+    fn default() -> Self {
+        Queue {
+            pending: Vec::new(),
+            sending: false,
+        }
+    }
+}
+
+/// What one batch may carry: its calls, and the keys of all its calls past its first.
+#[derive(Clone, Copy)]
+pub(super) struct Bounds {
+    pub(super) calls: usize,
+    pub(super) keys: usize,
+}
+
+fn lock<T>(queue: &Mutex<Queue<T>>) -> MutexGuard<'_, Queue<T>> {
+    // Pushes and drains cannot leave the queue half-changed.
+    queue.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Queues `call`; says whether the caller must start a sender ([`serve`]).
+pub(super) fn push<T>(queue: &Mutex<Queue<T>>, call: T) -> bool {
+    let mut q = lock(queue);
+    q.pending.push(call);
+    !std::mem::replace(&mut q.sending, true)
+}
+
+/// Sends batches with `send` until the queue is empty. A batch takes the queued calls in order
+/// while they share the first one's time argument and fit `bounds`; once one does not, none after
+/// it goes either (calls land in the order they came), and it waits for the next batch.
+///
+/// If sending stops early (a panic, a runtime shutting down), the queue must not stay marked as
+/// served: the queued calls fail and the next call starts a sender again.
+pub(super) async fn serve<T, F, Fut>(queue: &Mutex<Queue<T>>, bounds: Bounds, mut send: F)
+where
+    T: Queued,
+    F: FnMut(Vec<T>) -> Fut,
+    Fut: Future<Output = ()>,
+{
+    struct Unmark<'a, T: Queued> {
+        queue: &'a Mutex<Queue<T>>,
+        done: bool,
+    }
+    impl<T: Queued> Drop for Unmark<'_, T> {
+        fn drop(&mut self) {
+            if !self.done {
+                let queued = {
+                    let mut q = lock(self.queue);
+                    q.sending = false;
+                    std::mem::take(&mut q.pending)
+                };
+                let why = Failure::Unavailable("the batch sender stopped".into());
+                for call in queued {
+                    call.fail(&why);
+                }
+            }
+        }
+    }
+    let mut unmark = Unmark { queue, done: false };
+    loop {
+        let batch = {
+            let mut q = lock(queue);
+            let mut batch = Vec::new();
+            let mut rest = Vec::new();
+            let mut keys = 0;
+            let mut time = None;
+            let mut full = false;
+            for call in q.pending.drain(..) {
+                if *time.get_or_insert(call.time()) == call.time() && !full {
+                    let n = call.keys();
+                    let fits =
+                        batch.is_empty() || (batch.len() < bounds.calls && keys + n <= bounds.keys);
+                    if fits {
+                        keys += n;
+                        batch.push(call);
+                        continue;
+                    }
+                    full = true;
+                }
+                rest.push(call);
+            }
+            q.pending = rest;
+            if batch.is_empty() {
+                q.sending = false;
+                unmark.done = true;
+                return;
+            }
+            batch
+        };
+        send(batch).await;
+    }
+}
