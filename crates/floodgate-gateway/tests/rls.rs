@@ -11,10 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use floodgate::store::{AnyStore, MemoryStore};
 use floodgate_gateway::rls::metrics::RlsMetrics;
@@ -364,6 +367,160 @@ async fn hits_addend_is_the_cost() {
     let zero = request("edge_proxy_per_ip", &[&[("remote_address", "10.0.0.3")]]);
     let r = s.call(zero).await;
     assert_eq!(r.statuses[0].limit_remaining, 9);
+}
+
+/// `descriptor` with Envoy's `limit` override.
+fn overridden(entries: &[(&str, &str)], n: u32, unit: RateLimitUnit) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        limit: Some(RateLimitOverride {
+            requests_per_unit: n,
+            unit: unit as i32,
+        }),
+        ..descriptor(entries)
+    }
+}
+
+fn call_of(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+const OVERRIDES: &str = "domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: watched
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: base
+    rate_limit: {unit: hour, requests_per_unit: 100, name: base}
+  - key: special
+    rate_limit: {unit: hour, requests_per_unit: 50, replaces: [{name: base}]}
+";
+
+#[tokio::test]
+async fn a_limit_override_replaces_the_rule_for_that_call() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    let three = call_of("d", vec![overridden(&[("k", "a")], 3, RateLimitUnit::Hour)]);
+    let r = s.call(three.clone()).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 2));
+    let limit = r.statuses[0].current_limit.clone().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+        (3, 3, "")
+    );
+    let header = |r: &RateLimitResponse, name: &str| {
+        r.response_headers_to_add
+            .iter()
+            .find(|h| h.key == name)
+            .map(|h| h.value.clone())
+    };
+    assert_eq!(header(&r, "x-ratelimit-limit").as_deref(), Some("3"));
+    assert_eq!(
+        header(&r, "ratelimit-policy").as_deref(),
+        Some("\"k\";q=3;w=3600")
+    );
+    assert_eq!(s.codes(&three, 3).await, [OK, OK, OVER]);
+    // The counter is the rule's of that unit (the entries and the window), as
+    // envoyproxy/ratelimit's cache key: the config's 10 an hour sees the 3 taken.
+    let plain = request("d", &[&[("k", "a")]]);
+    assert_eq!(s.call(plain).await.statuses[0].limit_remaining, 10 - 3 - 1);
+    // Another unit is another counter.
+    let per_minute = call_of(
+        "d",
+        vec![overridden(&[("k", "a")], 5, RateLimitUnit::Minute)],
+    );
+    let r = s.call(per_minute).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 4));
+}
+
+#[tokio::test]
+async fn a_limit_override_applies_without_a_rule_and_is_never_shadow_or_replacing() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    // No rule matches ("nothing"): the override limits it, as envoyproxy/ratelimit does.
+    let unmatched = call_of(
+        "d",
+        vec![overridden(&[("nothing", "x")], 1, RateLimitUnit::Hour)],
+    );
+    assert_eq!(s.codes(&unmatched, 2).await, [OK, OVER]);
+    // An unknown domain limits nothing, override or not.
+    let elsewhere = call_of(
+        "nowhere",
+        vec![overridden(&[("k", "a")], 0, RateLimitUnit::Hour)],
+    );
+    let r = s.call(elsewhere).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].current_limit.clone()),
+        (OK, None)
+    );
+    // The shadow rule's descriptor, overridden, is enforced.
+    let watched = call_of(
+        "d",
+        vec![overridden(&[("watched", "x")], 1, RateLimitUnit::Hour)],
+    );
+    assert_eq!(s.codes(&watched, 2).await, [OK, OVER]);
+    // The rule that an override stands in for replaces nothing: `base` stays in force.
+    let both = |over: bool| {
+        let special = if over {
+            overridden(&[("special", "x")], 5, RateLimitUnit::Hour)
+        } else {
+            descriptor(&[("special", "x")])
+        };
+        call_of("d", vec![special, descriptor(&[("base", "y")])])
+    };
+    let r = s.call(both(false)).await;
+    assert_eq!(
+        r.statuses[1].current_limit, None,
+        "replaced by special's rule"
+    );
+    let r = s.call(both(true)).await;
+    let base = r.statuses[1]
+        .current_limit
+        .clone()
+        .map(|l| l.requests_per_unit);
+    assert_eq!((base, r.statuses[1].limit_remaining), (Some(100), 99));
+    // Two overrides of one counter in one call: the stricter decides.
+    let twice = call_of(
+        "d",
+        vec![
+            overridden(&[("k", "b")], 10, RateLimitUnit::Hour),
+            overridden(&[("k", "b")], 1, RateLimitUnit::Hour),
+        ],
+    );
+    assert_eq!(s.codes(&twice, 2).await, [OK, OVER]);
+}
+
+#[tokio::test]
+async fn a_limit_override_in_an_unsupported_unit_is_an_invalid_argument_and_charges_nothing() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    for (unit, name) in [
+        (RateLimitUnit::Month, "MONTH"),
+        (RateLimitUnit::Unknown, "UNKNOWN"),
+    ] {
+        let bad = call_of(
+            "d",
+            vec![
+                descriptor(&[("k", "c")]),
+                overridden(&[("k", "d")], 3, unit),
+            ],
+        );
+        let e = s.client.should_rate_limit(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            format!(
+                "descriptors[1].limit.unit: {name} is not supported (SECOND, MINUTE, HOUR or DAY)"
+            )
+        );
+    }
+    let r = s.call(request("d", &[&[("k", "c")]])).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 9,
+        "the refused calls charged nothing"
+    );
 }
 
 #[tokio::test]
