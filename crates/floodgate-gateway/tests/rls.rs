@@ -715,6 +715,94 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     out
 }
 
+/// The value of the counter `series` (name and labels) in the Prometheus text at `admin`.
+async fn metric(admin: SocketAddr, series: &str) -> f64 {
+    let body = http_get(admin, "/metrics").await;
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{body}"))
+}
+
+/// Writes `text` over `file` in place (same length, so same inode and size) and puts its
+/// modification time back: the file watcher sees nothing, only a SIGHUP reloads it.
+fn edit_unseen(file: &Path, text: &str) {
+    use std::io::Write;
+    let before = std::fs::metadata(file).unwrap();
+    assert_eq!(
+        before.len(),
+        text.len() as u64,
+        "an edit of the same length"
+    );
+    let mut f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.set_modified(before.modified().unwrap()).unwrap();
+}
+
+fn sighup(p: &Process) {
+    let pid = p.0.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// The binary on `store_args` reloads its YAML on SIGHUP: the new limit applies to the counts
+/// it had; a broken file on SIGHUP keeps the running limits.
+async fn sighup_reloads_the_binary(domain: &str, store_args: &[&str]) {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    let limits = |n: u32, unit: &str| {
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: {unit}, requests_per_unit: {n}}}\n"
+        )
+    };
+    std::fs::write(&file, limits(3, "hour")).unwrap();
+    let (addr, admin): (SocketAddr, SocketAddr) = (
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+    );
+    let admin_flag = admin.to_string();
+    let mut args = vec!["--admin-listen", admin_flag.as_str()];
+    args.extend(store_args);
+    let process = spawn_rls(&file, addr, &args);
+    let mut client = connect(addr).await;
+    let req = request(domain, &[&[("k", "a")]]);
+    let mut remaining = async || {
+        let r = client.should_rate_limit(req.clone()).await.unwrap();
+        r.into_inner().statuses[0].limit_remaining
+    };
+    assert_eq!(remaining().await, 2, "3 an hour");
+
+    let ok = "floodgate_config_reloads_total{result=\"ok\"}";
+    let error = "floodgate_config_reloads_total{result=\"error\"}";
+    edit_unseen(&file, &limits(9, "hour"));
+    sighup(&process);
+    eventually(async || metric(admin, ok).await == 1.0).await;
+    assert_eq!(remaining().await, 9 - 2, "9 an hour, the counter kept");
+
+    // A broken file (a unit floodgate does not know) on SIGHUP: counted, the 9 stay.
+    edit_unseen(&file, &limits(9, "hxur"));
+    sighup(&process);
+    eventually(async || metric(admin, error).await == 1.0).await;
+    assert_eq!(remaining().await, 9 - 3, "the running limits stay");
+    assert_eq!(metric(admin, ok).await, 1.0, "the watcher saw none of it");
+    drop(process);
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_binary_on_memory() {
+    sighup_reloads_the_binary("sighup", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_binary_on_redis() {
+    let Some(url) = redis_url() else { return };
+    // A domain of this run only: counters of earlier runs cannot count.
+    let domain = format!("sighup-{}-{}", std::process::id(), free_port());
+    sighup_reloads_the_binary(&domain, &["--redis-url", url.as_str()]).await;
+}
+
 #[tokio::test]
 async fn the_binary_checks_a_config_and_refuses_a_bad_one() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
