@@ -92,11 +92,16 @@ async fn service(files: &[&str]) -> (Service, tempdir::Dir) {
 }
 
 async fn start(config: RlsConfig) -> Service {
-    let rls = Arc::new(Rls::new(
+    start_with(Rls::new(
         config,
         AnyStore::Memory(MemoryStore::new()),
         RlsMetrics::new(),
-    ));
+    ))
+    .await
+}
+
+async fn start_with(rls: Rls) -> Service {
+    let rls = Arc::new(rls);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -524,6 +529,102 @@ async fn a_limit_override_in_an_unsupported_unit_is_an_invalid_argument_and_char
 }
 
 #[tokio::test]
+async fn global_shadow_mode_answers_ok_decides_as_usual_and_counts() {
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: route\n    rate_limit: {unit: hour, requests_per_unit: 100}\n",
+    )
+    .unwrap();
+    let rls = Rls::new(
+        config,
+        AnyStore::Memory(MemoryStore::new()),
+        RlsMetrics::new(),
+    )
+    .with_global_shadow(true);
+    let mut s = start_with(rls).await;
+    let both = request("d", &[&[("k", "a")], &[("route", "/r")]]);
+    assert_eq!(s.codes(&both, 2).await, [OK, OK]);
+    let r = s.call(both.clone()).await;
+    assert_eq!(r.overall_code, OK, "would be refused: answered OK");
+    // The statuses say what was decided, as envoyproxy/ratelimit leaves them.
+    assert_eq!(
+        (r.statuses[0].code, r.statuses[0].limit_remaining),
+        (OVER, 0)
+    );
+    assert_eq!(r.statuses[1].code, OK);
+    let keys: Vec<&str> = r
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert!(keys.contains(&"x-ratelimit-remaining"), "{keys:?}");
+    assert!(
+        !keys.contains(&"retry-after") && !keys.contains(&"retry-after-ms"),
+        "the call passes: no wait to tell, {keys:?}"
+    );
+    // Decided as enforcing would: the call it would refuse charged nothing.
+    let route = s.call(request("d", &[&[("route", "/r")]])).await;
+    assert_eq!(route.statuses[0].limit_remaining, 100 - 3);
+    let text = s.rls.metrics().encode();
+    for series in [
+        "floodgate_rls_requests_total{code=\"shadow_over_limit\"} 1",
+        "floodgate_rls_requests_total{code=\"over_limit\"} 0",
+        "floodgate_rls_descriptors_total{outcome=\"shadow_over\"} 1",
+        "floodgate_rls_descriptors_total{outcome=\"over\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == series), "no {series} in:\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn the_binary_runs_in_global_shadow_mode_by_flag_or_by_shadow_mode() {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    std::fs::write(
+        &file,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 0}\n",
+    )
+    .unwrap();
+    let req = request("d", &[&[("k", "a")]]);
+    for (flags, env) in [
+        (&["--shadow"][..], &[][..]),
+        (&[][..], &[("SHADOW_MODE", "true")][..]),
+        (&[][..], &[("SHADOW_MODE", "false")][..]),
+    ] {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let _process = spawn_rls_env(&file, addr, flags, env);
+        let r = connect(addr).await.should_rate_limit(req.clone()).await;
+        let r = r.unwrap().into_inner();
+        let want = if env == [("SHADOW_MODE", "false")] {
+            OVER
+        } else {
+            OK
+        };
+        assert_eq!(
+            (r.overall_code, r.statuses[0].code),
+            (want, OVER),
+            "{flags:?} {env:?}"
+        );
+    }
+}
+
+#[test]
+fn the_binary_refuses_a_shadow_mode_that_is_not_a_boolean() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["rls", "--listen", "127.0.0.1:0", "--config"])
+        .arg(fixtures().join("readme-example02-4.yaml"))
+        .env("SHADOW_MODE", "sometimes")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("SHADOW_MODE: 'sometimes' is not a boolean (true or false)"),
+        "{err}"
+    );
+}
+
+#[tokio::test]
 async fn a_bad_request_is_an_invalid_argument() {
     let (mut s, _dir) = service(&["readme-example03-5.yaml"]).await;
     let empty = request("edge_proxy_per_ip", &[]);
@@ -608,6 +709,15 @@ impl Drop for Process {
 }
 
 fn spawn_rls(config: &Path, listen: SocketAddr, extra: &[&str]) -> Process {
+    spawn_rls_env(config, listen, extra, &[])
+}
+
+fn spawn_rls_env(
+    config: &Path,
+    listen: SocketAddr,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
     Process(
         std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
             .arg("rls")
@@ -617,6 +727,8 @@ fn spawn_rls(config: &Path, listen: SocketAddr, extra: &[&str]) -> Process {
             .arg(listen.to_string())
             .args(extra)
             .env_remove("FLOODGATE_REDIS_URL")
+            .env_remove("SHADOW_MODE")
+            .envs(env.iter().copied())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())

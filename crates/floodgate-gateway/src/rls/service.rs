@@ -42,6 +42,8 @@ pub struct Rls {
     config: RwLock<Arc<RlsConfig>>,
     store: AnyStore,
     metrics: RlsMetrics,
+    /// Global shadow mode: every `OVER_LIMIT` answered `OK`.
+    shadow: bool,
 }
 
 /// What one descriptor of a request comes to.
@@ -65,7 +67,17 @@ impl Rls {
             config: RwLock::new(Arc::new(config)),
             store,
             metrics,
+            shadow: false,
         }
+    }
+
+    /// This service in global shadow mode, or not: envoyproxy/ratelimit's `SHADOW_MODE`. Calls
+    /// are decided as usual (a call that would be refused is charged to none of its limits, as
+    /// enforcing would), but one that would be refused is answered `OK` (its descriptors'
+    /// statuses still say `OVER_LIMIT`, as envoyproxy/ratelimit leaves them, and no
+    /// `retry-after` is sent) and counted as `shadow_over_limit`.
+    pub fn with_global_shadow(self, shadow: bool) -> Rls {
+        Rls { shadow, ..self }
     }
 
     /// The running config.
@@ -90,18 +102,16 @@ impl Rls {
         let answer = self.decide_inner(req).await;
         self.metrics.answer(match &answer {
             Err(_) => Answer::Error,
-            Ok((_, false)) => Answer::Unenforced,
-            Ok((r, true)) if r.overall_code == Code::OverLimit as i32 => Answer::OverLimit,
-            Ok(_) => Answer::Ok,
+            Ok((_, a)) => *a,
         });
         answer.map(|(r, _)| r)
     }
 
-    /// The answer, and whether it was decided (not failed open).
+    /// The answer, and how it is counted.
     async fn decide_inner(
         &self,
         req: &RateLimitRequest,
-    ) -> Result<(RateLimitResponse, bool), Status> {
+    ) -> Result<(RateLimitResponse, Answer), Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument(
                 "rate limit domain must not be empty",
@@ -239,7 +249,12 @@ impl Rls {
                         },
                         Some((decision, st)) => {
                             let refusing = !decision.admitted && st.over && !st.shadow;
-                            self.metrics.descriptor(outcome(st, refusing));
+                            self.metrics.descriptor(match outcome(st, refusing) {
+                                DescriptorOutcome::Over if self.shadow => {
+                                    DescriptorOutcome::ShadowOver
+                                }
+                                o => o,
+                            });
                             if refusing {
                                 response.overall_code = Code::OverLimit as i32;
                             }
@@ -275,10 +290,21 @@ impl Rls {
             };
             response.statuses.push(status);
         }
+        let answer = match () {
+            _ if !enforced => Answer::Unenforced,
+            _ if response.overall_code == Code::Ok as i32 => Answer::Ok,
+            _ if self.shadow => {
+                // Global shadow mode: the call passes, so nothing tells Envoy to wait.
+                response.overall_code = Code::Ok as i32;
+                retry_after = None;
+                Answer::ShadowOverLimit
+            }
+            _ => Answer::OverLimit,
+        };
         if let Some((rule, st, _)) = primary {
             response.response_headers_to_add = headers(rule, st, retry_after);
         }
-        Ok((response, enforced))
+        Ok((response, answer))
     }
 }
 
