@@ -12,7 +12,8 @@
 //!   admission (a store admits one cost): each cost is admitted in turn, in request order, and
 //!   a refusal stops the rest; what earlier costs admitted stays charged (docs/envoy.md).
 //! - Counters are named by the request's entries, as envoyproxy/ratelimit's cache keys are, in
-//!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus`, never a key
+//!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus` (no
+//!   `:WINDOWus` for a minute, as [`ChainLimit::new`] names keys), never a key
 //!   of the gateway's (whose tags are `org:...` or a scope).
 
 use std::borrow::Cow;
