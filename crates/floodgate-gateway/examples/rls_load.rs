@@ -1,6 +1,7 @@
 //! A load generator for `floodgate rls`: `ShouldRateLimit` calls with two descriptors, from
 //! `--connections` HTTP/2 connections with `--concurrency` calls in flight, for `--secs`;
-//! prints calls per second and how they were answered (docs/envoy.md, the benchmark).
+//! prints calls per second, how they were answered and the calls' p50 and p99 latency
+//! (docs/envoy.md, the benchmark; `scripts/bench-rls` runs it beside the gateway's load).
 //!
 //! ```text
 //! floodgate rls --config bench.yaml &
@@ -51,6 +52,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         let (ok, over, failed) = (Arc::clone(&ok), Arc::clone(&over), Arc::clone(&failed));
         tasks.push(tokio::spawn(async move {
             let mut n: u64 = 0;
+            // Each call's latency, in microseconds.
+            let mut took = Vec::new();
             while Instant::now() < until {
                 n += 1;
                 // 1 024 tenants and 16 routes: many counters, none refusing.
@@ -62,17 +65,27 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     ],
                     hits_addend: 1,
                 };
-                match client.should_rate_limit(req).await {
+                let sent = Instant::now();
+                let answer = client.should_rate_limit(req).await;
+                took.push(u32::try_from(sent.elapsed().as_micros()).unwrap_or(u32::MAX));
+                match answer {
                     Ok(r) if r.get_ref().overall_code == 1 => ok.fetch_add(1, Ordering::Relaxed),
                     Ok(_) => over.fetch_add(1, Ordering::Relaxed),
                     Err(_) => failed.fetch_add(1, Ordering::Relaxed),
                 };
             }
+            took
         }));
     }
+    let mut latencies = Vec::new();
     for t in tasks {
-        t.await?;
+        latencies.extend(t.await?);
     }
+    latencies.sort_unstable();
+    let percentile = |p: usize| {
+        let at = (latencies.len() * p / 100).min(latencies.len().saturating_sub(1));
+        f64::from(latencies.get(at).copied().unwrap_or(0)) / 1000.0
+    };
     let took = started.elapsed().as_secs_f64();
     let (ok, over, failed) = (
         ok.load(Ordering::Relaxed),
@@ -80,11 +93,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         failed.load(Ordering::Relaxed),
     );
     println!(
-        "{:.0} calls/s ({} OK, {} OVER_LIMIT, {} errors in {took:.1} s; {concurrency} in flight on {connections} connections)",
+        "{:.0} calls/s ({} OK, {} OVER_LIMIT, {} errors in {took:.1} s; {concurrency} in flight on {connections} connections), p50 {:.3} ms, p99 {:.3} ms",
         (ok + over + failed) as f64 / took,
         ok,
         over,
-        failed
+        failed,
+        percentile(50),
+        percentile(99)
     );
     Ok(())
 }

@@ -65,9 +65,29 @@ struct RlsArgs {
     /// Serve GET /metrics (Prometheus) on this address; no admin listener without it.
     #[arg(long)]
     admin_listen: Option<std::net::SocketAddr>,
+    /// Global shadow mode: decide as usual, answer every OVER_LIMIT with OK (counted as
+    /// shadow_over_limit); SHADOW_MODE=true (envoyproxy/ratelimit's setting) when not given.
+    #[arg(long)]
+    shadow: bool,
     /// Validate the config, print its domains and exit.
     #[arg(long)]
     check: bool,
+}
+
+/// envoyproxy/ratelimit's `SHADOW_MODE`, read as it reads it (Go's `strconv.ParseBool`); unset
+/// or empty is off.
+#[cfg(feature = "rls")]
+fn shadow_mode_env() -> Result<bool, String> {
+    let Ok(value) = std::env::var("SHADOW_MODE") else {
+        return Ok(false);
+    };
+    match value.trim() {
+        "" | "0" | "f" | "F" | "false" | "FALSE" | "False" => Ok(false),
+        "1" | "t" | "T" | "true" | "TRUE" | "True" => Ok(true),
+        other => Err(format!(
+            "SHADOW_MODE: '{other}' is not a boolean (true or false)"
+        )),
+    }
 }
 
 fn main() -> ExitCode {
@@ -99,6 +119,13 @@ fn rls(args: RlsArgs) -> ExitCode {
             }
         };
     }
+    let shadow = match shadow_mode_env() {
+        Ok(env) => args.shadow || env,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     init_logs();
     let redis_url = args.redis_url.or_else(|| {
         std::env::var("FLOODGATE_REDIS_URL")
@@ -116,6 +143,7 @@ fn rls(args: RlsArgs) -> ExitCode {
             RedisOnError::Open
         },
         admin_listen: args.admin_listen,
+        shadow,
     };
     match floodgate_gateway::rls::serve(&options) {
         Ok(()) => ExitCode::SUCCESS,

@@ -11,10 +11,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
-use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::Entry;
+use envoy_types::pb::envoy::extensions::common::ratelimit::v3::rate_limit_descriptor::{
+    Entry, RateLimitOverride,
+};
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::Code;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::RateLimitServiceClient;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::UInt64Value;
 use floodgate::store::{AnyStore, MemoryStore};
 use floodgate_gateway::rls::metrics::RlsMetrics;
@@ -89,11 +92,16 @@ async fn service(files: &[&str]) -> (Service, tempdir::Dir) {
 }
 
 async fn start(config: RlsConfig) -> Service {
-    let rls = Arc::new(Rls::new(
+    start_with(Rls::new(
         config,
         AnyStore::Memory(MemoryStore::new()),
         RlsMetrics::new(),
-    ));
+    ))
+    .await
+}
+
+async fn start_with(rls: Rls) -> Service {
+    let rls = Arc::new(rls);
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -366,6 +374,256 @@ async fn hits_addend_is_the_cost() {
     assert_eq!(r.statuses[0].limit_remaining, 9);
 }
 
+/// `descriptor` with Envoy's `limit` override.
+fn overridden(entries: &[(&str, &str)], n: u32, unit: RateLimitUnit) -> RateLimitDescriptor {
+    RateLimitDescriptor {
+        limit: Some(RateLimitOverride {
+            requests_per_unit: n,
+            unit: unit as i32,
+        }),
+        ..descriptor(entries)
+    }
+}
+
+fn call_of(domain: &str, descriptors: Vec<RateLimitDescriptor>) -> RateLimitRequest {
+    RateLimitRequest {
+        domain: domain.into(),
+        descriptors,
+        hits_addend: 0,
+    }
+}
+
+const OVERRIDES: &str = "domain: d
+descriptors:
+  - key: k
+    rate_limit: {unit: hour, requests_per_unit: 10}
+  - key: watched
+    shadow_mode: true
+    rate_limit: {unit: hour, requests_per_unit: 1}
+  - key: base
+    rate_limit: {unit: hour, requests_per_unit: 100, name: base}
+  - key: special
+    rate_limit: {unit: hour, requests_per_unit: 50, replaces: [{name: base}]}
+";
+
+#[tokio::test]
+async fn a_limit_override_replaces_the_rule_for_that_call() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    let three = call_of("d", vec![overridden(&[("k", "a")], 3, RateLimitUnit::Hour)]);
+    let r = s.call(three.clone()).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 2));
+    let limit = r.statuses[0].current_limit.clone().unwrap();
+    assert_eq!(
+        (limit.requests_per_unit, limit.unit, limit.name.as_str()),
+        (3, 3, "")
+    );
+    let header = |r: &RateLimitResponse, name: &str| {
+        r.response_headers_to_add
+            .iter()
+            .find(|h| h.key == name)
+            .map(|h| h.value.clone())
+    };
+    assert_eq!(header(&r, "x-ratelimit-limit").as_deref(), Some("3"));
+    assert_eq!(
+        header(&r, "ratelimit-policy").as_deref(),
+        Some("\"k\";q=3;w=3600")
+    );
+    assert_eq!(s.codes(&three, 3).await, [OK, OK, OVER]);
+    // The counter is the rule's of that unit (the entries and the window), as
+    // envoyproxy/ratelimit's cache key: the config's 10 an hour sees the 3 taken.
+    let plain = request("d", &[&[("k", "a")]]);
+    assert_eq!(s.call(plain).await.statuses[0].limit_remaining, 10 - 3 - 1);
+    // Another unit is another counter.
+    let per_minute = call_of(
+        "d",
+        vec![overridden(&[("k", "a")], 5, RateLimitUnit::Minute)],
+    );
+    let r = s.call(per_minute).await;
+    assert_eq!((r.overall_code, r.statuses[0].limit_remaining), (OK, 4));
+}
+
+#[tokio::test]
+async fn a_limit_override_applies_without_a_rule_and_is_never_shadow_or_replacing() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    // No rule matches ("nothing"): the override limits it, as envoyproxy/ratelimit does.
+    let unmatched = call_of(
+        "d",
+        vec![overridden(&[("nothing", "x")], 1, RateLimitUnit::Hour)],
+    );
+    assert_eq!(s.codes(&unmatched, 2).await, [OK, OVER]);
+    // An unknown domain limits nothing, override or not.
+    let elsewhere = call_of(
+        "nowhere",
+        vec![overridden(&[("k", "a")], 0, RateLimitUnit::Hour)],
+    );
+    let r = s.call(elsewhere).await;
+    assert_eq!(
+        (r.overall_code, r.statuses[0].current_limit.clone()),
+        (OK, None)
+    );
+    // The shadow rule's descriptor, overridden, is enforced.
+    let watched = call_of(
+        "d",
+        vec![overridden(&[("watched", "x")], 1, RateLimitUnit::Hour)],
+    );
+    assert_eq!(s.codes(&watched, 2).await, [OK, OVER]);
+    // The rule that an override stands in for replaces nothing: `base` stays in force.
+    let both = |over: bool| {
+        let special = if over {
+            overridden(&[("special", "x")], 5, RateLimitUnit::Hour)
+        } else {
+            descriptor(&[("special", "x")])
+        };
+        call_of("d", vec![special, descriptor(&[("base", "y")])])
+    };
+    let r = s.call(both(false)).await;
+    assert_eq!(
+        r.statuses[1].current_limit, None,
+        "replaced by special's rule"
+    );
+    let r = s.call(both(true)).await;
+    let base = r.statuses[1]
+        .current_limit
+        .clone()
+        .map(|l| l.requests_per_unit);
+    assert_eq!((base, r.statuses[1].limit_remaining), (Some(100), 99));
+    // Two overrides of one counter in one call: the stricter decides.
+    let twice = call_of(
+        "d",
+        vec![
+            overridden(&[("k", "b")], 10, RateLimitUnit::Hour),
+            overridden(&[("k", "b")], 1, RateLimitUnit::Hour),
+        ],
+    );
+    assert_eq!(s.codes(&twice, 2).await, [OK, OVER]);
+}
+
+#[tokio::test]
+async fn a_limit_override_in_an_unsupported_unit_is_an_invalid_argument_and_charges_nothing() {
+    let mut s = start(RlsConfig::parse(Path::new("d.yaml"), OVERRIDES).unwrap()).await;
+    for (unit, name) in [
+        (RateLimitUnit::Month, "MONTH"),
+        (RateLimitUnit::Unknown, "UNKNOWN"),
+    ] {
+        let bad = call_of(
+            "d",
+            vec![
+                descriptor(&[("k", "c")]),
+                overridden(&[("k", "d")], 3, unit),
+            ],
+        );
+        let e = s.client.should_rate_limit(bad).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert_eq!(
+            e.message(),
+            format!(
+                "descriptors[1].limit.unit: {name} is not supported (SECOND, MINUTE, HOUR or DAY)"
+            )
+        );
+    }
+    let r = s.call(request("d", &[&[("k", "c")]])).await;
+    assert_eq!(
+        r.statuses[0].limit_remaining, 9,
+        "the refused calls charged nothing"
+    );
+}
+
+#[tokio::test]
+async fn global_shadow_mode_answers_ok_decides_as_usual_and_counts() {
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: route\n    rate_limit: {unit: hour, requests_per_unit: 100}\n",
+    )
+    .unwrap();
+    let rls = Rls::new(
+        config,
+        AnyStore::Memory(MemoryStore::new()),
+        RlsMetrics::new(),
+    )
+    .with_global_shadow(true);
+    let mut s = start_with(rls).await;
+    let both = request("d", &[&[("k", "a")], &[("route", "/r")]]);
+    assert_eq!(s.codes(&both, 2).await, [OK, OK]);
+    let r = s.call(both.clone()).await;
+    assert_eq!(r.overall_code, OK, "would be refused: answered OK");
+    // The statuses say what was decided, as envoyproxy/ratelimit leaves them.
+    assert_eq!(
+        (r.statuses[0].code, r.statuses[0].limit_remaining),
+        (OVER, 0)
+    );
+    assert_eq!(r.statuses[1].code, OK);
+    let keys: Vec<&str> = r
+        .response_headers_to_add
+        .iter()
+        .map(|h| h.key.as_str())
+        .collect();
+    assert!(keys.contains(&"x-ratelimit-remaining"), "{keys:?}");
+    assert!(
+        !keys.contains(&"retry-after") && !keys.contains(&"retry-after-ms"),
+        "the call passes: no wait to tell, {keys:?}"
+    );
+    // Decided as enforcing would: the call it would refuse charged nothing.
+    let route = s.call(request("d", &[&[("route", "/r")]])).await;
+    assert_eq!(route.statuses[0].limit_remaining, 100 - 3);
+    let text = s.rls.metrics().encode();
+    for series in [
+        "floodgate_rls_requests_total{code=\"shadow_over_limit\"} 1",
+        "floodgate_rls_requests_total{code=\"over_limit\"} 0",
+        "floodgate_rls_descriptors_total{outcome=\"shadow_over\"} 1",
+        "floodgate_rls_descriptors_total{outcome=\"over\"} 0",
+    ] {
+        assert!(text.lines().any(|l| l == series), "no {series} in:\n{text}");
+    }
+}
+
+#[tokio::test]
+async fn the_binary_runs_in_global_shadow_mode_by_flag_or_by_shadow_mode() {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    std::fs::write(
+        &file,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 0}\n",
+    )
+    .unwrap();
+    let req = request("d", &[&[("k", "a")]]);
+    for (flags, env) in [
+        (&["--shadow"][..], &[][..]),
+        (&[][..], &[("SHADOW_MODE", "true")][..]),
+        (&[][..], &[("SHADOW_MODE", "false")][..]),
+    ] {
+        let addr: SocketAddr = format!("127.0.0.1:{}", free_port()).parse().unwrap();
+        let _process = spawn_rls_env(&file, addr, flags, env);
+        let r = connect(addr).await.should_rate_limit(req.clone()).await;
+        let r = r.unwrap().into_inner();
+        let want = if env == [("SHADOW_MODE", "false")] {
+            OVER
+        } else {
+            OK
+        };
+        assert_eq!(
+            (r.overall_code, r.statuses[0].code),
+            (want, OVER),
+            "{flags:?} {env:?}"
+        );
+    }
+}
+
+#[test]
+fn the_binary_refuses_a_shadow_mode_that_is_not_a_boolean() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["rls", "--listen", "127.0.0.1:0", "--config"])
+        .arg(fixtures().join("readme-example02-4.yaml"))
+        .env("SHADOW_MODE", "sometimes")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("SHADOW_MODE: 'sometimes' is not a boolean (true or false)"),
+        "{err}"
+    );
+}
+
 #[tokio::test]
 async fn a_bad_request_is_an_invalid_argument() {
     let (mut s, _dir) = service(&["readme-example03-5.yaml"]).await;
@@ -451,6 +709,15 @@ impl Drop for Process {
 }
 
 fn spawn_rls(config: &Path, listen: SocketAddr, extra: &[&str]) -> Process {
+    spawn_rls_env(config, listen, extra, &[])
+}
+
+fn spawn_rls_env(
+    config: &Path,
+    listen: SocketAddr,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Process {
     Process(
         std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
             .arg("rls")
@@ -460,6 +727,8 @@ fn spawn_rls(config: &Path, listen: SocketAddr, extra: &[&str]) -> Process {
             .arg(listen.to_string())
             .args(extra)
             .env_remove("FLOODGATE_REDIS_URL")
+            .env_remove("SHADOW_MODE")
+            .envs(env.iter().copied())
             .env("RUST_LOG", "warn")
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
@@ -556,6 +825,94 @@ async fn http_get(addr: SocketAddr, path: &str) -> String {
     let mut out = String::new();
     tcp.read_to_string(&mut out).await.unwrap();
     out
+}
+
+/// The value of the counter `series` (name and labels) in the Prometheus text at `admin`.
+async fn metric(admin: SocketAddr, series: &str) -> f64 {
+    let body = http_get(admin, "/metrics").await;
+    body.lines()
+        .find_map(|l| l.strip_prefix(series)?.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{body}"))
+}
+
+/// Writes `text` over `file` in place (same length, so same inode and size) and puts its
+/// modification time back: the file watcher sees nothing, only a SIGHUP reloads it.
+fn edit_unseen(file: &Path, text: &str) {
+    use std::io::Write;
+    let before = std::fs::metadata(file).unwrap();
+    assert_eq!(
+        before.len(),
+        text.len() as u64,
+        "an edit of the same length"
+    );
+    let mut f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    f.write_all(text.as_bytes()).unwrap();
+    f.set_modified(before.modified().unwrap()).unwrap();
+}
+
+fn sighup(p: &Process) {
+    let pid = p.0.id().to_string();
+    let status = std::process::Command::new("kill")
+        .args(["-HUP", &pid])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// The binary on `store_args` reloads its YAML on SIGHUP: the new limit applies to the counts
+/// it had; a broken file on SIGHUP keeps the running limits.
+async fn sighup_reloads_the_binary(domain: &str, store_args: &[&str]) {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    let limits = |n: u32, unit: &str| {
+        format!(
+            "domain: {domain}\ndescriptors:\n  - key: k\n    rate_limit: {{unit: {unit}, requests_per_unit: {n}}}\n"
+        )
+    };
+    std::fs::write(&file, limits(3, "hour")).unwrap();
+    let (addr, admin): (SocketAddr, SocketAddr) = (
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+    );
+    let admin_flag = admin.to_string();
+    let mut args = vec!["--admin-listen", admin_flag.as_str()];
+    args.extend(store_args);
+    let process = spawn_rls(&file, addr, &args);
+    let mut client = connect(addr).await;
+    let req = request(domain, &[&[("k", "a")]]);
+    let mut remaining = async || {
+        let r = client.should_rate_limit(req.clone()).await.unwrap();
+        r.into_inner().statuses[0].limit_remaining
+    };
+    assert_eq!(remaining().await, 2, "3 an hour");
+
+    let ok = "floodgate_config_reloads_total{result=\"ok\"}";
+    let error = "floodgate_config_reloads_total{result=\"error\"}";
+    edit_unseen(&file, &limits(9, "hour"));
+    sighup(&process);
+    eventually(async || metric(admin, ok).await == 1.0).await;
+    assert_eq!(remaining().await, 9 - 2, "9 an hour, the counter kept");
+
+    // A broken file (a unit floodgate does not know) on SIGHUP: counted, the 9 stay.
+    edit_unseen(&file, &limits(9, "hxur"));
+    sighup(&process);
+    eventually(async || metric(admin, error).await == 1.0).await;
+    assert_eq!(remaining().await, 9 - 3, "the running limits stay");
+    assert_eq!(metric(admin, ok).await, 1.0, "the watcher saw none of it");
+    drop(process);
+}
+
+#[tokio::test]
+async fn sighup_reloads_the_binary_on_memory() {
+    sighup_reloads_the_binary("sighup", &[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_reloads_the_binary_on_redis() {
+    let Some(url) = redis_url() else { return };
+    // A domain of this run only: counters of earlier runs cannot count.
+    let domain = format!("sighup-{}-{}", std::process::id(), free_port());
+    sighup_reloads_the_binary(&domain, &["--redis-url", url.as_str()]).await;
 }
 
 #[tokio::test]

@@ -80,6 +80,19 @@ impl Unit {
         }
     }
 
+    /// The unit Envoy numbers `proto` (`envoy.type.v3.RateLimitUnit`, in a descriptor's `limit`
+    /// override): `None` for `UNKNOWN`, and for `MONTH` and `YEAR`, which floodgate does not
+    /// apply (as the config refuses them).
+    pub fn from_proto(proto: i32) -> Option<Unit> {
+        match proto {
+            1 => Some(Unit::Second),
+            2 => Some(Unit::Minute),
+            3 => Some(Unit::Hour),
+            4 => Some(Unit::Day),
+            _ => None,
+        }
+    }
+
     fn parse(text: &str) -> Option<Unit> {
         match text.to_ascii_lowercase().as_str() {
             "second" => Some(Unit::Second),
@@ -108,6 +121,19 @@ pub struct Rule {
 }
 
 impl Rule {
+    /// The rule of a descriptor that carries Envoy's `limit` override: that limit, enforced
+    /// (never shadow, as envoyproxy/ratelimit applies an override), unnamed (so no `replaces`
+    /// can drop it) and replacing nothing. `keys` are the descriptor's keys, `.`-separated.
+    pub fn overriding(requests_per_unit: u32, unit: Unit, keys: String) -> Rule {
+        Rule {
+            limit: Some((requests_per_unit, unit)),
+            shadow: false,
+            name: String::new(),
+            replaces: Vec::new(),
+            keys,
+        }
+    }
+
     /// The sliding-window limit.
     pub fn window_limit(&self) -> Option<WindowLimit> {
         self.limit
@@ -181,6 +207,11 @@ impl RlsConfig {
         let mut d: Vec<&str> = self.domains.keys().map(String::as_str).collect();
         d.sort_unstable();
         d
+    }
+
+    /// Whether the config has `domain`.
+    pub fn has_domain(&self, domain: &str) -> bool {
+        self.domains.contains_key(domain)
     }
 
     /// The rule for one descriptor of a request in `domain` (its entries as `(key, value)`), as

@@ -36,9 +36,17 @@ pub enum Answer {
     Unenforced,
     /// A gRPC error: a bad request, or the store failing closed.
     Error,
+    /// `OK` in global shadow mode, for a call decided `OVER_LIMIT`.
+    ShadowOverLimit,
 }
 
-const ANSWERS: [&str; 4] = ["ok", "over_limit", "unenforced", "error"];
+const ANSWERS: [&str; 5] = [
+    "ok",
+    "over_limit",
+    "unenforced",
+    "error",
+    "shadow_over_limit",
+];
 
 /// What became of one descriptor of a request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +63,7 @@ pub enum DescriptorOutcome {
     Near,
     /// It refused the request.
     Over,
-    /// A shadow rule that would have refused it.
+    /// A shadow rule (or any rule, in global shadow mode) that would have refused it.
     ShadowOver,
 }
 
@@ -107,7 +115,7 @@ impl RlsMetrics {
             .collect();
         registry.register(
             "floodgate_rls_requests",
-            "ShouldRateLimit calls answered, by overall code (unenforced: the store failed open)",
+            "ShouldRateLimit calls answered, by overall code (unenforced: the store failed open; shadow_over_limit: OK in global shadow mode)",
             answers_family,
         );
         let descriptors_family = Family::<[(&'static str, &'static str); 1], Counter>::default();
@@ -172,6 +180,7 @@ impl RlsMetrics {
             Answer::OverLimit => 1,
             Answer::Unenforced => 2,
             Answer::Error => 3,
+            Answer::ShadowOverLimit => 4,
         };
         self.0.answers[i].inc();
     }

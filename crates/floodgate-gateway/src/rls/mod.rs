@@ -54,6 +54,8 @@ pub struct RlsOptions {
     pub on_error: OnError,
     /// The admin listener (`GET /metrics`); none when `None`.
     pub admin_listen: Option<SocketAddr>,
+    /// Global shadow mode ([`Rls::with_global_shadow`]).
+    pub shadow: bool,
 }
 
 /// Why the service could not start, or stopped badly.
@@ -135,7 +137,8 @@ pub fn serve(options: &RlsOptions) -> Result<(), RlsError> {
         let (store, _sweeper) = open_store(options).await.map_err(RlsError::Store)?;
         let metrics = metrics::RlsMetrics::new();
         let domains = config.domains().len();
-        let rls = Arc::new(Rls::new(config, store, metrics.clone()));
+        let rls =
+            Arc::new(Rls::new(config, store, metrics.clone()).with_global_shadow(options.shadow));
         let listener = TcpListener::bind(options.listen)
             .await
             .map_err(|e| RlsError::Listen(options.listen, e))?;
@@ -183,6 +186,7 @@ pub fn serve(options: &RlsOptions) -> Result<(), RlsError> {
             domains,
             store = if options.redis_url.is_some() { "redis" } else { "memory" },
             config = %options.config.display(),
+            shadow = options.shadow,
             "floodgate rate limit service listening"
         );
         run(listener, rls, stopped(stop_rx)).await?;

@@ -1,9 +1,9 @@
 //! `ShouldRateLimit`: a request's descriptors, matched against the running config, decided as
 //! one chain admission on the store (docs/envoy.md).
 //!
-//! - Each descriptor's rule is its most specific match ([`RlsConfig::lookup`]); `replaces` drops
-//!   the rules named by any matched rule (an `unlimited` one included), as envoyproxy/ratelimit
-//!   does.
+//! - Each descriptor's rule is Envoy's `limit` override when it carries one, else its most
+//!   specific match ([`RlsConfig::lookup`]); `replaces` drops the rules named by any matched
+//!   rule (an `unlimited` one included), as envoyproxy/ratelimit does.
 //! - Every limited descriptor becomes a limit of one [`Chain`], admitted in one atomic step:
 //!   the request passes only if every enforced limit passes, and a refused request is charged to
 //!   none of them (envoyproxy/ratelimit adds the hits to every counter, refused or not).
@@ -12,9 +12,11 @@
 //!   admission (a store admits one cost): each cost is admitted in turn, in request order, and
 //!   a refusal stops the rest; what earlier costs admitted stays charged (docs/envoy.md).
 //! - Counters are named by the request's entries, as envoyproxy/ratelimit's cache keys are, in
-//!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus`, never a key
+//!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus` (no
+//!   `:WINDOWus` for a minute, as [`ChainLimit::new`] names keys), never a key
 //!   of the gateway's (whose tags are `org:...` or a scope).
 
+use std::borrow::Cow;
 use std::collections::HashSet;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -26,12 +28,13 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
 };
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::RateLimitService;
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
+use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::store::AnyStore;
 use floodgate::{Chain, ChainDecision, ChainLimit, Charge, LimitStatus, ScopeKind};
 use tonic::{Request, Response, Status};
 
-use super::config::{RlsConfig, Rule};
+use super::config::{RlsConfig, Rule, Unit};
 use super::metrics::{Answer, DescriptorOutcome, RlsMetrics};
 
 /// The rate limit service: the running config, the store, the metrics.
@@ -40,6 +43,8 @@ pub struct Rls {
     config: RwLock<Arc<RlsConfig>>,
     store: AnyStore,
     metrics: RlsMetrics,
+    /// Global shadow mode: every `OVER_LIMIT` answered `OK`.
+    shadow: bool,
 }
 
 /// What one descriptor of a request comes to.
@@ -63,7 +68,17 @@ impl Rls {
             config: RwLock::new(Arc::new(config)),
             store,
             metrics,
+            shadow: false,
         }
+    }
+
+    /// This service in global shadow mode, or not: envoyproxy/ratelimit's `SHADOW_MODE`. Calls
+    /// are decided as usual (a call that would be refused is charged to none of its limits, as
+    /// enforcing would), but one that would be refused is answered `OK` (its descriptors'
+    /// statuses still say `OVER_LIMIT`, as envoyproxy/ratelimit leaves them, and no
+    /// `retry-after` is sent) and counted as `shadow_over_limit`.
+    pub fn with_global_shadow(self, shadow: bool) -> Rls {
+        Rls { shadow, ..self }
     }
 
     /// The running config.
@@ -88,18 +103,16 @@ impl Rls {
         let answer = self.decide_inner(req).await;
         self.metrics.answer(match &answer {
             Err(_) => Answer::Error,
-            Ok((_, false)) => Answer::Unenforced,
-            Ok((r, true)) if r.overall_code == Code::OverLimit as i32 => Answer::OverLimit,
-            Ok(_) => Answer::Ok,
+            Ok((_, a)) => *a,
         });
         answer.map(|(r, _)| r)
     }
 
-    /// The answer, and whether it was decided (not failed open).
+    /// The answer, and how it is counted.
     async fn decide_inner(
         &self,
         req: &RateLimitRequest,
-    ) -> Result<(RateLimitResponse, bool), Status> {
+    ) -> Result<(RateLimitResponse, Answer), Status> {
         if req.domain.is_empty() {
             return Err(Status::invalid_argument(
                 "rate limit domain must not be empty",
@@ -111,14 +124,12 @@ impl Rls {
             ));
         }
         let config = self.config();
-        let rules: Vec<Option<&Rule>> = req
+        let rules = req
             .descriptors
             .iter()
-            .map(|d| {
-                let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
-                config.lookup(&req.domain, entries)
-            })
-            .collect();
+            .enumerate()
+            .map(|(i, d)| rule_for(&config, &req.domain, i, d))
+            .collect::<Result<Vec<_>, Status>>()?;
         let replaced: HashSet<&str> = rules
             .iter()
             .flatten()
@@ -129,7 +140,7 @@ impl Rls {
         let mut admissions: Vec<(u64, Vec<ChainLimit>)> = Vec::new();
         let mut slots = Vec::with_capacity(rules.len());
         for (d, rule) in req.descriptors.iter().zip(&rules) {
-            let slot = match rule {
+            let slot = match rule.as_deref() {
                 _ if d.is_negative_hits => Slot::Free(DescriptorOutcome::Unmatched),
                 None => Slot::Free(DescriptorOutcome::Unmatched),
                 Some(r) if !r.name.is_empty() && replaced.contains(r.name.as_str()) => {
@@ -156,9 +167,15 @@ impl Rls {
                         };
                         let limits = &mut admissions[group].1;
                         // The same counter twice in one request (the same descriptor sent
-                        // twice) is one limit of the chain: a chain's keys are distinct.
+                        // twice) is one limit of the chain: a chain's keys are distinct. With
+                        // overrides of one unit but different sizes on it, the stricter decides.
                         let at = match limits.iter().position(|l| l.key() == limit.key()) {
-                            Some(at) => at,
+                            Some(at) => {
+                                if stricter(&limit, &limits[at]) {
+                                    limits[at] = limit;
+                                }
+                                at
+                            }
                             None => {
                                 limits.push(limit);
                                 limits.len() - 1
@@ -233,7 +250,12 @@ impl Rls {
                         },
                         Some((decision, st)) => {
                             let refusing = !decision.admitted && st.over && !st.shadow;
-                            self.metrics.descriptor(outcome(st, refusing));
+                            self.metrics.descriptor(match outcome(st, refusing) {
+                                DescriptorOutcome::Over if self.shadow => {
+                                    DescriptorOutcome::ShadowOver
+                                }
+                                o => o,
+                            });
                             if refusing {
                                 response.overall_code = Code::OverLimit as i32;
                             }
@@ -269,10 +291,21 @@ impl Rls {
             };
             response.statuses.push(status);
         }
+        let answer = match () {
+            _ if !enforced => Answer::Unenforced,
+            _ if response.overall_code == Code::Ok as i32 => Answer::Ok,
+            _ if self.shadow => {
+                // Global shadow mode: the call passes, so nothing tells Envoy to wait.
+                response.overall_code = Code::Ok as i32;
+                retry_after = None;
+                Answer::ShadowOverLimit
+            }
+            _ => Answer::OverLimit,
+        };
         if let Some((rule, st, _)) = primary {
             response.response_headers_to_add = headers(rule, st, retry_after);
         }
-        Ok((response, enforced))
+        Ok((response, answer))
     }
 }
 
@@ -283,6 +316,50 @@ impl RateLimitService for Rls {
         request: Request<RateLimitRequest>,
     ) -> Result<Response<RateLimitResponse>, Status> {
         self.decide(request.get_ref()).await.map(Response::new)
+    }
+}
+
+/// A descriptor's rule, as envoyproxy/ratelimit picks it: Envoy's `limit` override when the
+/// descriptor carries one, in place of any rule of the config (whose shadow mode, name and
+/// `replaces` then play no part) and whether or not one matches; else the config's most
+/// specific match. An unknown domain limits nothing, override or not. The override is counted
+/// on the counter the config's rule of that unit would use (the entries and the window), as
+/// envoyproxy/ratelimit's cache key is.
+fn rule_for<'c>(
+    config: &'c RlsConfig,
+    domain: &str,
+    at: usize,
+    d: &RateLimitDescriptor,
+) -> Result<Option<Cow<'c, Rule>>, Status> {
+    let Some(over) = &d.limit else {
+        let entries = d.entries.iter().map(|e| (e.key.as_str(), e.value.as_str()));
+        return Ok(config.lookup(domain, entries).map(Cow::Borrowed));
+    };
+    if !config.has_domain(domain) || d.entries.is_empty() {
+        return Ok(None);
+    }
+    let unit = Unit::from_proto(over.unit).ok_or_else(|| {
+        let name = RateLimitUnit::try_from(over.unit)
+            .map_or_else(|_| over.unit.to_string(), |u| u.as_str_name().to_owned());
+        Status::invalid_argument(format!(
+            "descriptors[{at}].limit.unit: {name} is not supported (SECOND, MINUTE, HOUR or DAY)"
+        ))
+    })?;
+    let keys: Vec<&str> = d.entries.iter().map(|e| e.key.as_str()).collect();
+    Ok(Some(Cow::Owned(Rule::overriding(
+        over.requests_per_unit,
+        unit,
+        keys.join("."),
+    ))))
+}
+
+/// Whether `new` should decide a counter in place of `old`: enforced where `old` is shadow, or
+/// smaller.
+fn stricter(new: &ChainLimit, old: &ChainLimit) -> bool {
+    match (new.is_shadow(), old.is_shadow()) {
+        (false, true) => true,
+        (true, false) => false,
+        _ => new.limit().max() < old.limit().max(),
     }
 }
 
