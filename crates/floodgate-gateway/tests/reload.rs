@@ -111,9 +111,10 @@ async fn reloads(r: &Replica, result: &str) -> u64 {
         .map_or(0, |v| v as u64)
 }
 
-/// Waits (up to 10 s) until `r` has counted `n` reloads with `result`.
+/// Waits until `r` has counted `n` reloads with `result` (bounded at 30 s, far past the
+/// watcher's 250 ms poll, so that only a reload that never comes fails, not a loaded machine).
 async fn reloaded(r: &Replica, result: &str, n: u64) {
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let deadline = Instant::now() + Duration::from_secs(30);
     while reloads(r, result).await < n {
         assert!(Instant::now() < deadline, "no {result} reload counted");
         tokio::time::sleep(Duration::from_millis(20)).await;
@@ -133,15 +134,16 @@ async fn reload_on(store: &str) {
     assert_eq!(chat(&r, "sk-alice", "", CHAT).await.1, Some(1));
     assert_eq!(chat(&r, "sk-bob", "", CHAT).await.0, 401);
 
-    // A key added, a limit grown: in force within a second of the edit, no restart; the
-    // limit keeps its counter (2 of alice's 3 taken, so 2 of the new 5 left after this one).
+    // A key added, a limit grown: in force after the edit (the watcher looks every 250 ms; the
+    // bound is for a loaded machine, not a speed to assert), no restart; the limit keeps its
+    // counter (2 of alice's 3 taken, so 2 of the new 5 left after this one).
     let grown = ALICE.replace("requests = 3", "requests = 5");
     let edited = Instant::now();
     replace(&r.file, &text(&format!("{grown}{BOB}")));
     while chat(&r, "sk-bob", "", CHAT).await.0 != 200 {
         assert!(
-            edited.elapsed() < Duration::from_secs(1),
-            "bob works within a second"
+            edited.elapsed() < Duration::from_secs(30),
+            "bob never works after the edit"
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
