@@ -2268,3 +2268,51 @@ async fn concurrent_budget_reads_go_out_in_batches_each_with_its_own_totals() {
     let batches = store.stats().read_batches - before;
     assert!(batches <= 100, "{batches} script calls for 200 reads");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_releases_in_batches_give_back_every_slot_once() {
+    let Some(url) = redis_url("concurrent_releases_in_batches_give_back_every_slot_once") else {
+        return;
+    };
+    let store = Arc::new(store(&url).await);
+    let chain = Arc::new(
+        Chain::new(vec![ChainLimit::new(
+            "org:rl",
+            ScopeKind::Key,
+            "rl",
+            Charge::Admission,
+            WindowLimit::per_minute(1_000),
+        )])
+        .with_in_flight(vec![
+            InFlightLimit::new("org:rl", ScopeKind::Key, "rl", 100),
+            InFlightLimit::new("org:rl", ScopeKind::Org, "rl", 150),
+        ]),
+    );
+    for round in 0..2 {
+        let mut tasks = JoinSet::new();
+        for _ in 0..100 {
+            let (store, chain) = (store.clone(), chain.clone());
+            tasks.spawn(async move { chain.admit(&*store, 1).await.unwrap() });
+        }
+        let decisions = tasks.join_all().await;
+        assert!(
+            decisions.iter().all(|d| d.admitted),
+            "round {round}: all 100 fit"
+        );
+        assert!(
+            !chain.admit(&*store, 1).await.unwrap().admitted,
+            "the 101st is refused"
+        );
+        let running = store.read_running(chain.in_flight(), None).await.unwrap();
+        assert_eq!(running, [100, 100]);
+        // Every lease given back at once: the releases share batches, each slot freed once.
+        let mut tasks = JoinSet::new();
+        for d in decisions {
+            let (store, chain) = (store.clone(), chain.clone());
+            tasks.spawn(async move { chain.release(&*store, d.lease).await.unwrap() });
+        }
+        tasks.join_all().await;
+        let running = store.read_running(chain.in_flight(), None).await.unwrap();
+        assert_eq!(running, [0, 0], "round {round}");
+    }
+}

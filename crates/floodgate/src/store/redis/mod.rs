@@ -59,6 +59,7 @@ mod config;
 mod conn;
 mod group;
 mod reads;
+mod releases;
 mod scripts;
 mod slots;
 mod state;
@@ -72,6 +73,7 @@ use batch::AdmitQueue;
 use charges::ChargeQueue;
 use conn::{Failure, bad_reply, int};
 use reads::ReadQueue;
+use releases::ReleaseQueue;
 use scripts::{ACQUIRE, Op, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
@@ -110,6 +112,8 @@ struct Inner {
     charges: std::sync::Mutex<ChargeQueue>,
     /// Budget reads waiting for the next read batch (`reads.rs`).
     reads: std::sync::Mutex<ReadQueue>,
+    /// Slot releases waiting for the next release batch (`releases.rs`).
+    releases: std::sync::Mutex<ReleaseQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
     /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
@@ -155,6 +159,7 @@ impl RedisStore {
                 admissions: std::sync::Mutex::new(AdmitQueue::default()),
                 charges: std::sync::Mutex::new(ChargeQueue::default()),
                 reads: std::sync::Mutex::new(ReadQueue::default()),
+                releases: std::sync::Mutex::new(ReleaseQueue::default()),
                 open: AtomicBool::new(false),
                 unconfirmed: AtomicBool::new(false),
                 outage_since: std::sync::Mutex::new(None),

@@ -15,7 +15,7 @@ use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use super::conn::{Failure, bad_reply};
-use super::scripts::{ADMIT_HOLDING, RELEASE, RENEW, RUNNING};
+use super::scripts::{ADMIT_HOLDING, RENEW, RUNNING};
 use super::stats::bump;
 use super::{Inner, RedisStore, ttl_millis};
 use crate::chain::ChainLimit;
@@ -125,19 +125,14 @@ impl RedisStore {
         &self,
         slots: &[InFlightLimit],
         lease: Lease,
-        now: Option<Timestamp>,
+        // A release reads no clock.
+        _now: Option<Timestamp>,
     ) -> Result<(), Failure> {
         self.held().leases.remove(&lease.id());
         if slots.is_empty() {
             return Ok(());
         }
-        let mut cmd = self.evalsha(&RELEASE, slots.len(), 2);
-        for s in slots {
-            self.key_arg(&mut cmd, &[s.key()]);
-        }
-        self.time_arg(&mut cmd, now);
-        cmd.arg(self.member(lease));
-        self.inner.run::<u64>(&RELEASE, &cmd).await.map(drop)
+        self.release_batched(slots, self.member(lease)).await
     }
 
     /// Each slot set's live members at `now`, [`RENEW_CHUNK`] sets per script, changing

@@ -1,0 +1,113 @@
+//! Release batching: slots given back when requests end go out in batches (group commit,
+//! `group.rs`): one `release.lua` call removes the members of every queued release. A release is
+//! idempotent (removing a member twice removes it once), so a batch whose connection dropped is
+//! replayed once.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use super::RedisStore;
+use super::conn::Failure;
+use super::group::{self, Bounds, Queue, Queued};
+use super::scripts::RELEASE;
+use crate::in_flight::InFlightLimit;
+
+/// Releases queued for the next batch.
+pub(super) type ReleaseQueue = Queue<PendingRelease>;
+
+/// One queued release: its slot sets, its lease's member and where its answer goes.
+pub(super) struct PendingRelease {
+    slots: Vec<InFlightLimit>,
+    member: String,
+    reply: tokio::sync::oneshot::Sender<Result<(), Failure>>,
+}
+
+impl Queued for PendingRelease {
+    fn time(&self) -> Option<u64> {
+        // A release reads no clock: every release shares a batch.
+        None
+    }
+    fn keys(&self) -> usize {
+        self.slots.len()
+    }
+    fn fail(self, failure: &Failure) {
+        let _ = self.reply.send(Err(failure.again()));
+    }
+}
+
+/// The most one batch carries: releases, and slot sets over all of them past its first.
+const BOUNDS: Bounds = Bounds {
+    calls: 256,
+    keys: 4096,
+};
+
+impl RedisStore {
+    /// Removes `member` from each set of `slots` (not empty), through a release batch.
+    pub(super) async fn release_batched(
+        &self,
+        slots: &[InFlightLimit],
+        member: String,
+    ) -> Result<(), Failure> {
+        if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Failure::Unavailable("circuit breaker open".into()));
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let pending = PendingRelease {
+            slots: slots.to_vec(),
+            member,
+            reply: tx,
+        };
+        if group::push(&self.inner.releases, pending) {
+            let store = self.clone();
+            tokio::spawn(async move {
+                let send = |batch| store.send_release_batch(batch);
+                group::serve(&store.inner.releases, BOUNDS, send).await;
+            });
+        }
+        rx.await
+            .map_err(|_| Failure::Unavailable("release batch abandoned".into()))?
+    }
+
+    async fn send_release_batch(&self, batch: Vec<PendingRelease>) {
+        let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
+        let mut distinct: Vec<&InFlightLimit> = Vec::new();
+        let groups: Vec<Vec<usize>> = batch
+            .iter()
+            .map(|r| {
+                r.slots
+                    .iter()
+                    .map(|s| match index.entry(s.key()) {
+                        Entry::Occupied(e) => *e.get(),
+                        Entry::Vacant(e) => {
+                            distinct.push(s);
+                            // 1-based, as Lua's KEYS.
+                            *e.insert(distinct.len())
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        let argc = 1 + groups.iter().map(|g| 2 + g.len()).sum::<usize>();
+        let mut cmd = self.evalsha(&RELEASE, distinct.len(), argc);
+        for s in &distinct {
+            self.key_arg(&mut cmd, &[s.key()]);
+        }
+        // The script reads no clock; ARGV[1] is the time every script takes (clock.lua).
+        self.time_arg(&mut cmd, None);
+        for (r, keys) in batch.iter().zip(&groups) {
+            cmd.arg(&r.member).arg(keys.len());
+            for j in keys {
+                cmd.arg(*j);
+            }
+        }
+        let answer = self.inner.run::<u64>(&RELEASE, &cmd).await;
+        for r in batch {
+            match &answer {
+                Ok(_) => {
+                    let _ = r.reply.send(Ok(()));
+                }
+                Err(failure) => r.fail(failure),
+            }
+        }
+    }
+}
