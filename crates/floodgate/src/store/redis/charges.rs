@@ -6,12 +6,11 @@
 //! would have.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 
 use ::redis::Cmd;
 
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued};
+use super::group::{self, Bounds, Queue, Queued, intern};
 use super::scripts::CHARGE;
 use super::stats::bump;
 use super::{RedisStore, periods_reply, ttl_millis};
@@ -232,21 +231,5 @@ impl RedisStore {
             }
         }
         (cmd, counters.len(), order)
-    }
-}
-
-/// The index of `key` in `list`, added (with `item`) if new.
-fn intern<'a, T>(
-    index: &mut HashMap<&'a str, usize, foldhash::fast::RandomState>,
-    list: &mut Vec<&'a T>,
-    key: &'a str,
-    item: &'a T,
-) -> usize {
-    match index.entry(key) {
-        Entry::Occupied(e) => *e.get(),
-        Entry::Vacant(e) => {
-            list.push(item);
-            *e.insert(list.len() - 1)
-        }
     }
 }

@@ -3,6 +3,8 @@
 //! they came. An idle store sends each at once, alone, so batching adds no wait. The sending
 //! runs in a task of its own, so a caller that gives up never strands the others.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::future::Future;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -116,5 +118,21 @@ where
             batch
         };
         send(batch).await;
+    }
+}
+
+/// The index of `key` in `list` (a batch's distinct keys, 0-based), added (with `item`) if new.
+pub(super) fn intern<'a, T>(
+    index: &mut HashMap<&'a str, usize, foldhash::fast::RandomState>,
+    list: &mut Vec<&'a T>,
+    key: &'a str,
+    item: &'a T,
+) -> usize {
+    match index.entry(key) {
+        Entry::Occupied(e) => *e.get(),
+        Entry::Vacant(e) => {
+            list.push(item);
+            *e.insert(list.len() - 1)
+        }
     }
 }

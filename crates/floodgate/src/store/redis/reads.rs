@@ -4,10 +4,9 @@
 //! batch whose connection dropped is replayed once, as a read alone would be.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued};
+use super::group::{self, Bounds, Queue, Queued, intern};
 use super::scripts::PERIODS_READ;
 use super::stats::bump;
 use super::{RedisStore, periods_reply};
@@ -84,13 +83,7 @@ impl RedisStore {
             .map(|r| {
                 r.counters
                     .iter()
-                    .map(|c| match index.entry(c.key()) {
-                        Entry::Occupied(e) => *e.get(),
-                        Entry::Vacant(e) => {
-                            distinct.push(c);
-                            *e.insert(distinct.len() - 1)
-                        }
-                    })
+                    .map(|c| intern(&mut index, &mut distinct, c.key(), c))
                     .collect()
             })
             .collect();

@@ -4,11 +4,10 @@
 //! replayed once.
 
 use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 
 use super::RedisStore;
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued};
+use super::group::{self, Bounds, Queue, Queued, intern};
 use super::scripts::RELEASE;
 use crate::in_flight::InFlightLimit;
 
@@ -76,14 +75,8 @@ impl RedisStore {
             .map(|r| {
                 r.slots
                     .iter()
-                    .map(|s| match index.entry(s.key()) {
-                        Entry::Occupied(e) => *e.get(),
-                        Entry::Vacant(e) => {
-                            distinct.push(s);
-                            // 1-based, as Lua's KEYS.
-                            *e.insert(distinct.len())
-                        }
-                    })
+                    // 1-based, as Lua's KEYS.
+                    .map(|s| 1 + intern(&mut index, &mut distinct, s.key(), s))
                     .collect()
             })
             .collect();
