@@ -265,7 +265,7 @@ fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
     let live = limit(ScopeKind::Key, "live", Charge::Admission, 5);
     assert!(
         store
-            .admit_sync(std::slice::from_ref(&live), 1, None)
+            .admit_sync(std::slice::from_ref(&live), 1.into(), None)
             .admitted
     );
     // Enough new keys, a day ahead, for every shard to pass its sweep threshold (1 024 entries;
@@ -275,10 +275,10 @@ fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
     let later = at(86_400_000);
     for i in 0..shards * 2048 {
         let l = limit(ScopeKind::Key, &format!("later-{i}"), Charge::Admission, 5);
-        store.admit_sync(std::slice::from_ref(&l), 1, Some(later));
+        store.admit_sync(std::slice::from_ref(&l), 1.into(), Some(later));
     }
     // Now, the live key still holds its request: 4 of 5 left.
-    let d = store.admit_sync(std::slice::from_ref(&live), 1, None);
+    let d = store.admit_sync(std::slice::from_ref(&live), 1.into(), None);
     assert!(d.admitted);
     assert_eq!(d.snapshots[0].cur, 1, "the first request was kept");
 }

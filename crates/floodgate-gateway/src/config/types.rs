@@ -484,6 +484,7 @@ impl fmt::Display for ScopeLimit {
         let unit = match self.charge {
             Charge::Admission => "requests",
             Charge::Reactive => "tokens",
+            Charge::Reserved => "tokens (reserved)",
         };
         write!(
             f,

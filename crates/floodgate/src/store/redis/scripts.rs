@@ -17,8 +17,8 @@ pub(super) enum Replay {
     /// idempotent. Reading period counters: a read, harmless twice.
     Once,
     /// Never replayed: an increment applied twice would count units (tokens, spend) that were
-    /// never used, and nothing would ever take them back. Recording and adding to period
-    /// counters (budgets' spend).
+    /// never used, and nothing would ever take them back. Recording, reconciling a reservation
+    /// and adding to period counters (budgets' spend).
     Never,
 }
 
@@ -65,6 +65,7 @@ macro_rules! lua {
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
 const RECORD_LUA: &str = lua!(window "record.lua");
+const RECONCILE_LUA: &str = lua!(window "reconcile.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
@@ -87,6 +88,9 @@ fn op(name: &'static str, source: &str, replay: Replay) -> Op {
 // Hashed once, on first use.
 pub(super) static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Once));
 pub(super) static RECORD: LazyLock<Op> = LazyLock::new(|| op("record", RECORD_LUA, Replay::Never));
+// A reservation's difference, added once: twice would charge (or refund) it twice.
+pub(super) static RECONCILE: LazyLock<Op> =
+    LazyLock::new(|| op("reconcile", RECONCILE_LUA, Replay::Never));
 pub(super) static ACQUIRE: LazyLock<Op> =
     LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
 pub(super) static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
@@ -111,7 +115,7 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
     LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `record`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
+/// name: `admit`, `record`, `reconcile`, `acquire`, `reset`, `periods_read`, `periods_add`, `state_read`,
 /// `state_clear`, `admit_holding`, `release`, `renew`, `running`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
@@ -123,6 +127,7 @@ pub fn script_source(op: &str) -> Option<&'static str> {
     Some(match op {
         "admit" => ADMIT_LUA,
         "record" => RECORD_LUA,
+        "reconcile" => RECONCILE_LUA,
         "acquire" => ACQUIRE_LUA,
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
@@ -192,6 +197,8 @@ mod tests {
             assert!(script_source(name).is_some());
         }
         assert_eq!(RECORD.replay, Replay::Never);
+        assert_eq!(RECONCILE.replay, Replay::Never);
+        assert!(script_source("reconcile").is_some());
         assert_eq!(PERIODS_ADD.replay, Replay::Never);
         assert_eq!(PERIODS_READ.replay, Replay::Once);
         assert!(script_source("periods_read").is_some());
