@@ -11,12 +11,34 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use floodgate::{Budgets, Chain};
+use floodgate::{Budgets, Chain, Timestamp};
 use tokio::sync::Notify;
 
 use crate::metrics::{Metrics, StoreOp};
 use crate::openai::usage::TokenUsage;
 use crate::store::GatewayStore;
+
+/// What an admitted request reserved on its chain's reserving token limits: the estimate, at the
+/// decision's instant (which names the bucket it went into).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// The admission decision's instant.
+    pub at: Timestamp,
+    /// The tokens reserved.
+    pub estimate: u64,
+}
+
+impl Reservation {
+    /// The difference to charge once `tokens` are known: `exact` from the response's usage
+    /// (charged or refunded as it falls), or a count of a cut stream's chunks, which keeps the
+    /// reservation unless it is more (towards stricter: the prompt is not in the count).
+    pub fn delta(&self, tokens: u64, exact: bool) -> i64 {
+        let used = i64::try_from(tokens).unwrap_or(i64::MAX);
+        let reserved = i64::try_from(self.estimate).unwrap_or(i64::MAX);
+        let delta = used.saturating_sub(reserved);
+        if exact { delta } else { delta.max(0) }
+    }
+}
 
 /// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
 /// clone: every clone tracks into the same count.
@@ -85,18 +107,21 @@ impl Charger {
         }
     }
 
-    /// Charges `tokens` to `chain`'s token limits and `micro_usd` to `budgets`, in the
-    /// background, once each; `held` (the response's guard, if any) is released when both have
-    /// landed.
+    /// Charges `tokens` to `chain`'s token limits (with `reconcile`, the request's reservation
+    /// and the difference its reserving limits are charged: [`tokens_now`](Self::tokens_now))
+    /// and `micro_usd` to `budgets`, in the background, once each; `held` (the response's
+    /// guard, if any) is released when both have landed.
     pub fn later(
         &self,
-        chain: Option<&Arc<Chain>>,
+        (chain, reconcile): (Option<&Arc<Chain>>, Option<(Reservation, i64)>),
         tokens: u64,
         budgets: Option<&Arc<Budgets>>,
         micro_usd: u64,
         held: Option<Held>,
     ) {
-        let chain = chain.filter(|c| tokens > 0 && c.has_reactive()).cloned();
+        let chain = chain
+            .filter(|c| tokens > 0 && c.has_reactive() || c.has_reserved())
+            .cloned();
         let budgets = budgets.filter(|b| micro_usd > 0 && !b.is_empty()).cloned();
         if chain.is_none() && budgets.is_none() {
             return;
@@ -112,7 +137,7 @@ impl Charger {
                 charger.spend_now(&budgets, micro_usd).await;
             }
             if let Some(chain) = chain {
-                charger.tokens_now(&chain, tokens).await;
+                charger.tokens_now(&chain, tokens, reconcile).await;
             }
             drop(held);
         });
@@ -120,7 +145,24 @@ impl Charger {
 
     /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned
     /// (the response or session it came from is over, or must not be held up by it).
-    pub async fn tokens_now(&self, chain: &Chain, tokens: u64) {
+    ///
+    /// Reactive limits are charged `tokens`. Reserving limits are reconciled: with
+    /// `reconcile`, the request's reservation and the difference to charge into its bucket
+    /// ([`Reservation::delta`]); without (a realtime session's turn, which reserved nothing),
+    /// `tokens` into the current bucket on this process's clock, as a reactive limit is charged.
+    pub async fn tokens_now(
+        &self,
+        chain: &Chain,
+        tokens: u64,
+        reconcile: Option<(Reservation, i64)>,
+    ) {
+        if chain.has_reserved() {
+            let (at, delta) = match reconcile {
+                Some((r, delta)) => (r.at, delta),
+                None => (Timestamp::now(), i64::try_from(tokens).unwrap_or(i64::MAX)),
+            };
+            self.reconcile_now(chain, at, delta).await;
+        }
         if tokens == 0 || !chain.has_reactive() {
             return;
         }
@@ -137,6 +179,26 @@ impl Charger {
                 tracing::debug!(error = %e, tokens, "could not record tokens");
             }
             Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
+        }
+    }
+
+    /// Reconciles `chain`'s reserving limits now, once: `delta` into the bucket of `at`.
+    async fn reconcile_now(&self, chain: &Chain, at: Timestamp, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let _held = self.hold();
+        let start = std::time::Instant::now();
+        let done = chain.reconcile(&self.store, at, delta).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
+        match done {
+            Ok(()) => {}
+            // The store logs an outage once. The reservation stays charged: stricter.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, delta, "could not reconcile a reservation");
+            }
+            Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a reservation"),
         }
     }
 

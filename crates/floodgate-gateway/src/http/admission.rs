@@ -16,14 +16,16 @@ use std::time::Instant;
 
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, ScopeKind};
+use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, Charge, ScopeKind};
 
 use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
+use crate::charge::Reservation;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
+use crate::openai::request::Estimate;
 use crate::slots::Slots;
 use crate::tally::Subject;
 
@@ -54,6 +56,9 @@ pub(super) struct Admitted {
     /// The concurrency slots the request holds, if its chain has concurrency limits: given back
     /// when this is dropped, or when the body it is moved into ends.
     slots: Option<Slots>,
+    /// What it reserved on its chain's reserving token limits (`tokens = "reserve"`), to
+    /// reconcile with its usage; `None` for a chain without them, or one that failed open.
+    pub(super) reservation: Option<Reservation>,
 }
 
 impl Ctx {
@@ -186,8 +191,35 @@ impl Ctx {
 
     /// The chain's admission at `cost`, timed for the metrics.
     async fn timed_admit(&self, cost: u64) -> Result<ChainDecision, floodgate::Error> {
+        self.timed_admit_costs(cost, None).await
+    }
+
+    /// The chain's admission at `cost` a request limit, timed for the metrics; with
+    /// `reserve`, its reserving token limits cost that estimate instead, in the same atomic
+    /// step (docs/design.md, "Token reservation").
+    async fn timed_admit_costs(
+        &self,
+        cost: u64,
+        reserve: Option<u64>,
+    ) -> Result<ChainDecision, floodgate::Error> {
         let start = Instant::now();
-        let decided = self.chain.admit(self.state.store(), cost).await;
+        let store = self.state.store();
+        let decided = match reserve {
+            Some(tokens) => {
+                // A handful of limits: one small vector per reserving request.
+                let costs: Vec<u64> = self
+                    .chain
+                    .limits()
+                    .iter()
+                    .map(|l| match l.charge() {
+                        Charge::Reserved => tokens,
+                        Charge::Admission | Charge::Reactive => cost,
+                    })
+                    .collect();
+                self.chain.admit_costs(store, &costs).await
+            }
+            None => self.chain.admit(store, cost).await,
+        };
         let failed = decided.as_ref().map_or(true, |d| !d.enforced);
         self.state
             .metrics()
@@ -204,7 +236,13 @@ impl Ctx {
     /// The budget read is not part of the chain's atomic step because a budget is reactive (a
     /// response's spend is known only after it), so an atomic check would be no more exact;
     /// concurrent requests can overrun a budget by what they spend in flight.
-    pub(super) async fn admit(&self) -> Result<Admitted, Response> {
+    ///
+    /// A chain with reserving token limits (`tokens = "reserve"`) is admitted with `estimate`
+    /// as their cost, beside the request's cost of 1, in the same step: admitted only if
+    /// every limit has room for it, and then charged it, to be reconciled with the usage. An
+    /// estimate that no wait would let through (above a reserving limit itself) is a 400 that
+    /// says which cap to lower, charged nothing.
+    pub(super) async fn admit(&self, estimate: Estimate) -> Result<Admitted, Response> {
         if let Some(budgets) = &self.budgets {
             match self.timed_check(budgets).await {
                 Ok(d) if d.allowed() => {}
@@ -218,7 +256,8 @@ impl Ctx {
         if let Some(shadow) = &self.shadow_budgets {
             self.observe_shadow_budgets(shadow).await;
         }
-        let decision = match self.timed_admit(1).await {
+        let reserve = self.chain.has_reserved().then(|| estimate.total());
+        let decision = match self.timed_admit_costs(1, reserve).await {
             Ok(d) => d,
             // The store fails closed for the kinds that differ (`on_error` by kind): the
             // chain goes through unchecked when every kind of limit it has fails open.
@@ -227,6 +266,10 @@ impl Ctx {
             }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
+        if let Some(err) = self.never_fits(&decision, estimate) {
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
+            return Err(self.answer(err, Decision::BadRequest));
+        }
         self.count_limits(&decision);
         if !decision.admitted {
             return Err(self.refuse(&decision));
@@ -252,11 +295,52 @@ impl Ctx {
         let slots = decision
             .lease
             .map(|lease| Slots::new(charger, Arc::clone(&self.chain), lease));
+        // Only a decided admission reserved anything (one that failed open charged nothing).
+        let reservation = reserve
+            .filter(|_| decision.enforced)
+            .map(|estimate| Reservation {
+                at: decision.now,
+                estimate,
+            });
         Ok(Admitted {
             decision,
             log_as,
             slots,
+            reservation,
         })
+    }
+
+    /// The 400 for a request whose token estimate is above a reserving limit itself, so that
+    /// no wait would let it through: which limit, and which part of the estimate to lower.
+    fn never_fits(&self, decision: &ChainDecision, estimate: Estimate) -> Option<AppError> {
+        let r = decision.refusing()?;
+        if decision.admitted || decision.retry_after.is_some() || r.charge != Charge::Reserved {
+            return None;
+        }
+        let max = r.limit.max();
+        let window = r.limit.window().as_secs();
+        let Estimate { prompt, output, .. } = estimate;
+        let lower = if prompt >= max {
+            "send a shorter prompt".to_owned()
+        } else if estimate.named_cap {
+            format!(
+                "lower `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}",
+                max - prompt
+            )
+        } else {
+            format!(
+                "set `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}: \
+                 the request names no cap, so the gateway's default of {output} is assumed",
+                max - prompt
+            )
+        };
+        Some(AppError::BadRequest(format!(
+            "This request can never fit the {} token limit of {max} tokens per {window}s: it \
+             reserves up to {} tokens ({prompt} for the prompt, bounded by its length in \
+             bytes, plus {output} of output). To fit, {lower}.",
+            r.scope,
+            estimate.total()
+        )))
     }
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.

@@ -63,12 +63,15 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let rules = Rules {
-        metered: ctx.spend_budgets.is_some() || ctx.chain.has_reactive(),
+        metered: ctx.spend_budgets.is_some()
+            || ctx.chain.has_reactive()
+            || ctx.chain.has_reserved(),
         want_model: ctx.spend_budgets.is_some(),
         max_body_mib: ctx.state.max_body_mib(),
         body_timeout: ctx.state.header_timeout(),
         buffers: ctx.state.buffers(),
         key: ctx.key.index,
+        default_output: ctx.live.default_output,
     };
     let Checked {
         parts,
@@ -76,11 +79,12 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         stream,
         model,
         generating,
+        estimate,
     } = match guard::check(req, &rules).await {
         Ok(checked) => checked,
         Err((err, decision)) => return ctx.reject(err, decision).await,
     };
-    let mut admitted = match ctx.admit().await {
+    let mut admitted = match ctx.admit(estimate).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -147,6 +151,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         prices: std::sync::Arc::clone(&ctx.live.prices),
         request_model: model,
     });
-    let body = MeteredBody::new(body, meter, (ctx.state.charges(), ctx.chain), spend, line);
+    let charge = (ctx.state.charges(), ctx.chain, admitted.reservation);
+    let body = MeteredBody::new(body, meter, charge, spend, line);
     Response::from_parts(head, held(Body::new(body)))
 }

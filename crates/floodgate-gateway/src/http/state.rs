@@ -62,6 +62,8 @@ pub struct Live {
     pub alerts_secret: Option<[u8; 32]>,
     /// This worker's counters in the refusal tally (with a slot for each of these keys).
     pub refusals: Arc<Counters>,
+    /// `[gateway] default_max_output_tokens`: the output estimate of a request naming no cap.
+    pub default_output: u64,
 }
 
 impl Live {
@@ -81,6 +83,7 @@ impl Live {
             upstream: Upstream::from_config(&config.upstream, in_process)?,
             alerts_secret: config.alerts.secret_sha256,
             refusals: process.tally.worker(),
+            default_output: config.default_max_output_tokens,
         })
     }
 }
