@@ -202,3 +202,49 @@ async fn a_limit_can_reserve_beside_a_reactive_one() {
         .unwrap();
     assert_eq!(org[0].charge, floodgate::Charge::Reserved);
 }
+
+/// The issue's load: 20 concurrent requests of `max_tokens = 4000` against `tpm = 10000`, each
+/// using `usage` tokens; answers how many were admitted and the tokens then left in the window
+/// (none, once past the limit: the window then holds `admitted * usage`).
+async fn overshoot(mode: &str, usage: u64) -> (u64, u64) {
+    let up = fake_upstream().await;
+    let text = on("", mode)
+        .replace("tpm = 1000", "tpm = 10000")
+        .replace("[gateway]", "[gateway]\ndefault_max_output_tokens = 4000");
+    let gws = replicas(&text, &up.url(), 1).await;
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let gw = Arc::clone(&gws[0]);
+        tasks.spawn(async move {
+            let body = r#"{"model":"m","messages":[{"role":"user","content":"hi"}]}"#;
+            let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), body);
+            let h = req.headers_mut();
+            h.insert("x-test-tokens", usage.to_string().parse().unwrap());
+            h.insert("x-test-end-delay-ms", "400".parse().unwrap());
+            gw.send(req).await.status.as_u16()
+        });
+    }
+    let admitted = tasks.join_all().await.iter().filter(|&&s| s == 200).count() as u64;
+    settle(&gws).await;
+    let read = gws[0]
+        .send(gws[0].request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    let left: u64 = read
+        .header("x-ratelimit-remaining-tokens")
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    (admitted, left)
+}
+
+/// The table in docs/gateway.md ("Token reservation"): reactive lets the whole burst through and
+/// the window overshoots by 7 windows' worth; reserve admits what the estimates fit, never over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_long_completions_overshoots_reactive_and_not_reserve() {
+    // Reactive: all 20 pass, 80 000 tokens used against 10 000.
+    assert_eq!(overshoot("reactive", 4000).await, (20, 0));
+    // Reserve: each reserves 4000 and its body's bytes; two fit, 8 000 used.
+    assert_eq!(overshoot("reserve", 4000).await, (2, 2_000));
+    // Over-estimated (each uses 30): reserve still admits 2, and refunds the rest.
+    assert_eq!(overshoot("reserve", 30).await, (2, 10_000 - 60));
+    assert_eq!(overshoot("reactive", 30).await, (20, 10_000 - 600));
+}
