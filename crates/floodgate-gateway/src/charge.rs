@@ -224,3 +224,23 @@ impl Charger {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_is_reconciled_by_the_usage_and_kept_by_a_cut_streams_count() {
+        let r = Reservation {
+            at: Timestamp::ZERO,
+            estimate: 100,
+        };
+        // The usage: charged or refunded as it falls.
+        assert_eq!(r.delta(30, true), -70);
+        assert_eq!(r.delta(130, true), 30);
+        // A cut stream's chunk count: kept whole unless the count is more.
+        assert_eq!(r.delta(30, false), 0);
+        assert_eq!(r.delta(130, false), 30);
+        assert_eq!(r.delta(u64::MAX, true), i64::MAX - 100);
+    }
+}
