@@ -361,12 +361,13 @@ impl Ctx {
     /// limit it has (requests, concurrency counted as requests, tokens) fails open.
     fn chain_fails_open(&self) -> bool {
         let limits = self.chain.limits();
-        let has = |charge| limits.iter().any(|l| l.charge() == charge);
+        let has_tokens = limits.iter().any(|l| l.charge().counts_tokens());
         // Concurrency limits count requests: they fail as request limits do.
-        let counts_requests =
-            has(floodgate::Charge::Admission) || !self.chain.in_flight().is_empty();
+        let counts_requests = limits.iter().any(|l| l.charge() == Charge::Admission)
+            || !self.chain.in_flight().is_empty();
+        // A reserving token limit is a token limit: it fails as `on_error.tokens` says.
         (!counts_requests || self.state.fails_open(LimitKind::Requests))
-            && (!has(floodgate::Charge::Reactive) || self.state.fails_open(LimitKind::Tokens))
+            && (!has_tokens || self.state.fails_open(LimitKind::Tokens))
     }
 
     /// Counts each limit of a decided chain in the metrics: over (it refused), near (80% used
@@ -385,7 +386,7 @@ impl Ctx {
             } else {
                 LimitOutcome::Within
             };
-            let tokens = s.charge == floodgate::Charge::Reactive;
+            let tokens = s.charge.counts_tokens();
             metrics.limit(s.scope, tokens, outcome);
         }
         // The refusing one is the first enforced full one, when no rate limit refused.
