@@ -261,6 +261,15 @@ async fn concurrent_admissions_past_a_shadow_limit_charge_it_in_batches() {
     assert!(store.stats().admit_batches < 64, "{:?}", store.stats());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reserves_budgets_exactly() {
+    let Some(url) = redis_url("reserves_budgets_exactly") else {
+        return;
+    };
+    let tenant = format!("org:race-{}", std::process::id());
+    common::race_reserved_budget(store(&url).await, &tenant).await;
+}
+
 #[tokio::test]
 async fn reserves_tokens_while_holding_slots() {
     let Some(url) = redis_url("reserves_tokens_while_holding_slots") else {

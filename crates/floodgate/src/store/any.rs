@@ -65,6 +65,19 @@ impl Store for AnyStore {
         }
     }
 
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        match self {
+            AnyStore::Memory(s) => s.reconcile_periods(counters, reserved_at, delta, now).await,
+            AnyStore::Redis(s) => s.reconcile_periods(counters, reserved_at, delta, now).await,
+        }
+    }
+
     async fn reconcile(
         &self,
         limits: &[ChainLimit],

@@ -581,6 +581,43 @@ impl MemoryStore {
         }
     }
 
+    /// [`Store::reconcile_periods`], without the future.
+    pub fn reconcile_periods_sync(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) {
+        let (now, sweep_at) = self.times(now);
+        // Each counter on its own, as an add: a refund lowers a total (docs/design.md §11).
+        for c in counters {
+            let (hash, shard) = self.locate(c.key());
+            let mut shard = self.lock(shard);
+            let stored = shard.period(hash, c.key(), now);
+            let Some(state) = PeriodState::reconciled(stored, c.period(), now, reserved_at, delta)
+            else {
+                continue;
+            };
+            let expires = c.expires(now);
+            if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
+                slot.state = state;
+                slot.expires = expires;
+            } else {
+                shard.grow(sweep_at);
+                let slot = PeriodSlot {
+                    key: c.key().into(),
+                    state,
+                    expires,
+                };
+                let hasher = &self.inner.hasher;
+                shard
+                    .periods
+                    .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
+            }
+        }
+    }
+
     /// [`Store::add_periods`], without the future.
     pub fn add_periods_sync(
         &self,
@@ -752,6 +789,17 @@ impl Store for MemoryStore {
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
         self.record_sync(limits, units, now);
+        Ok(())
+    }
+
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        self.reconcile_periods_sync(counters, reserved_at, delta, now);
         Ok(())
     }
 

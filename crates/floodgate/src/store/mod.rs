@@ -205,6 +205,18 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
 
+    /// Reconciles an amount added at `reserved_at` (a budget's reservation): adds `delta`
+    /// (actual minus reserved, signed) to each counter's total in the period `reserved_at` fell
+    /// in, never below zero, as [`PeriodState::reconciled`](crate::period::PeriodState::reconciled)
+    /// says, each counter in one atomic step. Never replayed, as [`add_periods`](Self::add_periods).
+    fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
     /// A fresh lease number, never handed out before by this store (nor, on Redis, by any
     /// other process: the store's members carry a random process tag).
     fn lease(&self) -> Lease;

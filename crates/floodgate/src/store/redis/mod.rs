@@ -67,7 +67,8 @@ pub use stats::RedisStats;
 use batch::AdmitQueue;
 use conn::{Failure, bad_reply, int};
 use scripts::{
-    ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, RECONCILE, RECORD, RESET, STATE_CLEAR, STATE_READ,
+    ACQUIRE, Op, PERIODS_ADD, PERIODS_READ, PERIODS_RECONCILE, RECONCILE, RECORD, RESET,
+    STATE_CLEAR, STATE_READ,
 };
 use stats::{Counters, bump};
 
@@ -541,6 +542,33 @@ impl Store for RedisStore {
                 bump(&self.inner.counters.errors);
                 f.into()
             })
+    }
+
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        if counters.is_empty() || delta == 0 {
+            return Ok(());
+        }
+        let n = counters.len();
+        let mut cmd = self.evalsha(&PERIODS_RECONCILE, n, 3 + n);
+        for c in counters {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(delta).arg(reserved_at.as_micros());
+        for c in counters {
+            cmd.arg(c.period().as_str());
+        }
+        let op = &PERIODS_RECONCILE;
+        self.inner.run::<()>(op, &cmd).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
     }
 
     async fn read_state(

@@ -70,6 +70,7 @@ const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
 const PERIODS_ADD_LUA: &str = lua!(period "periods_add.lua");
+const PERIODS_RECONCILE_LUA: &str = lua!(period "periods_reconcile.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
 const RENEW_LUA: &str = lua!("renew.lua");
@@ -98,6 +99,8 @@ pub(super) static PERIODS_READ: LazyLock<Op> =
     LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
 pub(super) static PERIODS_ADD: LazyLock<Op> =
     LazyLock::new(|| op("periods_add", PERIODS_ADD_LUA, Replay::Never));
+pub(super) static PERIODS_RECONCILE: LazyLock<Op> =
+    LazyLock::new(|| op("periods_reconcile", PERIODS_RECONCILE_LUA, Replay::Never));
 // Taking a slot twice under one lease takes it once (the script finds its own member); the
 // window charge replays as `admit`'s does.
 pub(super) static ADMIT_HOLDING: LazyLock<Op> =
@@ -132,6 +135,7 @@ pub fn script_source(op: &str) -> Option<&'static str> {
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
         "periods_add" => PERIODS_ADD_LUA,
+        "periods_reconcile" => PERIODS_RECONCILE_LUA,
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
         "renew" => RENEW_LUA,
@@ -200,6 +204,7 @@ mod tests {
         assert_eq!(RECONCILE.replay, Replay::Never);
         assert!(script_source("reconcile").is_some());
         assert_eq!(PERIODS_ADD.replay, Replay::Never);
+        assert_eq!(PERIODS_RECONCILE.replay, Replay::Never);
         assert_eq!(PERIODS_READ.replay, Replay::Once);
         assert!(script_source("periods_read").is_some());
         assert!(script_source("periods_add").is_some());
