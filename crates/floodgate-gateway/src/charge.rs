@@ -40,6 +40,29 @@ impl Reservation {
     }
 }
 
+/// What an admitted request reserved on its chain's enforced budgets (`[gateway] tokens =
+/// "reserve"`): the estimate's price, at the reservation's instant (its period).
+#[derive(Clone, Debug)]
+pub struct BudgetReservation {
+    /// The budgets reserved on.
+    pub budgets: Arc<Budgets>,
+    /// The instant of the reservation.
+    pub at: Timestamp,
+    /// The price reserved, in micro-USD.
+    pub micro_usd: u64,
+}
+
+impl BudgetReservation {
+    /// The difference to charge once the spend is known: as [`Reservation::delta`].
+    pub fn delta(&self, micro_usd: u64, exact: bool) -> i64 {
+        Reservation {
+            at: self.at,
+            estimate: self.micro_usd,
+        }
+        .delta(micro_usd, exact)
+    }
+}
+
 /// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
 /// clone: every clone tracks into the same count.
 #[derive(Clone, Debug)]
@@ -111,11 +134,14 @@ impl Charger {
     /// and the difference its reserving limits are charged: [`tokens_now`](Self::tokens_now))
     /// and `micro_usd` to `budgets`, in the background, once each; `held` (the response's
     /// guard, if any) is released when both have landed.
+    ///
+    /// With `reserved`, the budgets a reservation was made on are reconciled by its difference
+    /// (the other `budgets`, shadow ones, are charged `micro_usd` as usual).
     pub fn later(
         &self,
         (chain, reconcile): (Option<&Arc<Chain>>, Option<(Reservation, i64)>),
         tokens: u64,
-        budgets: Option<&Arc<Budgets>>,
+        (budgets, reserved): (Option<&Arc<Budgets>>, Option<(BudgetReservation, i64)>),
         micro_usd: u64,
         held: Option<Held>,
     ) {
@@ -123,7 +149,8 @@ impl Charger {
             .filter(|c| tokens > 0 && c.has_reactive() || c.has_reserved())
             .cloned();
         let budgets = budgets.filter(|b| micro_usd > 0 && !b.is_empty()).cloned();
-        if chain.is_none() && budgets.is_none() {
+        let reserved = reserved.filter(|(_, delta)| *delta != 0);
+        if chain.is_none() && budgets.is_none() && reserved.is_none() {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -135,6 +162,9 @@ impl Charger {
         rt.spawn(async move {
             if let Some(budgets) = budgets {
                 charger.spend_now(&budgets, micro_usd).await;
+            }
+            if let Some((r, delta)) = reserved {
+                charger.reconcile_spend_now(&r, delta).await;
             }
             if let Some(chain) = chain {
                 charger.tokens_now(&chain, tokens, reconcile).await;
@@ -199,6 +229,22 @@ impl Charger {
                 tracing::debug!(error = %e, delta, "could not reconcile a reservation");
             }
             Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a reservation"),
+        }
+    }
+
+    /// Reconciles a budget reservation now, once: `delta` into the period it was made in. A
+    /// failure is logged; the reservation then stays as it was (towards stricter).
+    pub async fn reconcile_spend_now(&self, r: &BudgetReservation, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let _held = self.hold();
+        let start = std::time::Instant::now();
+        let done = r.budgets.reconcile(&self.store, r.at, delta).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
+        if let Err(e) = done {
+            tracing::warn!(error = %e, delta, "could not reconcile a budget reservation");
         }
     }
 

@@ -34,7 +34,7 @@ use floodgate::{Budgets, Chain};
 use http_body::{Frame, SizeHint};
 
 use crate::access_log::PendingLine;
-use crate::charge::{Charger, Held, Reservation};
+use crate::charge::{BudgetReservation, Charger, Held, Reservation};
 use crate::openai::sse::SseFilter;
 use crate::openai::usage::{TokenUsage, usage_and_model_from_json};
 use crate::pricing::Prices;
@@ -73,6 +73,9 @@ pub struct Spend {
     pub prices: Arc<Prices>,
     /// The request's `model`.
     pub request_model: Option<String>,
+    /// What the request reserved on its enforced budgets, reconciled with the spend (then
+    /// `budgets` holds only the shadow ones, charged the spend as usual).
+    pub reserved: Option<BudgetReservation>,
 }
 
 /// A response body forwarded frame by frame while its usage is read; records the tokens (and
@@ -261,9 +264,15 @@ impl Drop for MeteredBody {
         if let (Some(chain), Some(t)) = (self.chain.take(), self.tokens) {
             let spend = self.spend.take().zip(self.usage).map(|(spend, usage)| {
                 let model = self.model.as_deref().or(spend.request_model.as_deref());
-                (spend.prices.spend(model, &usage), spend.budgets)
+                let micro_usd = spend.prices.spend(model, &usage);
+                let reserved = spend.reserved.map(|r| {
+                    let delta = r.delta(micro_usd, !self.counted);
+                    (r, delta)
+                });
+                (micro_usd, spend.budgets, reserved)
             });
-            let (micro_usd, budgets) = spend.map_or((0, None), |(m, b)| (m, Some(b)));
+            let (micro_usd, budgets, reserved) =
+                spend.map_or((0, None, None), |(m, b, r)| (m, Some(b), r));
             if let Some(usage) = &self.usage {
                 self.charger.count_usage(usage);
             }
@@ -274,7 +283,7 @@ impl Drop for MeteredBody {
             self.charger.later(
                 (Some(&chain), reconcile),
                 t,
-                budgets.as_ref(),
+                (budgets.as_ref(), reserved),
                 micro_usd,
                 self.held.take(),
             );

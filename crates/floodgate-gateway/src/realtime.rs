@@ -423,7 +423,7 @@ async fn flush_every(
         // Taken in one step: tokens metered meanwhile wait for the next flush, none twice.
         let tokens = pending.swap(0, Ordering::SeqCst);
         let micro_usd = pending_spend.swap(0, Ordering::SeqCst);
-        charger.later((chain, None), tokens, budgets, micro_usd, None);
+        charger.later((chain, None), tokens, (budgets, None), micro_usd, None);
     }
 }
 

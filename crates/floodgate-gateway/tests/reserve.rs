@@ -248,3 +248,90 @@ async fn a_burst_of_long_completions_overshoots_reactive_and_not_reserve() {
     assert_eq!(overshoot("reserve", 30).await, (2, 10_000 - 60));
     assert_eq!(overshoot("reactive", 30).await, (20, 10_000 - 600));
 }
+
+/// A budget of 1000 µUSD, tokens priced at 1 µUSD each (in or out), no token limit.
+fn budget_config(mode: &str) -> String {
+    budget_config_on("", mode)
+}
+
+fn budget_config_on(store: &str, mode: &str) -> String {
+    format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+{store}
+[gateway]
+tokens = "{mode}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+org = "acme"
+[[prices]]
+model = "*"
+input_per_million = 1.0
+output_per_million = 1.0
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "day"
+usd = 0.001
+"#
+    )
+}
+
+/// Concurrent requests never overrun a reserving budget by more than the estimate error: here
+/// the estimate is exact (each uses what it reserves), so never; reactive lets the burst
+/// through and overruns it 3.5 times.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_requests_never_overrun_a_reserving_budget() {
+    let up = fake_upstream().await;
+    let e = estimate();
+    for (mode, admitted_expected) in [("reactive", 20), ("reserve", 1000 / e)] {
+        let gws = replicas(&budget_config(mode), &up.url(), 1).await;
+        let statuses = burst(&gws, 20, e).await;
+        let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+        assert_eq!(admitted, admitted_expected, "{mode}: {statuses:?}");
+        settle(&gws).await;
+        assert!(
+            mode == "reactive" || admitted * e <= 1000,
+            "reserve never spends past the cap"
+        );
+        // Spent: 20 x 176 (reactive), 5 x 176 = 880 (reserve): the next one is refused either way.
+        let (status, _) = next(&gws[0]).await;
+        assert_eq!(status, 429, "{mode}");
+    }
+    // Over-estimated (each uses 30): the refunds let the next requests through.
+    let gws = replicas(&budget_config("reserve"), &up.url(), 1).await;
+    let statuses = burst(&gws, 20, 30).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    assert_eq!(admitted, 1000 / e);
+    settle(&gws).await;
+    let (status, _) = next(&gws[0]).await;
+    assert_eq!(
+        status,
+        200,
+        "spent {} of 1000 after the refunds",
+        30 * admitted
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_replicas_on_redis_never_overrun_a_reserving_budget() {
+    let Some(url) = test_redis_url("three_replicas_on_redis_never_overrun_a_reserving_budget")
+    else {
+        return;
+    };
+    let up = fake_upstream().await;
+    let e = estimate();
+    let gws = replicas(
+        &budget_config_on(&redis_store(&url), "reserve"),
+        &up.url(),
+        3,
+    )
+    .await;
+    let statuses = burst(&gws, 20, e).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    assert_eq!(admitted, 1000 / e, "{statuses:?}");
+    settle(&gws).await;
+    assert_eq!(next(&gws[1]).await.0, 429);
+}

@@ -21,7 +21,7 @@ use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, Charge, ScopeKind
 use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
-use crate::charge::Reservation;
+use crate::charge::{BudgetReservation, Reservation};
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
@@ -39,7 +39,7 @@ pub(super) struct Ctx {
     fixed: Arc<ChainHeaders>,
     pub(super) budgets: Option<Arc<Budgets>>,
     /// The shadow budgets: read, never refusing.
-    shadow_budgets: Option<Arc<Budgets>>,
+    pub(super) shadow_budgets: Option<Arc<Budgets>>,
     /// Every budget (shadow ones too): what the answer's spend is added to.
     pub(super) spend_budgets: Option<Arc<Budgets>>,
     pub(super) method: Method,
@@ -59,6 +59,9 @@ pub(super) struct Admitted {
     /// What it reserved on its chain's reserving token limits (`tokens = "reserve"`), to
     /// reconcile with its usage; `None` for a chain without them, or one that failed open.
     pub(super) reservation: Option<Reservation>,
+    /// What it reserved on its enforced budgets (`[gateway] tokens = "reserve"`): the estimate's
+    /// price, to reconcile with its spend.
+    pub(super) budget_reservation: Option<BudgetReservation>,
 }
 
 impl Ctx {
@@ -242,9 +245,37 @@ impl Ctx {
     /// every limit has room for it, and then charged it, to be reconciled with the usage. An
     /// estimate that no wait would let through (above a reserving limit itself) is a 400 that
     /// says which cap to lower, charged nothing.
-    pub(super) async fn admit(&self, estimate: Estimate) -> Result<Admitted, Response> {
+    ///
+    /// With `price` (`[gateway] tokens = "reserve"`: the estimate priced), the enforced budgets
+    /// are not read but reserved: admitted only if each one's spend plus the price fits its cap,
+    /// the price then added, to be reconciled with the spend; a refusal later in the admission
+    /// takes it back.
+    pub(super) async fn admit(
+        &self,
+        estimate: Estimate,
+        price: Option<u64>,
+    ) -> Result<Admitted, Response> {
+        let mut budget_reservation = None;
         if let Some(budgets) = &self.budgets {
-            match self.timed_check(budgets).await {
+            let checked = match price {
+                Some(price) => {
+                    let start = Instant::now();
+                    let reserved = budgets.reserve(self.state.store(), price).await;
+                    let failed = reserved.is_err();
+                    let metrics = self.state.metrics();
+                    metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+                    if let Some(d) = reserved.as_ref().ok().filter(|d| d.allowed()) {
+                        budget_reservation = Some(BudgetReservation {
+                            budgets: Arc::clone(budgets),
+                            at: d.now,
+                            micro_usd: price,
+                        });
+                    }
+                    reserved
+                }
+                None => self.timed_check(budgets).await,
+            };
+            match checked {
                 Ok(d) if d.allowed() => {}
                 Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
                 // Budgets fail open on their own (`on_error.budgets`): read as unspent.
@@ -253,6 +284,26 @@ impl Ctx {
                 Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
             }
         }
+        let admitted = self.admit_chain(estimate).await;
+        match admitted {
+            Ok(mut a) => {
+                a.budget_reservation = budget_reservation;
+                Ok(a)
+            }
+            Err(refused) => {
+                // Refused after all (or failed): the budgets' reservation goes back.
+                if let Some(r) = budget_reservation {
+                    let refund = -i64::try_from(r.micro_usd).unwrap_or(i64::MAX);
+                    self.state.charges().reconcile_spend_now(&r, refund).await;
+                }
+                Err(refused)
+            }
+        }
+    }
+
+    /// The chain's part of [`admit`](Self::admit): its shadow budgets read, then its rate limits
+    /// admitted in one atomic step.
+    async fn admit_chain(&self, estimate: Estimate) -> Result<Admitted, Response> {
         if let Some(shadow) = &self.shadow_budgets {
             self.observe_shadow_budgets(shadow).await;
         }
@@ -307,6 +358,7 @@ impl Ctx {
             log_as,
             slots,
             reservation,
+            budget_reservation: None,
         })
     }
 

@@ -15,6 +15,7 @@ use crate::access_log::{self, Decision};
 use crate::error::AppError;
 use crate::metering::{Meter, MeteredBody, Spend};
 use crate::openai::realtime::is_realtime;
+use crate::openai::usage::TokenUsage;
 use crate::slots::HoldingBody;
 
 /// Answers a request for `/v1/...`.
@@ -84,7 +85,17 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         Ok(checked) => checked,
         Err((err, decision)) => return ctx.reject(err, decision).await,
     };
-    let mut admitted = match ctx.admit(estimate).await {
+    // Budgets reserve the estimate's price (`[gateway] tokens = "reserve"`), as the model the
+    // request names prices it.
+    let price = (ctx.live.reserve_budgets && ctx.budgets.is_some()).then(|| {
+        let usage = TokenUsage {
+            input: Some(estimate.prompt),
+            output: Some(estimate.output),
+            total: estimate.total(),
+        };
+        ctx.live.prices.spend(model.as_deref(), &usage)
+    });
+    let mut admitted = match ctx.admit(estimate, price).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -146,10 +157,17 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         return Response::from_parts(head, held(body));
     }
     let line = ctx.pending_line(head.status, &admitted);
-    let spend = ctx.spend_budgets.map(|budgets| Spend {
-        budgets,
+    // With the enforced budgets reserved on, the spend reconciles them, and is added as usual
+    // only to the shadow ones.
+    let reserved = admitted.budget_reservation.take();
+    let spend = ctx.spend_budgets.map(|all| Spend {
+        budgets: match &reserved {
+            Some(_) => ctx.shadow_budgets.clone().unwrap_or_default(),
+            None => all,
+        },
         prices: std::sync::Arc::clone(&ctx.live.prices),
         request_model: model,
+        reserved,
     });
     let charge = (ctx.state.charges(), ctx.chain, admitted.reservation);
     let body = MeteredBody::new(body, meter, charge, spend, line);

@@ -122,7 +122,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         };
         return ctx.answer(err, Decision::TooManyConnections);
     };
-    let mut admitted = match ctx.admit(Estimate::default()).await {
+    let mut admitted = match ctx.admit(Estimate::default(), None).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };

@@ -64,6 +64,8 @@ pub struct Live {
     pub refusals: Arc<Counters>,
     /// `[gateway] default_max_output_tokens`: the output estimate of a request naming no cap.
     pub default_output: u64,
+    /// `[gateway] tokens = "reserve"`: budgets reserve each request's estimated price.
+    pub reserve_budgets: bool,
 }
 
 impl Live {
@@ -84,6 +86,7 @@ impl Live {
             alerts_secret: config.alerts.secret_sha256,
             refusals: process.tally.worker(),
             default_output: config.default_max_output_tokens,
+            reserve_budgets: config.tokens == crate::config::TokenMode::Reserve,
         })
     }
 }
