@@ -8,6 +8,10 @@
 //! reached can overrun it by what they spend in flight; nothing is lost by the read not being
 //! atomic with the spend, since the spend is not known when the request is admitted.
 //!
+//! A budget can also reserve ([`Budgets::reserve`]): an estimate's price added at admission,
+//! admitted only if it fits, and reconciled with the spend after ([`Budgets::reconcile`]), so that
+//! concurrent requests cannot overrun it by more than their estimates' error (docs/design.md §11).
+//!
 //! Amounts are integers in a unit of the caller's choosing (the gateway uses micro-USD).
 
 use std::fmt;

@@ -7,7 +7,8 @@
 //!
 //! - [`Ctx::reject`]: refused before admission (a request that cannot be read or forwarded),
 //!   nothing charged, with the chain's rate-limit state read at a cost of 0;
-//! - [`Ctx::admit`]: the chain's budgets read (charging nothing), then the chain admitted in one
+//! - [`Ctx::admit`]: the chain's budgets read (charging nothing), or under `tokens = "reserve"`
+//!   reserved (the estimate's price, taken back on a refusal), then the chain admitted in one
 //!   atomic step; a refusal is charged to no limit;
 //! - [`Ctx::upstream_failed`]: the upstream could not answer an admitted request.
 
