@@ -11,12 +11,57 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use floodgate::{Budgets, Chain};
+use floodgate::{Budgets, Chain, Timestamp};
 use tokio::sync::Notify;
 
 use crate::metrics::{Metrics, StoreOp};
 use crate::openai::usage::TokenUsage;
 use crate::store::GatewayStore;
+
+/// What an admitted request reserved on its chain's reserving token limits: the estimate, at the
+/// decision's instant (which names the bucket it went into).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reservation {
+    /// The admission decision's instant.
+    pub at: Timestamp,
+    /// The tokens reserved.
+    pub estimate: u64,
+}
+
+impl Reservation {
+    /// The difference to charge once `tokens` are known: `exact` from the response's usage
+    /// (charged or refunded as it falls), or a count of a cut stream's chunks, which keeps the
+    /// reservation unless it is more (towards stricter: the prompt is not in the count).
+    pub fn delta(&self, tokens: u64, exact: bool) -> i64 {
+        let used = i64::try_from(tokens).unwrap_or(i64::MAX);
+        let reserved = i64::try_from(self.estimate).unwrap_or(i64::MAX);
+        let delta = used.saturating_sub(reserved);
+        if exact { delta } else { delta.max(0) }
+    }
+}
+
+/// What an admitted request reserved on its chain's enforced budgets (`[gateway] tokens =
+/// "reserve"`): the estimate's price, at the reservation's instant (its period).
+#[derive(Clone, Debug)]
+pub struct BudgetReservation {
+    /// The budgets reserved on.
+    pub budgets: Arc<Budgets>,
+    /// The instant of the reservation.
+    pub at: Timestamp,
+    /// The price reserved, in micro-USD.
+    pub micro_usd: u64,
+}
+
+impl BudgetReservation {
+    /// The difference to charge once the spend is known: as [`Reservation::delta`].
+    pub fn delta(&self, micro_usd: u64, exact: bool) -> i64 {
+        Reservation {
+            at: self.at,
+            estimate: self.micro_usd,
+        }
+        .delta(micro_usd, exact)
+    }
+}
 
 /// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
 /// clone: every clone tracks into the same count.
@@ -85,20 +130,27 @@ impl Charger {
         }
     }
 
-    /// Charges `tokens` to `chain`'s token limits and `micro_usd` to `budgets`, in the
-    /// background, once each; `held` (the response's guard, if any) is released when both have
-    /// landed.
+    /// Charges `tokens` to `chain`'s token limits (with `reconcile`, the request's reservation
+    /// and the difference its reserving limits are charged: [`tokens_now`](Self::tokens_now))
+    /// and `micro_usd` to `budgets`, in the background, once each; `held` (the response's
+    /// guard, if any) is released when both have landed.
+    ///
+    /// With `reserved`, the budgets a reservation was made on are reconciled by its difference
+    /// (the other `budgets`, shadow ones, are charged `micro_usd` as usual).
     pub fn later(
         &self,
-        chain: Option<&Arc<Chain>>,
+        (chain, reconcile): (Option<&Arc<Chain>>, Option<(Reservation, i64)>),
         tokens: u64,
-        budgets: Option<&Arc<Budgets>>,
+        (budgets, reserved): (Option<&Arc<Budgets>>, Option<(BudgetReservation, i64)>),
         micro_usd: u64,
         held: Option<Held>,
     ) {
-        let chain = chain.filter(|c| tokens > 0 && c.has_reactive()).cloned();
+        let chain = chain
+            .filter(|c| tokens > 0 && c.has_reactive() || c.has_reserved())
+            .cloned();
         let budgets = budgets.filter(|b| micro_usd > 0 && !b.is_empty()).cloned();
-        if chain.is_none() && budgets.is_none() {
+        let reserved = reserved.filter(|(_, delta)| *delta != 0);
+        if chain.is_none() && budgets.is_none() && reserved.is_none() {
             return;
         }
         let Ok(rt) = tokio::runtime::Handle::try_current() else {
@@ -113,10 +165,13 @@ impl Charger {
                 if let Some(budgets) = &budgets {
                     charger.spend_now(budgets, micro_usd).await;
                 }
+                if let Some((r, delta)) = &reserved {
+                    charger.reconcile_spend_now(r, *delta).await;
+                }
             };
             let tokens = async {
                 if let Some(chain) = &chain {
-                    charger.tokens_now(chain, tokens).await;
+                    charger.tokens_now(chain, tokens, reconcile).await;
                 }
             };
             tokio::join!(spend, tokens);
@@ -126,7 +181,24 @@ impl Charger {
 
     /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned
     /// (the response or session it came from is over, or must not be held up by it).
-    pub async fn tokens_now(&self, chain: &Chain, tokens: u64) {
+    ///
+    /// Reactive limits are charged `tokens`. Reserving limits are reconciled: with
+    /// `reconcile`, the request's reservation and the difference to charge into its bucket
+    /// ([`Reservation::delta`]); without (a realtime session's turn, which reserved nothing),
+    /// `tokens` into the current bucket on this process's clock, as a reactive limit is charged.
+    pub async fn tokens_now(
+        &self,
+        chain: &Chain,
+        tokens: u64,
+        reconcile: Option<(Reservation, i64)>,
+    ) {
+        if chain.has_reserved() {
+            let (at, delta) = match reconcile {
+                Some((r, delta)) => (r.at, delta),
+                None => (Timestamp::now(), i64::try_from(tokens).unwrap_or(i64::MAX)),
+            };
+            self.reconcile_now(chain, at, delta).await;
+        }
         if tokens == 0 || !chain.has_reactive() {
             return;
         }
@@ -143,6 +215,42 @@ impl Charger {
                 tracing::debug!(error = %e, tokens, "could not record tokens");
             }
             Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
+        }
+    }
+
+    /// Reconciles `chain`'s reserving limits now, once: `delta` into the bucket of `at`.
+    async fn reconcile_now(&self, chain: &Chain, at: Timestamp, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let _held = self.hold();
+        let start = std::time::Instant::now();
+        let done = chain.reconcile(&self.store, at, delta).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
+        match done {
+            Ok(()) => {}
+            // The store logs an outage once. The reservation stays charged: stricter.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, delta, "could not reconcile a reservation");
+            }
+            Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a reservation"),
+        }
+    }
+
+    /// Reconciles a budget reservation now, once: `delta` into the period it was made in. A
+    /// failure is logged; the reservation then stays as it was (towards stricter).
+    pub async fn reconcile_spend_now(&self, r: &BudgetReservation, delta: i64) {
+        if delta == 0 {
+            return;
+        }
+        let _held = self.hold();
+        let start = std::time::Instant::now();
+        let done = r.budgets.reconcile(&self.store, r.at, delta).await;
+        let metrics = &self.metrics;
+        metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
+        if let Err(e) = done {
+            tracing::warn!(error = %e, delta, "could not reconcile a budget reservation");
         }
     }
 
@@ -166,5 +274,25 @@ impl Charger {
             }
             Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reservation_is_reconciled_by_the_usage_and_kept_by_a_cut_streams_count() {
+        let r = Reservation {
+            at: Timestamp::ZERO,
+            estimate: 100,
+        };
+        // The usage: charged or refunded as it falls.
+        assert_eq!(r.delta(30, true), -70);
+        assert_eq!(r.delta(130, true), 30);
+        // A cut stream's chunk count: kept whole unless the count is more.
+        assert_eq!(r.delta(30, false), 0);
+        assert_eq!(r.delta(130, false), 30);
+        assert_eq!(r.delta(u64::MAX, true), i64::MAX - 100);
     }
 }

@@ -154,9 +154,10 @@ impl AppError {
                 limit,
                 retry_after,
             } => {
-                let unit = match charge {
-                    Charge::Admission => "requests",
-                    Charge::Reactive => "tokens",
+                let unit = if charge.counts_tokens() {
+                    "tokens"
+                } else {
+                    "requests"
                 };
                 let window = limit.window().as_secs();
                 let mut message = format!(

@@ -34,7 +34,7 @@ use floodgate::{Budgets, Chain};
 use http_body::{Frame, SizeHint};
 
 use crate::access_log::PendingLine;
-use crate::charge::{Charger, Held};
+use crate::charge::{BudgetReservation, Charger, Held, Reservation};
 use crate::openai::sse::SseFilter;
 use crate::openai::usage::{TokenUsage, usage_and_model_from_json};
 use crate::pricing::Prices;
@@ -73,6 +73,9 @@ pub struct Spend {
     pub prices: Arc<Prices>,
     /// The request's `model`.
     pub request_model: Option<String>,
+    /// What the request reserved on its enforced budgets, reconciled with the spend (then
+    /// `budgets` holds only the shadow ones, charged the spend as usual).
+    pub reserved: Option<BudgetReservation>,
 }
 
 /// A response body forwarded frame by frame while its usage is read; records the tokens (and
@@ -91,6 +94,11 @@ pub struct MeteredBody {
     /// The chain to charge tokens to; `None` once handed on (to a rest read after the caller
     /// left) or charged.
     chain: Option<Arc<Chain>>,
+    /// What the request reserved on the chain's reserving token limits, reconciled with the
+    /// usage; kept whole if no usage comes.
+    reservation: Option<Reservation>,
+    /// Whether `tokens` is a cut stream's count of chunks rather than the response's usage.
+    counted: bool,
     spend: Option<Spend>,
     line: PendingLine,
     /// Tracks the charge still to come, from the body's start to the charge landing.
@@ -104,13 +112,13 @@ enum Mode {
 }
 
 impl MeteredBody {
-    /// Wraps `inner`; when metered, `charger` charges its tokens to `chain` and its spend to
-    /// `spend`'s budgets, and `line` is written when it is done. The charge is tracked by
-    /// `charger` from now on.
+    /// Wraps `inner`; when metered, `charger` charges its tokens to `chain` (reconciling
+    /// `reservation`, what the request reserved) and its spend to `spend`'s budgets, and `line`
+    /// is written when it is done. The charge is tracked by `charger` from now on.
     pub fn new(
         inner: Body,
         meter: Meter,
-        (charger, chain): (&Charger, Arc<Chain>),
+        (charger, chain, reservation): (&Charger, Arc<Chain>, Option<Reservation>),
         spend: Option<Spend>,
         line: PendingLine,
     ) -> MeteredBody {
@@ -137,6 +145,8 @@ impl MeteredBody {
             held: Some(charger.hold()),
             charger: charger.clone(),
             chain: Some(chain),
+            reservation,
+            counted: false,
             spend,
             line,
         }
@@ -193,6 +203,8 @@ impl MeteredBody {
             model: self.model.take(),
             charger: self.charger.clone(),
             chain: self.chain.take(),
+            reservation: self.reservation.take(),
+            counted: self.counted,
             spend: self.spend.take(),
             line: self.line.clone(),
             held: self.held.take(),
@@ -241,6 +253,7 @@ impl Drop for MeteredBody {
                 // upstream generated; the prompt, which it bills too, is not known), rather
                 // than nothing, which a caller could have by hanging up just before the end.
                 self.tokens = Some(f.events);
+                self.counted = true;
                 self.usage = Some(TokenUsage {
                     input: None,
                     output: Some(f.events),
@@ -251,16 +264,26 @@ impl Drop for MeteredBody {
         if let (Some(chain), Some(t)) = (self.chain.take(), self.tokens) {
             let spend = self.spend.take().zip(self.usage).map(|(spend, usage)| {
                 let model = self.model.as_deref().or(spend.request_model.as_deref());
-                (spend.prices.spend(model, &usage), spend.budgets)
+                let micro_usd = spend.prices.spend(model, &usage);
+                let reserved = spend.reserved.map(|r| {
+                    let delta = r.delta(micro_usd, !self.counted);
+                    (r, delta)
+                });
+                (micro_usd, spend.budgets, reserved)
             });
-            let (micro_usd, budgets) = spend.map_or((0, None), |(m, b)| (m, Some(b)));
+            let (micro_usd, budgets, reserved) =
+                spend.map_or((0, None, None), |(m, b, r)| (m, Some(b), r));
             if let Some(usage) = &self.usage {
                 self.charger.count_usage(usage);
             }
+            // A reservation is reconciled with the usage; with a cut stream's count only if that
+            // is more. A response with no usage (an upstream error, a body cut before any
+            // chunk) never gets here: its reservation stays whole, towards stricter.
+            let reconcile = self.reservation.map(|r| (r, r.delta(t, !self.counted)));
             self.charger.later(
-                Some(&chain),
+                (Some(&chain), reconcile),
                 t,
-                budgets.as_ref(),
+                (budgets.as_ref(), reserved),
                 micro_usd,
                 self.held.take(),
             );

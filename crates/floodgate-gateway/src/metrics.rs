@@ -56,6 +56,8 @@ pub enum StoreOp {
     Admit,
     /// Tokens charged to a chain's token limits.
     Record,
+    /// A token reservation reconciled with the usage (docs/design.md, "Token reservation").
+    Reconcile,
     /// Budgets read.
     ReadBudgets,
     /// Spend added to budgets.
@@ -64,9 +66,10 @@ pub enum StoreOp {
     Ping,
 }
 
-const STORE_OPS: [StoreOp; 5] = [
+const STORE_OPS: [StoreOp; 6] = [
     StoreOp::Admit,
     StoreOp::Record,
+    StoreOp::Reconcile,
     StoreOp::ReadBudgets,
     StoreOp::Spend,
     StoreOp::Ping,
@@ -77,6 +80,7 @@ impl StoreOp {
         match self {
             StoreOp::Admit => "admit",
             StoreOp::Record => "record",
+            StoreOp::Reconcile => "reconcile",
             StoreOp::ReadBudgets => "read_budgets",
             StoreOp::Spend => "spend",
             StoreOp::Ping => "ping",

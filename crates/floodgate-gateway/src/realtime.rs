@@ -375,7 +375,8 @@ impl Session {
         let tokens = to_caller.meter.as_ref().map(|m| m.total);
         if let Some(chain) = &self.chain {
             let tokens = pending.swap(0, Ordering::SeqCst);
-            self.charger.tokens_now(chain, tokens).await;
+            // A session reserved nothing: its tokens are charged as they come (reactive).
+            self.charger.tokens_now(chain, tokens, None).await;
         }
         if let Some(spend) = &self.spend {
             let micro_usd = pending_spend.swap(0, Ordering::SeqCst);
@@ -422,7 +423,7 @@ async fn flush_every(
         // Taken in one step: tokens metered meanwhile wait for the next flush, none twice.
         let tokens = pending.swap(0, Ordering::SeqCst);
         let micro_usd = pending_spend.swap(0, Ordering::SeqCst);
-        charger.later(chain, tokens, budgets, micro_usd, None);
+        charger.later((chain, None), tokens, (budgets, None), micro_usd, None);
     }
 }
 

@@ -14,6 +14,18 @@ const CASES: &[(&str, usize, &str)] = &[
     ("alerts-zero-flush.toml", 5, "alerts.flush_sec"),
     ("api-key-env-not-a-name.toml", 3, "upstream.api_key_env"),
     ("bad-backend.toml", 2, "backend"),
+    ("tokens-unknown-mode.toml", 5, "gateway.tokens"),
+    (
+        "default-max-output-tokens-zero.toml",
+        5,
+        "gateway.default_max_output_tokens",
+    ),
+    ("tokens-without-tpm.toml", 8, "rate_limits[0].tokens"),
+    (
+        "rate-limit-tokens-unknown-mode.toml",
+        8,
+        "rate_limits[0].tokens",
+    ),
     ("bad-listen.toml", 2, "server.listen"),
     ("bad-secret-sha256.toml", 6, "keys[0].secret_sha256"),
     ("ca-file-missing.toml", 4, "upstream.ca_file"),

@@ -247,6 +247,31 @@ async fn a_stream_in_flight_finishes_across_a_reload() {
     );
 }
 
+#[tokio::test]
+async fn a_reload_switches_token_limits_to_reserving() {
+    let up = fake_upstream().await;
+    let (port, admin) = (free_port(), free_port());
+    let keys = "[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 1000\n";
+    let text = config(port, admin, "", &up.url(), keys);
+    let r = start("reserve", text.clone(), port, admin).await;
+    // An output cap above the limit: reactive admits it (the window is empty), reserve can
+    // never fit it.
+    let body = r#"{"model":"m","max_tokens":5000,"messages":[]}"#;
+    let ask = format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+         x-test-tokens: 1\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
+         connection: close\r\n\r\n{body}",
+        body.len()
+    );
+    let answer = exchange(&r.addr, &ask).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    replace(&r.file, &format!("[gateway]\ntokens = \"reserve\"\n{text}"));
+    reloaded(&r, "ok", 1).await;
+    let answer = exchange(&r.addr, &ask).await;
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("max_tokens"), "{answer}");
+}
+
 /// The Redis URL the tests use, if any; a skip is a failure with FLOODGATE_REQUIRE_REDIS.
 fn redis_url() -> Option<String> {
     match std::env::var("FLOODGATE_TEST_REDIS_URL")

@@ -8,6 +8,10 @@
 //! reached can overrun it by what they spend in flight; nothing is lost by the read not being
 //! atomic with the spend, since the spend is not known when the request is admitted.
 //!
+//! A budget can also reserve ([`Budgets::reserve`]): an estimate's price added at admission,
+//! admitted only if it fits, and reconciled with the spend after ([`Budgets::reconcile`]), so that
+//! concurrent requests cannot overrun it by more than their estimates' error (docs/design.md §12).
+//!
 //! Amounts are integers in a unit of the caller's choosing (the gateway uses micro-USD).
 
 use std::fmt;
@@ -220,6 +224,69 @@ impl Budgets {
             .add_periods(&self.counters, amount, now)
             .await
             .map(drop)
+    }
+}
+
+impl Budgets {
+    /// Reserves `amount` (an estimate's price) on every budget, on the store's clock: admitted
+    /// iff every budget's spend plus `amount` fits its cap, and then `amount` is added to each;
+    /// refused, nothing stays added. The decision's `spent` is each budget's spend before this
+    /// reservation, its `now` the instant to [`reconcile`](Self::reconcile) against.
+    ///
+    /// The add comes first and is taken back on a refusal: each counter's add is atomic, so of
+    /// requests reserving together each sees the reservations before its own, and the admitted
+    /// ones never sum past a cap. A refused reservation is counted for the moment between its
+    /// add and its refund, which errs towards stricter for concurrent requests.
+    pub async fn reserve<S: Store>(&self, store: &S, amount: u64) -> Result<BudgetDecision, Error> {
+        if self.budgets.is_empty() {
+            return Ok(decide(&[], &[], Timestamp::now()));
+        }
+        let seen = store.add_periods(&self.counters, amount, None).await?;
+        let before: Vec<u64> = seen
+            .totals
+            .iter()
+            .map(|t| t.saturating_sub(amount))
+            .collect();
+        let over = |i: usize, b: &Budget| seen.totals.get(i).is_some_and(|&t| t > b.cap);
+        let mut decision = decide(&self.budgets, &before, seen.now);
+        decision.exceeded_by = self
+            .budgets
+            .iter()
+            .enumerate()
+            .position(|(i, b)| over(i, b));
+        let mut longest: Option<(usize, Duration)> = None;
+        for (i, b) in self.budgets.iter().enumerate().filter(|(i, b)| over(*i, b)) {
+            let wait = b.period().remaining(seen.now);
+            if longest.is_none_or(|(_, w)| wait > w) {
+                longest = Some((i, wait));
+            }
+        }
+        decision.retry_after = longest.map(|(_, w)| w);
+        decision.waits_for = longest.map(|(i, _)| i);
+        if !decision.allowed() {
+            let refund = -i64::try_from(amount).unwrap_or(i64::MAX);
+            store
+                .reconcile_periods(&self.counters, seen.now, refund, None)
+                .await?;
+        }
+        Ok(decision)
+    }
+
+    /// Reconciles a reservation made at `reserved_at` (its decision's `now`): `delta`, actual
+    /// minus reserved, added to each budget's spend in that period, never below zero (a refund
+    /// after the period ended is dropped). Never replayed.
+    pub async fn reconcile<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        delta: i64,
+    ) -> Result<(), Error> {
+        if delta == 0 || self.budgets.is_empty() {
+            return Ok(());
+        }
+        store
+            .reconcile_periods(&self.counters, reserved_at, delta, None)
+            .await
     }
 }
 

@@ -89,7 +89,9 @@ pub struct ChainLimit {
 
 impl ChainLimit {
     /// A limit on scope `scope` named `id`, counting requests ([`Charge::Admission`]) or tokens
-    /// ([`Charge::Reactive`]).
+    /// ([`Charge::Reactive`], or [`Charge::Reserved`]: an estimate charged at admission, as the
+    /// limit's own cost of [`Costs::PerLimit`], reconciled after). A reserved and a reactive token
+    /// limit of one scope share their state.
     ///
     /// `tenant` names the hash tag its state is stored under: the org for an org's chain, so
     /// that one chain lies in one Redis Cluster slot; state shared by every tenant (the gateway
@@ -102,10 +104,7 @@ impl ChainLimit {
         charge: Charge,
         limit: WindowLimit,
     ) -> Self {
-        let units = match charge {
-            Charge::Admission => "req",
-            Charge::Reactive => "tok",
-        };
+        let units = if charge.counts_tokens() { "tok" } else { "req" };
         let mut key = format!("{{{tenant}}}:{scope}:{id}:{units}");
         if limit.window_micros() != 60_000_000 {
             key.push_str(&format!(":{}us", limit.window_micros()));
@@ -168,7 +167,7 @@ impl ChainLimit {
     pub fn fits(&self, cost: u64) -> bool {
         self.shadow
             || self.charge == Charge::Reactive && self.limit.max() > 0
-            || self.charge == Charge::Admission && cost <= self.limit.max()
+            || self.charge.at_admission() && cost <= self.limit.max()
     }
 
     /// Whether this limit refuses a request of `cost` seeing `snapshot`: its test fails and it is
@@ -179,22 +178,89 @@ impl ChainLimit {
 
     /// The units this limit is charged when a request of `cost` is admitted.
     pub fn charged(&self, cost: u64) -> u64 {
-        match self.charge {
-            Charge::Admission => cost,
-            Charge::Reactive => 0,
-        }
+        if self.charge.at_admission() { cost } else { 0 }
     }
 }
 
-/// The index of the first limit of the chain that refuses a request of `cost`, reading each
+/// What an admission charges each limit of its chain: one cost for every limit, or one per
+/// limit.
+///
+/// A chain of request limits costs 1 each ([`Costs::Each`]). A request that reserves tokens
+/// costs 1 on its request limits and its token estimate on its reserving token limits
+/// ([`Charge::Reserved`]), decided in the same atomic step ([`Costs::PerLimit`]); so would a
+/// descriptor's own hits in Envoy's rate limit service. A reactive limit ignores its cost.
+///
+/// ```
+/// use floodgate::chain::Costs;
+///
+/// let costs = [1, 1, 4096];
+/// assert_eq!(Costs::PerLimit(&costs).of(2), 4096);
+/// assert_eq!(Costs::from(1).of(2), 1);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Costs<'a> {
+    /// Every limit the same cost.
+    Each(u64),
+    /// One cost per limit, in chain order (as many as the chain has limits).
+    PerLimit(&'a [u64]),
+}
+
+impl Costs<'_> {
+    /// The cost of limit `index` (0 past the end of a short list).
+    #[inline]
+    pub fn of(&self, index: usize) -> u64 {
+        match self {
+            Costs::Each(cost) => *cost,
+            Costs::PerLimit(costs) => costs.get(index).copied().unwrap_or(0),
+        }
+    }
+
+    /// Whether every limit costs 0: an admission that only reads.
+    pub fn is_zero(&self) -> bool {
+        match self {
+            Costs::Each(cost) => *cost == 0,
+            Costs::PerLimit(costs) => costs.iter().all(|&c| c == 0),
+        }
+    }
+
+    /// The index of the first limit of `limits` this request can never pass (its cost above an
+    /// enforced charged limit's max, or an enforced token limit of zero).
+    pub fn never_fits(&self, limits: &[ChainLimit]) -> Option<usize> {
+        limits
+            .iter()
+            .enumerate()
+            .position(|(i, l)| !l.fits(self.of(i)))
+    }
+}
+
+impl From<u64> for Costs<'static> {
+    fn from(cost: u64) -> Self {
+        Costs::Each(cost)
+    }
+}
+
+/// The index of the first limit of the chain that refuses a request of `costs`, reading each
 /// limit's counts from `snapshots` (one per limit, same order); `None` if all admit. Shadow
 /// limits never refuse ([`ChainLimit::refuses`]), so they are passed over: a chain whose only
 /// failing tests are shadow ones admits.
-pub fn first_refusal(limits: &[ChainLimit], snapshots: &[Snapshot], cost: u64) -> Option<usize> {
-    limits
-        .iter()
-        .zip(snapshots)
-        .position(|(l, s)| l.refuses(s, cost))
+#[inline]
+pub fn first_refusal(
+    limits: &[ChainLimit],
+    snapshots: &[Snapshot],
+    costs: Costs<'_>,
+) -> Option<usize> {
+    match costs {
+        // The common case, a cost for the whole chain, without a lookup per limit.
+        Costs::Each(cost) => limits
+            .iter()
+            .zip(snapshots)
+            .position(|(l, s)| l.refuses(s, cost)),
+        Costs::PerLimit(_) => limits
+            .iter()
+            .zip(snapshots)
+            .enumerate()
+            .position(|(i, (l, s))| l.refuses(s, costs.of(i))),
+    }
 }
 
 /// One limit's state after a decision, for response headers.
@@ -258,24 +324,31 @@ pub struct ChainDecision {
 }
 
 impl ChainDecision {
-    /// The decision taken from `snapshots` read at `now`, for a request of `cost`.
+    /// The decision taken from `snapshots` read at `now`, for a request of `costs` (a plain
+    /// cost converts: `1.into()`).
     pub fn from_snapshots(
         limits: &[ChainLimit],
         snapshots: &[Snapshot],
         now: Timestamp,
-        cost: u64,
+        costs: Costs<'_>,
         admitted: bool,
     ) -> ChainDecision {
+        // Only a refusal asks which limit the request can never fit.
+        let never = if admitted {
+            None
+        } else {
+            costs.never_fits(limits)
+        };
         let refused_by = if admitted {
             None
         } else {
             // As `Chain::admit_at` decides it, which never asks the store then.
-            let never = limits.iter().position(|l| !l.fits(cost));
-            never.or_else(|| first_refusal(limits, snapshots, cost))
+            never.or_else(|| first_refusal(limits, snapshots, costs))
         };
         let mut retry_after = None;
         let mut statuses = Vec::with_capacity(limits.len());
-        for (l, s) in limits.iter().zip(snapshots) {
+        for (i, (l, s)) in limits.iter().zip(snapshots).enumerate() {
+            let cost = costs.of(i);
             let over = !s.admits(l.limit, l.charge, cost);
             // An admitted request is charged to every limit charged at admission, shadow ones
             // included; a refused one to none.
@@ -305,7 +378,7 @@ impl ChainDecision {
                 over,
             });
         }
-        if refused_by.is_some() && limits.iter().any(|l| !l.fits(cost)) {
+        if refused_by.is_some() && never.is_some() {
             // A refusal that no wait can cure (cost > max somewhere) has no retry time.
             retry_after = None;
         }
@@ -408,16 +481,21 @@ impl ChainDecision {
             .min_by_key(|s| s.remaining())
     }
 
-    /// The most restrictive limit counting `charge` units: the refusing one if it counts them,
-    /// else the enforced one with the fewest whole units left (ties: the narrowest scope).
-    /// Shadow limits are passed over: they restrict nothing.
+    /// The most restrictive limit counting `charge`'s units, requests or tokens (a reactive and a
+    /// reserved token limit count the same units): the refusing one if it counts them, else the
+    /// enforced one with the fewest whole units left (ties: the narrowest scope). Shadow limits
+    /// are passed over: they restrict nothing.
     pub fn most_restrictive(&self, charge: Charge) -> Option<&LimitStatus> {
-        if let Some(r) = self.refusing().filter(|r| r.charge == charge) {
+        let tokens = charge.counts_tokens();
+        if let Some(r) = self
+            .refusing()
+            .filter(|r| r.charge.counts_tokens() == tokens)
+        {
             return Some(r);
         }
         self.statuses
             .iter()
-            .filter(|s| s.charge == charge && !s.shadow)
+            .filter(|s| s.charge.counts_tokens() == tokens && !s.shadow)
             .min_by_key(|s| s.remaining)
     }
 
@@ -474,7 +552,13 @@ mod tests {
             prev: 1,
             elapsed: 30_000_000,
         };
-        let d = ChainDecision::from_snapshots(&limits, &[full, fuller], Timestamp::ZERO, 1, false);
+        let d = ChainDecision::from_snapshots(
+            &limits,
+            &[full, fuller],
+            Timestamp::ZERO,
+            1.into(),
+            false,
+        );
         assert_eq!(d.refused_by, Some(0));
         // key: wait for next bucket (60 s) and its whole weight (60 s) = 120 s; org: 30 s.
         assert_eq!(d.retry_after, Some(Duration::from_secs(120)));
@@ -504,7 +588,8 @@ mod tests {
             prev: 0,
             elapsed: 30_000_000,
         };
-        let d = ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1, false);
+        let d =
+            ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1.into(), false);
         assert_eq!(d.retry_after, Some(Duration::from_secs(90)));
         assert_eq!(
             d.refused_by,
@@ -528,8 +613,13 @@ mod tests {
             elapsed: 15_000_000,
             ..key
         };
-        let d =
-            ChainDecision::from_snapshots(&limits, &[key, team, org], Timestamp::ZERO, 1, false);
+        let d = ChainDecision::from_snapshots(
+            &limits,
+            &[key, team, org],
+            Timestamp::ZERO,
+            1.into(),
+            false,
+        );
         assert_eq!(d.refused_by, Some(0));
         let resets: Vec<u64> = d.statuses.iter().map(|s| s.reset.as_secs()).collect();
         assert_eq!(resets, [90, 90, 90]);
@@ -541,7 +631,8 @@ mod tests {
             limit(ScopeKind::Org, "acme", Charge::Admission, 1),
         ];
         let full = Snapshot { cur: 5, ..org };
-        let d = ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2, false);
+        let d =
+            ChainDecision::from_snapshots(&limits, &[full, key], Timestamp::ZERO, 2.into(), false);
         assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
     }
 
@@ -564,8 +655,9 @@ mod tests {
         };
         let org = Snapshot { cur: 3, ..key };
         assert!(!limits[0].refuses(&key, 1) && enforced.refuses(&key, 1));
-        assert_eq!(first_refusal(&limits, &[key, org], 1), None);
-        let d = ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1, true);
+        assert_eq!(first_refusal(&limits, &[key, org], 1.into()), None);
+        let d =
+            ChainDecision::from_snapshots(&limits, &[key, org], Timestamp::ZERO, 1.into(), true);
         assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0]);
         // The shadow key's own state after its charge: nothing left, whole again 2W - e later.
         let st = d.statuses[0];
@@ -582,8 +674,9 @@ mod tests {
         // The org full: it refuses with its own wait (the next bucket in 45 s, then
         // 60 - 9 * 60 / 10 = 6 s), not the shadow key's 45 + 60 - 1 * 60 / 4 = 90 s.
         let full = Snapshot { cur: 10, ..key };
-        assert_eq!(first_refusal(&limits, &[key, full], 1), Some(1));
-        let d = ChainDecision::from_snapshots(&limits, &[key, full], Timestamp::ZERO, 1, false);
+        assert_eq!(first_refusal(&limits, &[key, full], 1.into()), Some(1));
+        let d =
+            ChainDecision::from_snapshots(&limits, &[key, full], Timestamp::ZERO, 1.into(), false);
         assert_eq!(d.refused_by, Some(1));
         assert_eq!(d.retry_after, Some(Duration::from_secs(51)));
         assert_eq!(d.statuses[1].reset, Duration::from_secs(51));
@@ -601,8 +694,14 @@ mod tests {
         assert!(limits.iter().all(|l| l.fits(1)));
         assert!(!limit(ScopeKind::Key, "z", Charge::Admission, 0).fits(1));
         let empty = Snapshot::default();
-        assert_eq!(first_refusal(&limits, &[empty, empty], 1), None);
-        let d = ChainDecision::from_snapshots(&limits, &[empty, empty], Timestamp::ZERO, 1, true);
+        assert_eq!(first_refusal(&limits, &[empty, empty], 1.into()), None);
+        let d = ChainDecision::from_snapshots(
+            &limits,
+            &[empty, empty],
+            Timestamp::ZERO,
+            1.into(),
+            true,
+        );
         assert_eq!((d.refused_by, d.retry_after), (None, None));
         assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0, 1]);
         assert_eq!(d.most_restrictive(Charge::Admission), None);
@@ -611,7 +710,13 @@ mod tests {
             limits[0].clone(),
             limit(ScopeKind::Org, "acme", Charge::Admission, 0),
         ];
-        let d = ChainDecision::from_snapshots(&limits, &[empty, empty], Timestamp::ZERO, 1, false);
+        let d = ChainDecision::from_snapshots(
+            &limits,
+            &[empty, empty],
+            Timestamp::ZERO,
+            1.into(),
+            false,
+        );
         assert_eq!((d.refused_by, d.retry_after), (Some(1), None));
     }
 

@@ -147,16 +147,20 @@ fn primary_index(decision: &ChainDecision) -> Option<usize> {
 /// [`ChainDecision::most_restrictive`], as an index into the chain: the refusing limit if it
 /// counts `charge`, else the first of those with the fewest units left (the narrowest scope).
 fn most_restrictive_index(decision: &ChainDecision, charge: Charge) -> Option<usize> {
+    // Token limits, reactive or reserved, are described together by the `-tokens` headers.
+    let tokens = charge.counts_tokens();
     let statuses = &decision.statuses;
     if let Some(r) = decision.refused_by
-        && statuses.get(r).is_some_and(|s| s.charge == charge)
+        && statuses
+            .get(r)
+            .is_some_and(|s| s.charge.counts_tokens() == tokens)
     {
         return Some(r);
     }
     statuses
         .iter()
         .enumerate()
-        .filter(|(_, s)| s.charge == charge && !s.shadow)
+        .filter(|(_, s)| s.charge.counts_tokens() == tokens && !s.shadow)
         .min_by_key(|(_, s)| s.remaining)
         .map(|(i, _)| i)
 }
@@ -208,9 +212,10 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
     if never {
         // Only the refusing limit's own state is known.
         if let Some(i) = decision.refused_by.filter(|&i| i < decision.statuses.len()) {
-            let (limit, remaining) = match decision.statuses[i].charge {
-                Charge::Admission => (LIMIT_REQ, REMAINING_REQ),
-                Charge::Reactive => (LIMIT_TOK, REMAINING_TOK),
+            let (limit, remaining) = if decision.statuses[i].charge.counts_tokens() {
+                (LIMIT_TOK, REMAINING_TOK)
+            } else {
+                (LIMIT_REQ, REMAINING_REQ)
             };
             headers.insert(limit, fixed.limits[i].max.clone());
             headers.insert(remaining, decision.statuses[i].remaining.into());

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
-use crate::chain::{ChainDecision, ChainLimit};
+use crate::chain::{ChainDecision, ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, InFlightStatus, Lease};
 use crate::refusals::Refusals;
@@ -119,15 +119,21 @@ impl Chain {
         }
     }
 
-    /// The refusal the cache would answer for a request of `cost` at `now` (`None`: the
-    /// store's clock), without asking the store: `None` if the chain has no cache, nothing is
-    /// remembered, or the remembered counts would admit it (then the store decides).
-    pub fn cached_refusal(&self, cost: u64, now: Option<Timestamp>) -> Option<ChainDecision> {
+    /// The refusal the cache would answer for a request of `costs` (one cost, or one per limit)
+    /// at `now` (`None`: the store's clock), without asking the store: `None` if the chain has
+    /// no cache, nothing is remembered, or the remembered counts would admit it (then the store
+    /// decides).
+    pub fn cached_refusal<'a>(
+        &self,
+        costs: impl Into<Costs<'a>>,
+        now: Option<Timestamp>,
+    ) -> Option<ChainDecision> {
+        let costs = costs.into();
         // An admission of cost 0 is a read of the state: the store answers it.
-        if cost == 0 {
+        if costs.is_zero() {
             return None;
         }
-        self.refusals.as_ref()?.answer(&self.limits, cost, now)
+        self.refusals.as_ref()?.answer(&self.limits, costs, now)
     }
 
     /// This chain with concurrency limits, narrowest first, each with its own storage key: an
@@ -172,9 +178,16 @@ impl Chain {
         &self.in_flight
     }
 
-    /// Whether any limit counts tokens (is reactive).
+    /// Whether any limit counts tokens reactively ([`Charge::Reactive`]): what
+    /// [`record`](Self::record) charges.
     pub fn has_reactive(&self) -> bool {
         self.limits.iter().any(|l| l.charge() == Charge::Reactive)
+    }
+
+    /// Whether any limit reserves tokens ([`Charge::Reserved`]): what
+    /// [`reconcile`](Self::reconcile) adjusts.
+    pub fn has_reserved(&self) -> bool {
+        self.limits.iter().any(|l| l.charge() == Charge::Reserved)
     }
 
     /// Admits a request of `cost` units on the store's clock. See [`admit_at`](Self::admit_at).
@@ -183,7 +196,61 @@ impl Chain {
         store: &S,
         cost: u64,
     ) -> impl Future<Output = Result<ChainDecision, Error>> {
-        self.admit_inner(store, cost, None)
+        self.admit_inner(store, Costs::Each(cost), None)
+    }
+
+    /// Admits a request costing each limit its own units, on the store's clock: `costs[i]` for
+    /// limit `i`. See [`admit_costs_at`](Self::admit_costs_at).
+    ///
+    /// # Panics
+    ///
+    /// If `costs` does not have one cost per limit.
+    pub fn admit_costs<S: Store>(
+        &self,
+        store: &S,
+        costs: &[u64],
+    ) -> impl Future<Output = Result<ChainDecision, Error>> {
+        assert_eq!(costs.len(), self.limits.len(), "one cost per limit");
+        self.admit_inner(store, Costs::PerLimit(costs), None)
+    }
+
+    /// Admits a request at `now` costing each limit its own units, `costs[i]` for limit `i`,
+    /// in the one atomic step [`admit_at`](Self::admit_at) takes: a request that reserves tokens
+    /// costs 1 on its request limits and its estimate on its [`Charge::Reserved`] limits, and
+    /// passes only if all pass, charged nothing otherwise.
+    ///
+    /// ```
+    /// use floodgate::{Chain, ChainLimit, Charge, ScopeKind, WindowLimit};
+    /// use floodgate::store::MemoryStore;
+    ///
+    /// # async fn demo() -> Result<(), floodgate::Error> {
+    /// let chain = Chain::new(vec![
+    ///     ChainLimit::new("org:a", ScopeKind::Org, "a", Charge::Admission, WindowLimit::per_minute(100)),
+    ///     ChainLimit::new("org:a", ScopeKind::Org, "a", Charge::Reserved, WindowLimit::per_minute(1000)),
+    /// ]);
+    /// let store = MemoryStore::new();
+    /// let now = floodgate::Timestamp::from_secs(0);
+    /// let first = chain.admit_costs_at(&store, &[1, 600], now).await?;
+    /// assert!(first.admitted);
+    /// assert!(!chain.admit_costs_at(&store, &[1, 600], now).await?.admitted, "1200 > 1000");
+    /// // The first used 100 tokens: 500 go back into the bucket it reserved in.
+    /// chain.reconcile_at(&store, first.now, 100 - 600, now).await?;
+    /// assert!(chain.admit_costs_at(&store, &[1, 600], now).await?.admitted);
+    /// # Ok(()) }
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `costs` does not have one cost per limit.
+    pub fn admit_costs_at<S: Store>(
+        &self,
+        store: &S,
+        costs: &[u64],
+        now: Timestamp,
+    ) -> impl Future<Output = Result<ChainDecision, Error>> {
+        assert_eq!(costs.len(), self.limits.len(), "one cost per limit");
+        self.admit_inner(store, Costs::PerLimit(costs), Some(now))
     }
 
     /// Admits a request of `cost` units at `now`: all limits pass or nothing is charged; the
@@ -211,16 +278,16 @@ impl Chain {
         cost: u64,
         now: Timestamp,
     ) -> impl Future<Output = Result<ChainDecision, Error>> {
-        self.admit_inner(store, cost, Some(now))
+        self.admit_inner(store, Costs::Each(cost), Some(now))
     }
 
     async fn admit_inner<S: Store>(
         &self,
         store: &S,
-        cost: u64,
+        cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<ChainDecision, Error> {
-        if let Some(i) = self.limits.iter().position(|l| !l.fits(cost)) {
+        if let Some(i) = cost.never_fits(&self.limits) {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
@@ -228,7 +295,7 @@ impl Chain {
             return Ok(cached);
         }
         // An admission of cost 0 reads the rate limits and charges nothing: it takes no slot.
-        if !self.in_flight.is_empty() && cost > 0 {
+        if !self.in_flight.is_empty() && !cost.is_zero() {
             return self.admit_holding(store, cost, now).await;
         }
         if self.limits.is_empty() {
@@ -253,9 +320,14 @@ impl Chain {
     }
 
     /// Tells the refusal cache, if any, what the store decided.
-    fn remember(&self, decision: &ChainDecision, snapshots: &[crate::window::Snapshot], cost: u64) {
+    fn remember(
+        &self,
+        decision: &ChainDecision,
+        snapshots: &[crate::window::Snapshot],
+        costs: Costs<'_>,
+    ) {
         if let Some(cache) = &self.refusals
-            && cost > 0
+            && !costs.is_zero()
         {
             cache.remember(decision, snapshots);
         }
@@ -264,7 +336,7 @@ impl Chain {
     async fn admit_holding<S: Store>(
         &self,
         store: &S,
-        cost: u64,
+        cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<ChainDecision, Error> {
         let lease = store.lease();
@@ -335,6 +407,58 @@ impl Chain {
             return Ok(());
         }
         store.record(&self.limits, units, now).await
+    }
+
+    /// Reconciles the reservation of a request admitted at `reserved_at` (its decision's
+    /// [`now`](ChainDecision::now)) on the store's clock: `delta`, its actual usage minus what
+    /// it reserved, goes into every [`Charge::Reserved`] limit's bucket that the reservation was
+    /// charged to, once. See [`reconcile_at`](Self::reconcile_at).
+    pub fn reconcile<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        delta: i64,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_inner(store, reserved_at, delta, None)
+    }
+
+    /// Reconciles a reservation at `now`: a positive `delta` is charged, a negative one refunded,
+    /// into the bucket holding the reservation made at `reserved_at`, never below zero; a
+    /// refund whose bucket no longer counts is dropped, units owed then go into the current
+    /// bucket ([`Snapshot::reconciled`](crate::window::Snapshot::reconciled)). Never replayed on
+    /// Redis: run twice it would count twice. A refund lowers a count, so a refusal decided
+    /// before it may be one that would now pass (docs/design.md, "Token reservation").
+    pub fn reconcile_at<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_inner(store, reserved_at, delta, Some(now))
+    }
+
+    async fn reconcile_inner<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        if delta == 0 || !self.has_reserved() {
+            return Ok(());
+        }
+        if delta < 0 {
+            // A refund lowers a count: a remembered refusal may be one that would now pass
+            // (docs/design.md §11). Forgotten before the refund lands, and again after, so that
+            // no refusal decided before it outlives it.
+            self.forget_refusals();
+        }
+        let done = store.reconcile(&self.limits, reserved_at, delta, now).await;
+        if delta < 0 {
+            self.forget_refusals();
+        }
+        done
     }
 }
 

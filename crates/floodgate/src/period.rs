@@ -180,6 +180,30 @@ impl PeriodState {
         }
     }
 
+    /// The state after reconciling, at `now`, an amount reserved at `reserved_at`: `delta`
+    /// (actual minus reserved, signed) added to the total of the reservation's period, never
+    /// below zero. `None` when nothing is to be written. If that period has ended, a refund is
+    /// dropped (its total no longer counts) and an amount still owed goes into the current
+    /// period, as spend is charged, towards stricter.
+    pub fn reconciled(
+        state: Option<PeriodState>,
+        period: Period,
+        now: Timestamp,
+        reserved_at: Timestamp,
+        delta: i64,
+    ) -> Option<Self> {
+        let start = period.bounds(now).0;
+        if delta == 0 || delta < 0 && period.bounds(reserved_at).0 != start {
+            return None;
+        }
+        let total = Self::total_at(state, period, now);
+        let adjusted = total.saturating_add_signed(delta).min(MAX_TOTAL);
+        (adjusted != total).then_some(PeriodState {
+            start,
+            total: adjusted,
+        })
+    }
+
     /// The state after adding `amount` at `now` (saturating at [`MAX_TOTAL`]).
     pub fn added(state: Option<PeriodState>, period: Period, now: Timestamp, amount: u64) -> Self {
         let total = Self::total_at(state, period, now)

@@ -18,7 +18,7 @@
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
-use crate::chain::{ChainDecision, ChainLimit, first_refusal};
+use crate::chain::{ChainDecision, ChainLimit, Costs, first_refusal};
 use crate::clock::Timestamp;
 use crate::in_flight::InFlightStatus;
 use crate::window::{Snapshot, WindowState};
@@ -48,14 +48,14 @@ impl Refusals {
         self.last.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The refusal of a request of `cost` at `now` (`None`: the store's clock) that the
+    /// The refusal of a request of `costs` at `now` (`None`: the store's clock) that the
     /// remembered counts still give, decided as [`ChainDecision::from_snapshots`] decides the
     /// store's; `None` when nothing is remembered or the remembered counts would admit it (then
     /// the entry is dropped: only the store can say more).
     pub(crate) fn answer(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Option<ChainDecision> {
         let mut last = self.last();
@@ -77,11 +77,11 @@ impl Refusals {
                 Snapshot::at(Some(state), t, l.limit())
             })
             .collect();
-        if first_refusal(limits, &carried, cost).is_none() {
+        if first_refusal(limits, &carried, costs).is_none() {
             *last = None;
             return None;
         }
-        let mut decision = ChainDecision::from_snapshots(limits, &carried, t, cost, false);
+        let mut decision = ChainDecision::from_snapshots(limits, &carried, t, costs, false);
         decision.in_flight = seen.in_flight.clone();
         Some(decision)
     }

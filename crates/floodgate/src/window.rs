@@ -109,6 +109,25 @@ pub enum Charge {
     /// Charged afterwards with `record` (tokens of a finished response): admits iff
     /// `estimate < max`.
     Reactive,
+    /// Tokens reserved: charged an estimate at admission, decided as [`Admission`](Self::Admission)
+    /// is with that estimate as the limit's cost (`estimate + cost <= max`), and reconciled once
+    /// the usage is known ([`Snapshot::reconciled`]: the difference charged, or refunded, into
+    /// the bucket the reservation went to). Stored where a reactive token limit of the same
+    /// scope is, so switching a limit between the two keeps its counts.
+    Reserved,
+}
+
+impl Charge {
+    /// Whether the limit counts tokens (reactive or reserved) rather than requests.
+    pub const fn counts_tokens(self) -> bool {
+        matches!(self, Charge::Reactive | Charge::Reserved)
+    }
+
+    /// Whether an admitted request is charged its cost at admission (requests, reserved
+    /// tokens).
+    pub const fn at_admission(self) -> bool {
+        matches!(self, Charge::Admission | Charge::Reserved)
+    }
 }
 
 /// The stored state of one window: the bucket last written and its two counts.
@@ -173,6 +192,37 @@ impl Snapshot {
         }
     }
 
+    /// The state to store after reconciling a reservation charged into bucket `reserved`: the
+    /// difference `delta` (actual minus reserved units) added to that bucket, a negative one
+    /// taken from it but never below zero. `None` when nothing is to be written.
+    ///
+    /// The reservation's bucket is this snapshot's current one (`cur`) or the one before it
+    /// (`prev`). A bucket older than that no longer counts: a refund into it is dropped (it has
+    /// nothing left to lower), and units still owed go into the current bucket, as a reactive
+    /// record would put them, so that usage is never lost (the error is towards stricter). A
+    /// bucket ahead of this one (a reservation decided by a clock ahead) is taken as the current
+    /// one, as [`Snapshot::at`] takes state written ahead.
+    pub fn reconciled(&self, reserved: u64, delta: i64) -> Option<WindowState> {
+        let add = |count: u64| count.saturating_add_signed(delta).min(MAX_COUNT);
+        let mut state = WindowState {
+            bucket: self.bucket,
+            cur: self.cur,
+            prev: self.prev,
+        };
+        if delta == 0 {
+            return None;
+        } else if reserved >= self.bucket {
+            state.cur = add(self.cur);
+        } else if reserved + 1 == self.bucket {
+            state.prev = add(self.prev);
+        } else if delta > 0 {
+            state.cur = add(self.cur);
+        } else {
+            return None;
+        }
+        (state.cur != self.cur || state.prev != self.prev).then_some(state)
+    }
+
     /// The estimate `cur + prev * (W - e) / W`, for display and metrics.
     pub fn estimate(&self, limit: WindowLimit) -> f64 {
         let w = limit.window_us as f64;
@@ -188,7 +238,7 @@ impl Snapshot {
         let w = limit.window_us as f64;
         let carried = self.prev as f64 * (w - self.elapsed as f64);
         match charge {
-            Charge::Admission => {
+            Charge::Admission | Charge::Reserved => {
                 (self.cur as f64 + cost as f64 - limit.max as f64) * w + carried <= 0.0
             }
             Charge::Reactive => (self.cur as f64 - limit.max as f64) * w + carried < 0.0,
@@ -235,7 +285,7 @@ impl Snapshot {
         // divisors are never zero while counts stay within MAX_COUNT, where the f64 test agrees
         // with these integer ones; `max(1)` only keeps a bad state from panicking.)
         let target = match charge {
-            Charge::Admission => {
+            Charge::Admission | Charge::Reserved => {
                 let cost = u128::from(cost);
                 if cost > max {
                     return None;

@@ -265,7 +265,7 @@ fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
     let live = limit(ScopeKind::Key, "live", Charge::Admission, 5);
     assert!(
         store
-            .admit_sync(std::slice::from_ref(&live), 1, None)
+            .admit_sync(std::slice::from_ref(&live), 1.into(), None)
             .admitted
     );
     // Enough new keys, a day ahead, for every shard to pass its sweep threshold (1 024 entries;
@@ -275,10 +275,10 @@ fn a_call_pinned_in_the_future_never_sweeps_state_live_now() {
     let later = at(86_400_000);
     for i in 0..shards * 2048 {
         let l = limit(ScopeKind::Key, &format!("later-{i}"), Charge::Admission, 5);
-        store.admit_sync(std::slice::from_ref(&l), 1, Some(later));
+        store.admit_sync(std::slice::from_ref(&l), 1.into(), Some(later));
     }
     // Now, the live key still holds its request: 4 of 5 left.
-    let d = store.admit_sync(std::slice::from_ref(&live), 1, None);
+    let d = store.admit_sync(std::slice::from_ref(&live), 1.into(), None);
     assert!(d.admitted);
     assert_eq!(d.snapshots[0].cur, 1, "the first request was kept");
 }
@@ -328,4 +328,53 @@ fn a_refusal_on_the_stores_clock_is_remembered_until_forgotten() {
     let plain = Chain::new(chain.limits().to_vec());
     assert!(ready(plain.admit(&store, 1)).unwrap().refused_by.is_some());
     assert!(plain.cached_refusal(1, None).is_none());
+}
+
+#[test]
+fn a_refund_forgets_the_refusal_it_may_have_made_wrong() {
+    // A reserved token limit of 100 under a request limit: 80 reserved, the next 80 refused
+    // and remembered; the first's usage of 20 refunds 60, so the same request now passes, and
+    // the cache must not refuse it (docs/design.md §11, §12).
+    let chain = Chain::new(vec![
+        ChainLimit::new(
+            "org:rf",
+            ScopeKind::Key,
+            "rf",
+            Charge::Admission,
+            WindowLimit::per_minute(10),
+        ),
+        ChainLimit::new(
+            "org:rf",
+            ScopeKind::Key,
+            "rf",
+            Charge::Reserved,
+            WindowLimit::per_minute(100),
+        ),
+    ])
+    .cache_refusals();
+    let store = MemoryStore::new();
+    let t = at(1_000);
+    let first = ready(chain.admit_costs_at(&store, &[1, 80], t)).unwrap();
+    assert!(first.admitted);
+    assert!(
+        !ready(chain.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
+    assert!(
+        chain
+            .cached_refusal(floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
+            .is_some()
+    );
+    ready(chain.reconcile_at(&store, first.now, -60, t)).unwrap();
+    assert!(
+        chain
+            .cached_refusal(floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
+            .is_none()
+    );
+    assert!(
+        ready(chain.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
 }

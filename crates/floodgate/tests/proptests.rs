@@ -123,7 +123,7 @@ proptest! {
         };
         let passes = |t: u64| chain.iter().zip(at(t)).all(|(l, s)| s.admits(l.limit(), l.charge(), cost));
         prop_assume!(!passes(t));
-        let d = ChainDecision::from_snapshots(&chain, &at(t), Timestamp::from_micros(t), cost, false);
+        let d = ChainDecision::from_snapshots(&chain, &at(t), Timestamp::from_micros(t), cost.into(), false);
         prop_assert!(d.refused_by.is_some());
         if let Some(wait) = d.retry_after {
             let wait = wait.as_micros() as u64;
@@ -169,13 +169,13 @@ proptest! {
             .filter(|(l, _)| !l.is_shadow())
             .map(|(l, s)| (l.clone(), *s))
             .unzip();
-        let admitted = first_refusal(&chain, &snapshots, cost).is_none()
+        let admitted = first_refusal(&chain, &snapshots, cost.into()).is_none()
             && chain.iter().all(|l| l.fits(cost));
-        let without = first_refusal(&enforced, &enforced_snapshots, cost).is_none()
+        let without = first_refusal(&enforced, &enforced_snapshots, cost.into()).is_none()
             && enforced.iter().all(|l| l.fits(cost));
         prop_assert_eq!(admitted, without);
-        let d = ChainDecision::from_snapshots(&chain, &snapshots, now, cost, admitted);
-        let e = ChainDecision::from_snapshots(&enforced, &enforced_snapshots, now, cost, admitted);
+        let d = ChainDecision::from_snapshots(&chain, &snapshots, now, cost.into(), admitted);
+        let e = ChainDecision::from_snapshots(&enforced, &enforced_snapshots, now, cost.into(), admitted);
         prop_assert_eq!(d.retry_after, e.retry_after);
         let in_enforced = |i: usize| chain[..i].iter().filter(|l| !l.is_shadow()).count();
         prop_assert_eq!(d.refused_by.map(in_enforced), e.refused_by);

@@ -269,6 +269,34 @@ async fn concurrent_admissions_past_a_shadow_limit_charge_it_in_batches() {
     assert!(store.stats().admit_batches < 64, "{:?}", store.stats());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn reserves_budgets_exactly() {
+    let Some(url) = redis_url("reserves_budgets_exactly") else {
+        return;
+    };
+    let tenant = format!("org:race-{}", std::process::id());
+    common::race_reserved_budget(store(&url).await, &tenant).await;
+}
+
+#[tokio::test]
+async fn reserves_tokens_while_holding_slots() {
+    let Some(url) = redis_url("reserves_tokens_while_holding_slots") else {
+        return;
+    };
+    common::run_reserved_holding(&store(&url).await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_reservations_take_exactly_the_free_tokens_in_batches() {
+    let Some(url) = redis_url("concurrent_reservations_take_exactly_the_free_tokens_in_batches")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    common::race_reserved_tokens(store.clone()).await;
+    assert!(store.stats().admit_batches < 40, "{:?}", store.stats());
+}
+
 #[tokio::test]
 async fn a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_stores() {
     let Some(url) =
@@ -285,14 +313,14 @@ async fn a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_
     let tasks: Vec<_> = (0..4)
         .map(|_| {
             let (redis, limits) = (redis.clone(), limits.clone());
-            tokio::spawn(async move { redis.admit(&limits, u64::MAX, now).await.unwrap() })
+            tokio::spawn(async move { redis.admit(&limits, u64::MAX.into(), now).await.unwrap() })
         })
         .collect();
     for (i, task) in tasks.into_iter().enumerate() {
         let r = task.await.unwrap();
         assert!(r.admitted && r.enforced, "request {i}");
         assert_eq!(
-            memory.admit(&limits, u64::MAX, now).await.unwrap(),
+            memory.admit(&limits, u64::MAX.into(), now).await.unwrap(),
             r,
             "request {i}"
         );
@@ -426,8 +454,8 @@ async fn random_operations_decide_identically_on_memory_and_redis() {
                 0..=3 => {
                     let limits = &chains[rng.below(4) as usize];
                     let cost = 1 + rng.below(2);
-                    let m = memory.admit(limits, cost, now).await.unwrap();
-                    let r = redis.admit(limits, cost, now).await.unwrap();
+                    let m = memory.admit(limits, cost.into(), now).await.unwrap();
+                    let r = redis.admit(limits, cost.into(), now).await.unwrap();
                     assert!(r.enforced, "{ctx}");
                     assert_eq!(m, r, "{ctx}: admit");
                     refused += u32::from(!r.admitted);
@@ -1466,10 +1494,10 @@ async fn runs_of_like_requests_decide_as_one_by_one_at_every_boundary() {
             for _ in 0..n {
                 let chain = &chains[rng.below(2) as usize];
                 let cost = if large { rng.below(k1.min(k2) / 8) } else { 1 };
-                let m = memory.admit(chain, cost, at).await.unwrap();
+                let m = memory.admit(chain, cost.into(), at).await.unwrap();
                 assert_eq!(
                     m,
-                    redis.admit(chain, cost, at).await.unwrap(),
+                    redis.admit(chain, cost.into(), at).await.unwrap(),
                     "round {round}"
                 );
                 if at == before && m.admitted {
@@ -1499,7 +1527,7 @@ async fn runs_of_like_requests_decide_as_one_by_one_at_every_boundary() {
             .iter()
             .map(|&(chain, cost)| {
                 let (redis, limits) = (redis.clone(), chains[chain].clone());
-                tokio::spawn(async move { redis.admit(&limits, cost, now).await })
+                tokio::spawn(async move { redis.admit(&limits, cost.into(), now).await })
             })
             .collect();
         let mut grouped = Vec::new();
@@ -1512,7 +1540,10 @@ async fn runs_of_like_requests_decide_as_one_by_one_at_every_boundary() {
             "round {round}: one batch"
         );
         for (i, (&(chain, cost), r)) in requests.iter().zip(&grouped).enumerate() {
-            let m = memory.admit(&chains[chain], cost, now).await.unwrap();
+            let m = memory
+                .admit(&chains[chain], cost.into(), now)
+                .await
+                .unwrap();
             assert_eq!(
                 &m, r,
                 "round {round}, request {i}: chain {chain}, cost {cost}"
@@ -1520,10 +1551,10 @@ async fn runs_of_like_requests_decide_as_one_by_one_at_every_boundary() {
         }
         // And the runs leave the same state behind: the next request sees it.
         for chain in &chains {
-            let m = memory.admit(chain, 1, now).await.unwrap();
+            let m = memory.admit(chain, 1.into(), now).await.unwrap();
             assert_eq!(
                 m,
-                redis.admit(chain, 1, now).await.unwrap(),
+                redis.admit(chain, 1.into(), now).await.unwrap(),
                 "round {round}: after"
             );
         }
@@ -1658,8 +1689,8 @@ async fn a_huge_token_count_saturates_and_the_key_keeps_working() {
         memory.record(&limits, u64::MAX, now).await.unwrap();
         redis.record(&limits, u64::MAX, now).await.unwrap();
     }
-    let m = memory.admit(&limits, 1, now).await.unwrap();
-    let r = redis.admit(&limits, 1, now).await.unwrap();
+    let m = memory.admit(&limits, 1.into(), now).await.unwrap();
+    let r = redis.admit(&limits, 1.into(), now).await.unwrap();
     assert!(!r.admitted && r.enforced, "{r:?}");
     assert_eq!(m, r);
     assert_eq!(r.snapshots[0].cur, floodgate::window::MAX_COUNT);
@@ -1698,7 +1729,7 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     };
     let (home, store) = store_on_own_runtime(&server.url());
     let limits = vec![req("k", ScopeKind::Key, 100)];
-    home.block_on(store.admit(&limits, 1, None)).unwrap();
+    home.block_on(store.admit(&limits, 1.into(), None)).unwrap();
     // Redis holds every client's commands for a second, so the next batch is surely in flight
     // when its runtime ends.
     let mut pause = TcpStream::connect(("127.0.0.1", server.port)).unwrap();
@@ -1718,7 +1749,7 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     let gone = current_runtime();
     let (s, l) = (store.clone(), limits.clone());
     gone.spawn(async move {
-        let _ = s.admit(&l, 1, None).await;
+        let _ = s.admit(&l, 1.into(), None).await;
     });
     // Drive it until its batch has gone out (Redis is asleep, so it waits there).
     gone.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
@@ -1726,7 +1757,7 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
     let later = current_runtime();
     let started = Instant::now();
     let answer = later.block_on(async {
-        tokio::time::timeout(Duration::from_secs(5), store.admit(&limits, 1, None)).await
+        tokio::time::timeout(Duration::from_secs(5), store.admit(&limits, 1.into(), None)).await
     });
     assert!(
         answer.is_ok(),
@@ -1790,13 +1821,13 @@ async fn one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own()
             .iter()
             .map(|limits| {
                 let (redis, limits) = (redis.clone(), Arc::clone(limits));
-                tokio::spawn(async move { redis.admit(&limits, 1, now).await.unwrap() })
+                tokio::spawn(async move { redis.admit(&limits, 1.into(), now).await.unwrap() })
             })
             .collect();
         let mut admitted = Vec::new();
         for (i, (limits, task)) in order.iter().zip(tasks).enumerate() {
             let r = task.await.unwrap();
-            let m = memory.admit(limits, 1, now).await.unwrap();
+            let m = memory.admit(limits, 1.into(), now).await.unwrap();
             assert_eq!(m, r, "{new:?}: request {i}");
             admitted.push(r.admitted);
         }
@@ -1819,7 +1850,7 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     let (home, store) = store_on_own_runtime(&server.url());
     let limits = vec![req("k", ScopeKind::Key, 100)];
     assert!(
-        home.block_on(store.admit(&limits, 1, None))
+        home.block_on(store.admit(&limits, 1.into(), None))
             .unwrap()
             .enforced
     );
@@ -1827,7 +1858,7 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     // starts there; then that runtime ends.
     server.stop();
     let gone = current_runtime();
-    let failed = gone.block_on(store.admit(&limits, 1, None)).unwrap();
+    let failed = gone.block_on(store.admit(&limits, 1.into(), None)).unwrap();
     assert!(!failed.enforced, "failed open while Redis is down");
     drop(gone);
     server.restart();
@@ -1835,7 +1866,9 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     let later = current_runtime();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let d = later.block_on(store.admit(&limits, 1, None)).unwrap();
+        let d = later
+            .block_on(store.admit(&limits, 1.into(), None))
+            .unwrap();
         if d.enforced {
             break;
         }
@@ -2225,7 +2258,10 @@ async fn concurrent_charges_go_out_in_batches_and_each_lands_once() {
     let expected: Vec<Vec<u64>> = (1..=200).map(|n| vec![7 * n, 7 * n]).collect();
     assert_eq!(totals, expected);
     // And every token landed once: 300 to each key, 600 to the org.
-    let seen = store.admit(chains[0].limits(), 0, Some(t)).await.unwrap();
+    let seen = store
+        .admit(chains[0].limits(), 0.into(), Some(t))
+        .await
+        .unwrap();
     let cur: Vec<u64> = seen.snapshots.iter().map(|s| s.cur).collect();
     assert_eq!(cur, [0, 300, 600]);
     let read = store.read_periods(&counters, Some(t)).await.unwrap();

@@ -24,6 +24,21 @@ async fn memory_store_races_past_a_shadow_limit_and_charges_it() {
     common::race_past_a_shadow_limit(MemoryStore::new()).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_gives_concurrent_reservations_exactly_the_free_tokens() {
+    common::race_reserved_tokens(MemoryStore::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn memory_store_reserves_budgets_exactly() {
+    common::race_reserved_budget(MemoryStore::new(), "org:race").await;
+}
+
+#[tokio::test]
+async fn memory_store_reserves_tokens_while_holding_slots() {
+    common::run_reserved_holding(&MemoryStore::new()).await;
+}
+
 #[tokio::test]
 async fn memory_store_passes_the_concurrency_vectors() {
     common::run_in_flight_vectors(&MemoryStore::new()).await;

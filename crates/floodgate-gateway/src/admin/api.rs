@@ -10,7 +10,7 @@ use axum::http::header::CONTENT_TYPE;
 use axum::response::{IntoResponse, Response};
 use floodgate::store::{StateObservation, Store};
 use floodgate::window::Snapshot;
-use floodgate::{Budget, ChainLimit, Charge, InFlightLimit, PeriodCounter, ScopeKind, Timestamp};
+use floodgate::{Budget, ChainLimit, InFlightLimit, PeriodCounter, ScopeKind, Timestamp};
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 
@@ -179,9 +179,10 @@ fn rfc3339(t: Timestamp) -> String {
 fn limit_usage(l: &ChainLimit, s: &Snapshot) -> LimitUsage {
     let limit = l.limit();
     LimitUsage {
-        kind: match l.charge() {
-            Charge::Admission => "requests",
-            Charge::Reactive => "tokens",
+        kind: if l.charge().counts_tokens() {
+            "tokens"
+        } else {
+            "requests"
         },
         limit: limit.max(),
         window_sec: limit.window().as_secs(),

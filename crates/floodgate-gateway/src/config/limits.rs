@@ -10,12 +10,53 @@ use toml::Spanned;
 
 use super::raw::{RawGateway, RawRateLimit, RawWindow};
 use super::types::{
-    ConfigError, DEFAULT_REQUESTS, DEFAULT_WINDOW_SEC, GATEWAY_ID, InFlightConfig, Limits,
-    ScopeLimit,
+    ConfigError, DEFAULT_MAX_OUTPUT_TOKENS, DEFAULT_REQUESTS, DEFAULT_WINDOW_SEC, GATEWAY_ID,
+    InFlightConfig, Limits, MAX_OUTPUT_TOKENS, ScopeLimit, TokenMode,
 };
 use super::validate::Validator;
 
 impl Validator<'_> {
+    /// `[gateway] tokens` and `default_max_output_tokens`: how token limits are charged where a
+    /// limit does not say, and the output estimate of a request that names no cap.
+    pub(super) fn token_mode(
+        &self,
+        raw: Option<&RawGateway>,
+    ) -> Result<(TokenMode, u64), ConfigError> {
+        let mode = match raw.and_then(|g| g.tokens.as_ref()) {
+            Some(t) => self.mode(t, "gateway.tokens")?,
+            None => TokenMode::default(),
+        };
+        let out = match raw.and_then(|g| g.default_max_output_tokens.as_ref()) {
+            Some(n) => match u64::try_from(*n.get_ref()) {
+                Ok(n) if (1..=MAX_OUTPUT_TOKENS).contains(&n) => n,
+                _ => {
+                    return Err(self.error(
+                        n.span(),
+                        "gateway.default_max_output_tokens",
+                        format!("must be between 1 and {MAX_OUTPUT_TOKENS}"),
+                    ));
+                }
+            },
+            None => DEFAULT_MAX_OUTPUT_TOKENS,
+        };
+        Ok((mode, out))
+    }
+
+    /// A `tokens = "reactive" | "reserve"` value at `field`.
+    fn mode(&self, t: &Spanned<String>, field: &str) -> Result<TokenMode, ConfigError> {
+        TokenMode::parse(t.get_ref()).ok_or_else(|| {
+            self.error(
+                t.span(),
+                field,
+                format!(
+                    "unknown token mode `{}`: expected \"reactive\" (charged after the \
+                     response) or \"reserve\" (an estimate charged at admission)",
+                    t.get_ref().escape_debug()
+                ),
+            )
+        })
+    }
+
     /// `[gateway] rate_limit`, if any: the gateway scope's request limit.
     pub(super) fn gateway_limit(
         &self,
@@ -97,6 +138,7 @@ impl Validator<'_> {
         &self,
         raw: Vec<Spanned<RawRateLimit>>,
         keys: &HashMap<String, usize>,
+        tokens: TokenMode,
         limits: &mut Limits,
     ) -> Result<(), ConfigError> {
         let mut seen: HashMap<(ScopeKind, String), usize> = HashMap::new();
@@ -119,6 +161,18 @@ impl Validator<'_> {
                     "set `rpm`, `tpm`, `max_in_flight` or several",
                 ));
             }
+            // A limit's own `tokens` wins over `[gateway] tokens`; it applies to `tpm` only.
+            let mode = match &r.tokens {
+                Some(t) if r.tpm.is_none() => {
+                    return Err(self.error(
+                        t.span(),
+                        field("tokens"),
+                        "`tokens` says how `tpm` is charged: set `tpm`, or remove `tokens`",
+                    ));
+                }
+                Some(t) => self.mode(t, &field("tokens"))?,
+                None => tokens,
+            };
             if let Some(first) = seen.insert((kind, id.clone()), i) {
                 return Err(self.error(
                     r.scope.span(),
@@ -147,7 +201,10 @@ impl Validator<'_> {
                     limits,
                     (kind, id),
                     ScopeLimit {
-                        charge: Charge::Reactive,
+                        charge: match mode {
+                            TokenMode::Reactive => Charge::Reactive,
+                            TokenMode::Reserve => Charge::Reserved,
+                        },
                         limit: WindowLimit::per_minute(tpm),
                         shadow: r.shadow.unwrap_or(false),
                     },

@@ -150,11 +150,13 @@ pub(super) struct RawRealtime {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [gateway] table (rate_limit, shadow)"
+    expecting = "a [gateway] table (rate_limit, shadow, tokens, default_max_output_tokens)"
 )]
 pub(super) struct RawGateway {
     pub(super) rate_limit: Option<Spanned<RawWindow>>,
     pub(super) shadow: Option<bool>,
+    pub(super) tokens: Option<Spanned<String>>,
+    pub(super) default_max_output_tokens: Option<Spanned<i64>>,
 }
 
 #[derive(Deserialize)]
@@ -188,13 +190,14 @@ pub(super) struct RawKey {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm, max_in_flight, shadow)"
+    expecting = "a [[rate_limits]] entry (scope, id, rpm, tpm, tokens, max_in_flight, shadow)"
 )]
 pub(super) struct RawRateLimit {
     pub(super) scope: Spanned<String>,
     pub(super) id: Option<Spanned<String>>,
     pub(super) rpm: Option<u64>,
     pub(super) tpm: Option<u64>,
+    pub(super) tokens: Option<Spanned<String>>,
     pub(super) max_in_flight: Option<Spanned<u64>>,
     pub(super) shadow: Option<bool>,
 }

@@ -36,6 +36,34 @@ pub const MAX_REALTIME_DRAIN_SEC: u64 = 25;
 /// The environment variable that overrides `[store] url`.
 pub const REDIS_URL_ENV: &str = "FLOODGATE_REDIS_URL";
 
+/// `[gateway] default_max_output_tokens` when absent: the output estimate of a request that
+/// names no cap, under `tokens = "reserve"`.
+pub const DEFAULT_MAX_OUTPUT_TOKENS: u64 = 4096;
+/// The largest `default_max_output_tokens` taken (far past any model's output).
+pub const MAX_OUTPUT_TOKENS: u64 = 10_000_000;
+
+/// How token limits (and budgets) are charged: `tokens = "reactive"` or `"reserve"`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TokenMode {
+    /// Charged the usage after the response; a full window refuses (the seeds' behaviour).
+    #[default]
+    Reactive,
+    /// Charged the request's estimate at admission, in the same atomic step as its request
+    /// limits, and reconciled with its usage after.
+    Reserve,
+}
+
+impl TokenMode {
+    /// The mode named `name` in a config: `reactive` or `reserve`.
+    pub fn parse(name: &str) -> Option<TokenMode> {
+        match name {
+            "reactive" => Some(TokenMode::Reactive),
+            "reserve" => Some(TokenMode::Reserve),
+            _ => None,
+        }
+    }
+}
+
 /// A config that could not be loaded: where, which field, and why.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConfigError {
@@ -161,6 +189,10 @@ pub struct Config {
     /// `[[budgets]]` per scope: `(scope, id) -> budgets` (at most one per period). The gateway
     /// scope's id is `gateway`.
     pub budgets: BTreeMap<(ScopeKind, String), Vec<BudgetConfig>>,
+    /// `[gateway] tokens`: how token limits are charged where a limit does not say.
+    pub tokens: TokenMode,
+    /// `[gateway] default_max_output_tokens`: the output estimate of a request naming no cap.
+    pub default_max_output_tokens: u64,
 }
 
 /// One `[[prices]]` entry: what a model's tokens cost.
@@ -484,6 +516,7 @@ impl fmt::Display for ScopeLimit {
         let unit = match self.charge {
             Charge::Admission => "requests",
             Charge::Reactive => "tokens",
+            Charge::Reserved => "tokens (reserved)",
         };
         write!(
             f,

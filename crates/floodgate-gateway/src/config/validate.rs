@@ -149,13 +149,14 @@ impl Validator<'_> {
         let realtime = self.realtime(raw.realtime)?;
 
         let mut limits = Limits::default();
+        let (tokens, default_max_output_tokens) = self.token_mode(raw.gateway.as_ref())?;
         // `[gateway] shadow = true`: every limit and budget observed, none enforced.
         let all_shadow = raw.gateway.as_ref().and_then(|g| g.shadow) == Some(true);
         self.gateway_limit(raw.gateway, &mut limits)?;
         let keys = self.keys(raw.keys, &mut limits)?;
         let alerts = self.alerts(raw.alerts, &keys.hashes, store.backend)?;
         let admin = self.admin(raw.admin, &keys.hashes)?;
-        self.rate_limits(raw.rate_limits, &keys.ids, &mut limits)?;
+        self.rate_limits(raw.rate_limits, &keys.ids, tokens, &mut limits)?;
 
         let prices = self.prices(raw.prices)?;
         let mut budgets = self.budgets(raw.budgets, &keys.ids)?;
@@ -187,6 +188,8 @@ impl Validator<'_> {
             admin,
             prices,
             budgets,
+            tokens,
+            default_max_output_tokens,
         })
     }
 

@@ -7,7 +7,8 @@
 //!
 //! - [`Ctx::reject`]: refused before admission (a request that cannot be read or forwarded),
 //!   nothing charged, with the chain's rate-limit state read at a cost of 0;
-//! - [`Ctx::admit`]: the chain's budgets read (charging nothing), then the chain admitted in one
+//! - [`Ctx::admit`]: the chain's budgets read (charging nothing), or under `tokens = "reserve"`
+//!   reserved (the estimate's price, taken back on a refusal), then the chain admitted in one
 //!   atomic step; a refusal is charged to no limit;
 //! - [`Ctx::upstream_failed`]: the upstream could not answer an admitted request.
 
@@ -16,14 +17,17 @@ use std::time::Instant;
 
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, ScopeKind};
+use floodgate::chain::Costs;
+use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, Charge, ScopeKind};
 
 use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
+use crate::charge::{BudgetReservation, Reservation};
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
+use crate::openai::request::Estimate;
 use crate::slots::Slots;
 use crate::tally::Subject;
 
@@ -37,7 +41,7 @@ pub(super) struct Ctx {
     fixed: Arc<ChainHeaders>,
     pub(super) budgets: Option<Arc<Budgets>>,
     /// The shadow budgets: read, never refusing.
-    shadow_budgets: Option<Arc<Budgets>>,
+    pub(super) shadow_budgets: Option<Arc<Budgets>>,
     /// Every budget (shadow ones too): what the answer's spend is added to.
     pub(super) spend_budgets: Option<Arc<Budgets>>,
     pub(super) method: Method,
@@ -54,6 +58,12 @@ pub(super) struct Admitted {
     /// The concurrency slots the request holds, if its chain has concurrency limits: given back
     /// when this is dropped, or when the body it is moved into ends.
     slots: Option<Slots>,
+    /// What it reserved on its chain's reserving token limits (`tokens = "reserve"`), to
+    /// reconcile with its usage; `None` for a chain without them, or one that failed open.
+    pub(super) reservation: Option<Reservation>,
+    /// What it reserved on its enforced budgets (`[gateway] tokens = "reserve"`): the estimate's
+    /// price, to reconcile with its spend.
+    pub(super) budget_reservation: Option<BudgetReservation>,
 }
 
 impl Ctx {
@@ -186,8 +196,43 @@ impl Ctx {
 
     /// The chain's admission at `cost`, timed for the metrics.
     async fn timed_admit(&self, cost: u64) -> Result<ChainDecision, floodgate::Error> {
+        self.timed_admit_costs(cost, None).await
+    }
+
+    /// The chain's admission at `cost` a request limit, timed for the metrics; with
+    /// `reserve`, its reserving token limits cost that estimate instead, in the same atomic
+    /// step (docs/design.md, "Token reservation").
+    async fn timed_admit_costs(
+        &self,
+        cost: u64,
+        reserve: Option<u64>,
+    ) -> Result<ChainDecision, floodgate::Error> {
+        // A handful of limits: one small vector per reserving request.
+        let costs: Option<Vec<u64>> = reserve.map(|tokens| {
+            self.chain
+                .limits()
+                .iter()
+                .map(|l| match l.charge() {
+                    Charge::Reserved => tokens,
+                    Charge::Admission | Charge::Reactive => cost,
+                })
+                .collect()
+        });
+        // A refusal the chain still remembers is answered without the store, exactly as the
+        // store would answer it (docs/design.md §11): no store call to time.
+        let cached = match &costs {
+            Some(costs) => self.chain.cached_refusal(Costs::PerLimit(costs), None),
+            None => self.chain.cached_refusal(cost, None),
+        };
+        if let Some(refused) = cached {
+            return Ok(refused);
+        }
         let start = Instant::now();
-        let decided = self.chain.admit(self.state.store(), cost).await;
+        let store = self.state.store();
+        let decided = match &costs {
+            Some(costs) => self.chain.admit_costs(store, costs).await,
+            None => self.chain.admit(store, cost).await,
+        };
         let failed = decided.as_ref().map_or(true, |d| !d.enforced);
         self.state
             .metrics()
@@ -204,9 +249,43 @@ impl Ctx {
     /// The budget read is not part of the chain's atomic step because a budget is reactive (a
     /// response's spend is known only after it), so an atomic check would be no more exact;
     /// concurrent requests can overrun a budget by what they spend in flight.
-    pub(super) async fn admit(&self) -> Result<Admitted, Response> {
+    ///
+    /// A chain with reserving token limits (`tokens = "reserve"`) is admitted with `estimate`
+    /// as their cost, beside the request's cost of 1, in the same step: admitted only if
+    /// every limit has room for it, and then charged it, to be reconciled with the usage. An
+    /// estimate that no wait would let through (above a reserving limit itself) is a 400 that
+    /// says which cap to lower, charged nothing.
+    ///
+    /// With `price` (`[gateway] tokens = "reserve"`: the estimate priced), the enforced budgets
+    /// are not read but reserved: admitted only if each one's spend plus the price fits its cap,
+    /// the price then added, to be reconciled with the spend; a refusal later in the admission
+    /// takes it back.
+    pub(super) async fn admit(
+        &self,
+        estimate: Estimate,
+        price: Option<u64>,
+    ) -> Result<Admitted, Response> {
+        let mut budget_reservation = None;
         if let Some(budgets) = &self.budgets {
-            match self.timed_check(budgets).await {
+            let checked = match price {
+                Some(price) => {
+                    let start = Instant::now();
+                    let reserved = budgets.reserve(self.state.store(), price).await;
+                    let failed = reserved.is_err();
+                    let metrics = self.state.metrics();
+                    metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
+                    if let Some(d) = reserved.as_ref().ok().filter(|d| d.allowed()) {
+                        budget_reservation = Some(BudgetReservation {
+                            budgets: Arc::clone(budgets),
+                            at: d.now,
+                            micro_usd: price,
+                        });
+                    }
+                    reserved
+                }
+                None => self.timed_check(budgets).await,
+            };
+            match checked {
                 Ok(d) if d.allowed() => {}
                 Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
                 // Budgets fail open on their own (`on_error.budgets`): read as unspent.
@@ -215,18 +294,32 @@ impl Ctx {
                 Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
             }
         }
+        let admitted = self.admit_chain(estimate).await;
+        match admitted {
+            Ok(mut a) => {
+                a.budget_reservation = budget_reservation;
+                Ok(a)
+            }
+            Err(refused) => {
+                // Refused after all (or failed): the budgets' reservation goes back.
+                if let Some(r) = budget_reservation {
+                    let refund = -i64::try_from(r.micro_usd).unwrap_or(i64::MAX);
+                    self.state.charges().reconcile_spend_now(&r, refund).await;
+                }
+                Err(refused)
+            }
+        }
+    }
+
+    /// The chain's part of [`admit`](Self::admit): its shadow budgets read, then its rate limits
+    /// admitted in one atomic step.
+    async fn admit_chain(&self, estimate: Estimate) -> Result<Admitted, Response> {
         if let Some(shadow) = &self.shadow_budgets {
             self.observe_shadow_budgets(shadow).await;
         }
         self.state.forget_refusals_after_reset(&self.live);
-        // A refusal the chain still remembers is answered without the store, exactly as the
-        // store would answer it (docs/design.md §11): no store call to time.
-        let cached = self.chain.cached_refusal(1, None);
-        let decided = match cached {
-            Some(d) => Ok(d),
-            None => self.timed_admit(1).await,
-        };
-        let decision = match decided {
+        let reserve = self.chain.has_reserved().then(|| estimate.total());
+        let decision = match self.timed_admit_costs(1, reserve).await {
             Ok(d) => d,
             // The store fails closed for the kinds that differ (`on_error` by kind): the
             // chain goes through unchecked when every kind of limit it has fails open.
@@ -235,6 +328,10 @@ impl Ctx {
             }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
+        if let Some(err) = self.never_fits(&decision, estimate) {
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
+            return Err(self.answer(err, Decision::BadRequest));
+        }
         self.count_limits(&decision);
         if !decision.admitted {
             return Err(self.refuse(&decision));
@@ -260,11 +357,53 @@ impl Ctx {
         let slots = decision
             .lease
             .map(|lease| Slots::new(charger, Arc::clone(&self.chain), lease));
+        // Only a decided admission reserved anything (one that failed open charged nothing).
+        let reservation = reserve
+            .filter(|_| decision.enforced)
+            .map(|estimate| Reservation {
+                at: decision.now,
+                estimate,
+            });
         Ok(Admitted {
             decision,
             log_as,
             slots,
+            reservation,
+            budget_reservation: None,
         })
+    }
+
+    /// The 400 for a request whose token estimate is above a reserving limit itself, so that
+    /// no wait would let it through: which limit, and which part of the estimate to lower.
+    fn never_fits(&self, decision: &ChainDecision, estimate: Estimate) -> Option<AppError> {
+        let r = decision.refusing()?;
+        if decision.admitted || decision.retry_after.is_some() || r.charge != Charge::Reserved {
+            return None;
+        }
+        let max = r.limit.max();
+        let window = r.limit.window().as_secs();
+        let Estimate { prompt, output, .. } = estimate;
+        let lower = if prompt >= max {
+            "send a shorter prompt".to_owned()
+        } else if estimate.named_cap {
+            format!(
+                "lower `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}",
+                max - prompt
+            )
+        } else {
+            format!(
+                "set `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}: \
+                 the request names no cap, so the gateway's default of {output} is assumed",
+                max - prompt
+            )
+        };
+        Some(AppError::BadRequest(format!(
+            "This request can never fit the {} token limit of {max} tokens per {window}s: it \
+             reserves up to {} tokens ({prompt} for the prompt, bounded by its length in \
+             bytes, plus {output} of output). To fit, {lower}.",
+            r.scope,
+            estimate.total()
+        )))
     }
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
@@ -285,12 +424,13 @@ impl Ctx {
     /// limit it has (requests, concurrency counted as requests, tokens) fails open.
     fn chain_fails_open(&self) -> bool {
         let limits = self.chain.limits();
-        let has = |charge| limits.iter().any(|l| l.charge() == charge);
+        let has_tokens = limits.iter().any(|l| l.charge().counts_tokens());
         // Concurrency limits count requests: they fail as request limits do.
-        let counts_requests =
-            has(floodgate::Charge::Admission) || !self.chain.in_flight().is_empty();
+        let counts_requests = limits.iter().any(|l| l.charge() == Charge::Admission)
+            || !self.chain.in_flight().is_empty();
+        // A reserving token limit is a token limit: it fails as `on_error.tokens` says.
         (!counts_requests || self.state.fails_open(LimitKind::Requests))
-            && (!has(floodgate::Charge::Reactive) || self.state.fails_open(LimitKind::Tokens))
+            && (!has_tokens || self.state.fails_open(LimitKind::Tokens))
     }
 
     /// Counts each limit of a decided chain in the metrics: over (it refused), near (80% used
@@ -309,7 +449,7 @@ impl Ctx {
             } else {
                 LimitOutcome::Within
             };
-            let tokens = s.charge == floodgate::Charge::Reactive;
+            let tokens = s.charge.counts_tokens();
             metrics.limit(s.scope, tokens, outcome);
         }
         // The refusing one is the first enforced full one, when no rate limit refused.

@@ -21,7 +21,9 @@ use crate::error::AppError;
 use crate::openai::paths::{
     has_dot_segment, is_completion_path, is_generating_request, is_responses_path,
 };
-use crate::openai::request::{StreamRequest, check_responses_request, prepare_request};
+use crate::openai::request::{
+    Estimate, StreamRequest, check_responses_request, estimate, prepare_request,
+};
 
 /// The `Retry-After` of a body refused for want of room: bodies are read in seconds, and a short
 /// wait spreads the retries of a crowd of callers.
@@ -41,6 +43,8 @@ pub(super) struct Rules<'a> {
     pub(super) buffers: &'a Buffers,
     /// The key's index, for its share of that room.
     pub(super) key: usize,
+    /// `[gateway] default_max_output_tokens`: the output estimate of a request naming no cap.
+    pub(super) default_output: u64,
 }
 
 /// A request that passed the checks, ready to be admitted and forwarded.
@@ -55,6 +59,10 @@ pub(super) struct Checked {
     pub(super) model: Option<String>,
     /// Its answer is charged its usage: a metered request that makes the upstream generate.
     pub(super) generating: bool,
+    /// The tokens it is estimated to use at most, for a chain that reserves them: its body's
+    /// length plus its output cap ([`estimate`](crate::openai::request::estimate)); 0 for a
+    /// request whose body is not read (not a completion or Responses create).
+    pub(super) estimate: Estimate,
 }
 
 /// A refusal: the error to answer and how the log line names it.
@@ -118,6 +126,7 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
         stream: None,
         model: None,
         generating,
+        estimate: Estimate::default(),
     };
     if !(completion || responses) {
         checked.body = body;
@@ -130,14 +139,17 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
             (verdict, b)
         })
         .await;
-        checked_body.map_err(bad_request)?;
+        let output = checked_body.map_err(bad_request)?;
+        checked.estimate = estimate(bytes.len(), output, rules.default_output);
         checked.body = Body::new(HeldBody::new(bytes, room));
         return Ok(checked);
     }
     let want_model = rules.want_model;
+    let sent_len = bytes.len();
     let prepared = off_the_loop(bytes, move |b| prepare_request(b, want_model))
         .await
         .map_err(bad_request)?;
+    checked.estimate = estimate(sent_len, prepared.output, rules.default_output);
     checked.stream = prepared.stream;
     checked.model = prepared.model;
     checked

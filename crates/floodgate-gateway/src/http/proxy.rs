@@ -15,6 +15,7 @@ use crate::access_log::{self, Decision};
 use crate::error::AppError;
 use crate::metering::{Meter, MeteredBody, Spend};
 use crate::openai::realtime::is_realtime;
+use crate::openai::usage::TokenUsage;
 use crate::slots::HoldingBody;
 
 /// Answers a request for `/v1/...`.
@@ -63,12 +64,15 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     // Budgets are charged from usage too: a chain with budgets is metered like one with a
     // token limit.
     let rules = Rules {
-        metered: ctx.spend_budgets.is_some() || ctx.chain.has_reactive(),
+        metered: ctx.spend_budgets.is_some()
+            || ctx.chain.has_reactive()
+            || ctx.chain.has_reserved(),
         want_model: ctx.spend_budgets.is_some(),
         max_body_mib: ctx.state.max_body_mib(),
         body_timeout: ctx.state.header_timeout(),
         buffers: ctx.state.buffers(),
         key: ctx.key.index,
+        default_output: ctx.live.default_output,
     };
     let Checked {
         parts,
@@ -76,11 +80,22 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         stream,
         model,
         generating,
+        estimate,
     } = match guard::check(req, &rules).await {
         Ok(checked) => checked,
         Err((err, decision)) => return ctx.reject(err, decision).await,
     };
-    let mut admitted = match ctx.admit().await {
+    // Budgets reserve the estimate's price (`[gateway] tokens = "reserve"`), as the model the
+    // request names prices it.
+    let price = (ctx.live.reserve_budgets && ctx.budgets.is_some()).then(|| {
+        let usage = TokenUsage {
+            input: Some(estimate.prompt),
+            output: Some(estimate.output),
+            total: estimate.total(),
+        };
+        ctx.live.prices.spend(model.as_deref(), &usage)
+    });
+    let mut admitted = match ctx.admit(estimate, price).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -142,11 +157,19 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         return Response::from_parts(head, held(body));
     }
     let line = ctx.pending_line(head.status, &admitted);
-    let spend = ctx.spend_budgets.map(|budgets| Spend {
-        budgets,
+    // With the enforced budgets reserved on, the spend reconciles them, and is added as usual
+    // only to the shadow ones.
+    let reserved = admitted.budget_reservation.take();
+    let spend = ctx.spend_budgets.map(|all| Spend {
+        budgets: match &reserved {
+            Some(_) => ctx.shadow_budgets.clone().unwrap_or_default(),
+            None => all,
+        },
         prices: std::sync::Arc::clone(&ctx.live.prices),
         request_model: model,
+        reserved,
     });
-    let body = MeteredBody::new(body, meter, (ctx.state.charges(), ctx.chain), spend, line);
+    let charge = (ctx.state.charges(), ctx.chain, admitted.reservation);
+    let body = MeteredBody::new(body, meter, charge, spend, line);
     Response::from_parts(head, held(Body::new(body)))
 }

@@ -33,6 +33,7 @@ use crate::access_log::Decision;
 use crate::auth::PROTOCOL_KEY_PREFIX;
 use crate::error::AppError;
 use crate::openai::realtime::{ambiguous_model, query_model};
+use crate::openai::request::Estimate;
 use crate::realtime::{FULL_RETRY_AFTER, SessionMeter, SessionSpend};
 
 /// Why a WebSocket upgrade request cannot be forwarded as one, if it cannot: the upstream would
@@ -121,7 +122,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         };
         return ctx.answer(err, Decision::TooManyConnections);
     };
-    let mut admitted = match ctx.admit().await {
+    let mut admitted = match ctx.admit(Estimate::default(), None).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,
     };
@@ -132,7 +133,10 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         prices: Arc::clone(&ctx.live.prices),
         model: query_model(req.uri()),
     });
-    let metered = ctx.chain.has_reactive() || spend.is_some();
+    // A session stays reactive on every token limit, a reserving one too: it has no size up
+    // front to reserve (docs/gateway.md, "Token reservation").
+    let counts_tokens = ctx.chain.has_reactive() || ctx.chain.has_reserved();
+    let metered = counts_tokens || spend.is_some();
 
     let caller_upgrade = hyper::upgrade::on(&mut req);
     // A GET upgrade has no body to forward.
@@ -168,7 +172,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         .insert(UPGRADE, HeaderValue::from_static("websocket"));
     admitted.apply_headers(&mut head.headers, &ctx);
     ctx.log(StatusCode::SWITCHING_PROTOCOLS, admitted.log_as);
-    let chain = ctx.chain.has_reactive().then(|| Arc::clone(&ctx.chain));
+    let chain = counts_tokens.then(|| Arc::clone(&ctx.chain));
     let charger = ctx.state.charges().clone();
     // A metered session's caller is told its own chain's limits after each turn.
     let rates = metered.then(|| Arc::clone(&ctx.chain));

@@ -68,6 +68,10 @@ pub struct Live {
     /// reset bumps [`Process::resets`], and the next admission on this worker empties them
     /// (docs/design.md §11).
     resets_seen: AtomicU64,
+    /// `[gateway] default_max_output_tokens`: the output estimate of a request naming no cap.
+    pub default_output: u64,
+    /// `[gateway] tokens = "reserve"`: budgets reserve each request's estimated price.
+    pub reserve_budgets: bool,
 }
 
 impl Live {
@@ -89,6 +93,8 @@ impl Live {
             refusals: process.tally.worker(),
             // Fresh chains remember nothing: every reset so far is behind them.
             resets_seen: AtomicU64::new(process.resets.load(Ordering::Acquire)),
+            default_output: config.default_max_output_tokens,
+            reserve_budgets: config.tokens == crate::config::TokenMode::Reserve,
         })
     }
 }

@@ -39,6 +39,81 @@ impl<'de> Deserialize<'de> for TopLevel {
     }
 }
 
+/// What a request says of its output, for the estimate a reservation charges: its cap and how
+/// many outputs it asks for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OutputCap {
+    /// `max_completion_tokens`, else `max_tokens`, else `max_output_tokens` (Responses API), if
+    /// one is a non-negative integer.
+    pub cap: Option<u64>,
+    /// How many outputs are generated: `n` (or `best_of`, on the legacy completions API, if
+    /// larger), 1 when absent.
+    pub choices: u64,
+}
+
+impl OutputCap {
+    /// The output's estimate: the cap, or `default` for a request that names none, times the
+    /// outputs asked for.
+    pub fn tokens(&self, default: u64) -> u64 {
+        self.cap
+            .unwrap_or(default)
+            .saturating_mul(self.choices.max(1))
+    }
+
+    /// What `fields` (a request's top level) say. A cap or count that is not a non-negative
+    /// integer counts as absent: the upstream refuses such a request, after admission.
+    fn of(fields: &[(String, Box<RawValue>)]) -> OutputCap {
+        let int = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .and_then(|(_, v)| v.get().parse::<u64>().ok())
+        };
+        let cap = int("max_completion_tokens")
+            .or_else(|| int("max_tokens"))
+            .or_else(|| int("max_output_tokens"));
+        let choices = int("n").unwrap_or(1).max(int("best_of").unwrap_or(1));
+        OutputCap { cap, choices }
+    }
+}
+
+/// The tokens a request is estimated to use, the most it can: a bound on its prompt plus its
+/// output cap ([`OutputCap::tokens`]).
+///
+/// The prompt's bound is the body's length in bytes. Every tokenizer of the OpenAI family (and
+/// the byte-level BPEs of the others) maps each token to at least one byte of text, and the
+/// body holds all of the prompt's text (JSON escapes only lengthen it) plus its structure, which
+/// more than covers the few tokens a message's framing costs. So the bound never under-counts
+/// text; it over-counts by the bytes per token of the text (about 4 for English) and by the
+/// JSON around it (docs/gateway.md, "Token reservation", has the figures). An image sent by URL
+/// is the exception: its tokens depend on its size, which the body does not show.
+pub fn estimate(body_len: usize, output: OutputCap, default_output: u64) -> Estimate {
+    Estimate {
+        prompt: u64::try_from(body_len).unwrap_or(u64::MAX),
+        output: output.tokens(default_output),
+        named_cap: output.cap.is_some(),
+    }
+}
+
+/// A request's estimate of its tokens ([`estimate`]), in its two parts, so that a request that
+/// can never fit a limit is told which to lower.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Estimate {
+    /// The bound on the prompt: the body's length in bytes.
+    pub prompt: u64,
+    /// The output cap times the outputs asked for.
+    pub output: u64,
+    /// Whether the request named its cap (else the output is `default_max_output_tokens`).
+    pub named_cap: bool,
+}
+
+impl Estimate {
+    /// The whole estimate: prompt plus output.
+    pub fn total(&self) -> u64 {
+        self.prompt.saturating_add(self.output)
+    }
+}
+
 /// A metered completion request, prepared for the upstream.
 #[derive(Debug)]
 pub struct Prepared {
@@ -49,6 +124,8 @@ pub struct Prepared {
     /// The `model` the request names (a string), which prices its spend when the response
     /// names none.
     pub model: Option<String>,
+    /// What it says of its output.
+    pub output: OutputCap,
 }
 
 /// Prepares a metered completion request body: a streaming request (`"stream": true`) is
@@ -68,6 +145,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     let field = |name: &str| unique_field(&fields, name);
     let stream = field("stream")?;
     let options = field("stream_options")?;
+    let output = OutputCap::of(&fields);
     // Read only to price a response that names no model: a duplicate or a non-string is no
     // model rather than an error.
     let model = if want_model {
@@ -85,6 +163,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
                 body,
                 stream: None,
                 model,
+                output,
             });
         }
         Some(_) => return Err("`stream` must be true or false.".into()),
@@ -122,6 +201,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         body: Bytes::from(out),
         stream: Some(asked),
         model,
+        output,
     })
 }
 
@@ -147,13 +227,13 @@ fn unique_field<'a>(
 /// never charged (see [`is_generating_request`]): the gateway could not charge it at all. Also
 /// refused, as for completions, where the upstream's reading is not certain: a body that is not
 /// a strict JSON object, a `background` other than `true`, `false` or `null`, or one named
-/// twice. The body is forwarded as sent.
-pub fn check_responses_request(body: &[u8]) -> Result<(), String> {
+/// twice. The body is forwarded as sent; what it says of its output is returned.
+pub fn check_responses_request(body: &[u8]) -> Result<OutputCap, String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(body) else {
         return Err("The request body is not a JSON object.".into());
     };
     match unique_field(&fields, "background")?.map(RawValue::get) {
-        None | Some("false" | "null") => Ok(()),
+        None | Some("false" | "null") => Ok(OutputCap::of(&fields)),
         Some("true") => Err(
             "Background responses are not available through this gateway: their tokens could \
              not be counted against your limits. Send the request without `background`."
@@ -166,6 +246,36 @@ pub fn check_responses_request(body: &[u8]) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_estimate_is_the_body_plus_the_output_cap_times_the_choices() {
+        let cap = |body: &'static [u8]| prepare_request(Bytes::from_static(body), false).unwrap();
+        let p = cap(br#"{"max_tokens":100,"n":3}"#);
+        assert_eq!(
+            p.output,
+            OutputCap {
+                cap: Some(100),
+                choices: 3
+            }
+        );
+        assert_eq!(estimate(24, p.output, 4096).total(), 24 + 300);
+        // max_completion_tokens wins over the deprecated max_tokens; none: the default.
+        let p = cap(br#"{"max_tokens":100,"max_completion_tokens":7}"#);
+        assert_eq!(p.output.tokens(4096), 7);
+        assert_eq!(cap(br#"{"model":"m"}"#).output.tokens(4096), 4096);
+        // Not a non-negative integer: as absent.
+        assert_eq!(cap(br#"{"max_tokens":-1}"#).output.tokens(50), 50);
+        assert_eq!(cap(br#"{"max_tokens":"9"}"#).output.tokens(50), 50);
+        // The legacy API's best_of generates that many.
+        assert_eq!(
+            cap(br#"{"max_tokens":10,"n":2,"best_of":5}"#)
+                .output
+                .tokens(1),
+            50
+        );
+        let r = check_responses_request(br#"{"max_output_tokens":64}"#).unwrap();
+        assert_eq!(r.tokens(4096), 64);
+    }
 
     #[test]
     fn stream_requests_ask_for_usage() {

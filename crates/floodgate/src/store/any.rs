@@ -7,7 +7,7 @@ use super::{
 };
 use crate::Error;
 use crate::bucket::BucketLimit;
-use crate::chain::ChainLimit;
+use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::PeriodCounter;
@@ -44,7 +44,7 @@ impl Store for AnyStore {
     async fn admit(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
         match self {
@@ -62,6 +62,32 @@ impl Store for AnyStore {
         match self {
             AnyStore::Memory(s) => s.record(limits, units, now).await,
             AnyStore::Redis(s) => s.record(limits, units, now).await,
+        }
+    }
+
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        match self {
+            AnyStore::Memory(s) => s.reconcile_periods(counters, reserved_at, delta, now).await,
+            AnyStore::Redis(s) => s.reconcile_periods(counters, reserved_at, delta, now).await,
+        }
+    }
+
+    async fn reconcile(
+        &self,
+        limits: &[ChainLimit],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        match self {
+            AnyStore::Memory(s) => s.reconcile(limits, reserved_at, delta, now).await,
+            AnyStore::Redis(s) => s.reconcile(limits, reserved_at, delta, now).await,
         }
     }
 
@@ -124,7 +150,7 @@ impl Store for AnyStore {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        cost: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {

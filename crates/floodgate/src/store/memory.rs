@@ -15,7 +15,7 @@ use super::{
 };
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
-use crate::chain::{ChainLimit, first_refusal};
+use crate::chain::{ChainLimit, Costs, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{PeriodCounter, PeriodState};
@@ -354,14 +354,14 @@ impl MemoryStore {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// [`Store::admit`], without the future.
+    /// [`Store::admit`], without the future (a plain cost converts: `1.into()`).
     pub fn admit_sync(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Observation {
-        self.admit_holding_sync(limits, &[], cost, Lease::from_id(0), now)
+        self.admit_holding_sync(limits, &[], costs, Lease::from_id(0), now)
     }
 
     /// [`Store::admit_holding`], without the future.
@@ -369,7 +369,7 @@ impl MemoryStore {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        costs: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Observation {
@@ -402,18 +402,19 @@ impl MemoryStore {
                 locked(&mut guards, shard).running(hash, l.key(), lease.id())
             })
             .collect();
-        let admitted = first_refusal(limits, &snapshots, cost).is_none()
+        let admitted = first_refusal(limits, &snapshots, costs).is_none()
             && !slots.iter().zip(&running).any(|(l, &n)| l.refuses(n));
         if admitted {
             let hasher = &self.inner.hasher;
-            for ((l, s), &(hash, shard)) in limits.iter().zip(&snapshots).zip(&located) {
-                if l.charge() == Charge::Admission {
+            let charged = limits.iter().zip(&snapshots).zip(&located).enumerate();
+            for (i, ((l, s), &(hash, shard))) in charged {
+                if l.charge().at_admission() {
                     let expires = now.saturating_add(l.limit().ttl());
                     locked(&mut guards, shard).put_window(
                         hasher,
                         hash,
                         l.key(),
-                        s.charged(cost),
+                        s.charged(costs.of(i)),
                         expires,
                         sweep_at,
                     );
@@ -452,6 +453,30 @@ impl MemoryStore {
             let expires = now.saturating_add(l.limit().ttl());
             let state = snapshot.charged(units);
             shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
+        }
+    }
+
+    /// [`Store::reconcile`], without the future.
+    pub fn reconcile_sync(
+        &self,
+        limits: &[ChainLimit],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) {
+        let (now, sweep_at) = self.times(now);
+        // Each limit's write is atomic on its own, as a record's: there is no decision to keep
+        // whole. (A refusal cache, were one kept, would drop the chain's cached refusals here:
+        // a refund lowers a count. docs/design.md, "Token reservation".)
+        for l in limits.iter().filter(|l| l.charge() == Charge::Reserved) {
+            let (hash, shard) = self.locate(l.key());
+            let mut shard = self.lock(shard);
+            let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
+            let reserved = reserved_at.as_micros() / l.limit().window_micros();
+            if let Some(state) = snapshot.reconciled(reserved, delta) {
+                let expires = now.saturating_add(l.limit().ttl());
+                shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
+            }
         }
     }
 
@@ -553,6 +578,43 @@ impl MemoryStore {
             now,
             enforced: true,
             totals,
+        }
+    }
+
+    /// [`Store::reconcile_periods`], without the future.
+    pub fn reconcile_periods_sync(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) {
+        let (now, sweep_at) = self.times(now);
+        // Each counter on its own, as an add: a refund lowers a total (docs/design.md §12).
+        for c in counters {
+            let (hash, shard) = self.locate(c.key());
+            let mut shard = self.lock(shard);
+            let stored = shard.period(hash, c.key(), now);
+            let Some(state) = PeriodState::reconciled(stored, c.period(), now, reserved_at, delta)
+            else {
+                continue;
+            };
+            let expires = c.expires(now);
+            if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
+                slot.state = state;
+                slot.expires = expires;
+            } else {
+                shard.grow(sweep_at);
+                let slot = PeriodSlot {
+                    key: c.key().into(),
+                    state,
+                    expires,
+                };
+                let hasher = &self.inner.hasher;
+                shard
+                    .periods
+                    .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
+            }
         }
     }
 
@@ -673,7 +735,7 @@ impl Store for MemoryStore {
     async fn admit(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
         // An async fn, so lazy like any future: nothing happens until it is polled.
@@ -688,7 +750,7 @@ impl Store for MemoryStore {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        cost: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
@@ -727,6 +789,28 @@ impl Store for MemoryStore {
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
         self.record_sync(limits, units, now);
+        Ok(())
+    }
+
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        self.reconcile_periods_sync(counters, reserved_at, delta, now);
+        Ok(())
+    }
+
+    async fn reconcile(
+        &self,
+        limits: &[ChainLimit],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        self.reconcile_sync(limits, reserved_at, delta, now);
         Ok(())
     }
 

@@ -13,7 +13,7 @@ use std::future::Future;
 
 use crate::Error;
 use crate::bucket::BucketLimit;
-use crate::chain::ChainLimit;
+use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::PeriodCounter;
@@ -129,16 +129,18 @@ impl fmt::Display for BucketKey<'_> {
 /// its own clock (the system clock in memory; the Redis server's `TIME`, so that replicas with
 /// skewed clocks still share one). Each call is one round trip.
 pub trait Store: Send + Sync {
-    /// Admits a request of `cost` against `limits` in one atomic step: reads every limit at one
-    /// instant, admits only if every enforced limit passes (shadow limits never refuse: see
-    /// [`first_refusal`](crate::chain::first_refusal)), and charges `cost` to every limit charged
-    /// at admission of an admitted request, shadow ones included, nothing otherwise. The caller has checked that the request can ever fit, and that the limits have
-    /// distinct storage keys ([`Chain::new`](crate::Chain::new) requires it): with a key twice,
-    /// the stores may decide differently.
+    /// Admits a request of `costs` against `limits` in one atomic step: reads every limit at one
+    /// instant, admits only if every enforced limit passes with its own cost (shadow limits never
+    /// refuse: see [`first_refusal`](crate::chain::first_refusal)), and charges each limit
+    /// charged at admission ([`Charge::at_admission`](crate::Charge::at_admission)) its cost for
+    /// an admitted request, shadow ones included, nothing otherwise. The caller has checked that
+    /// the request can ever fit, and that the limits have distinct storage keys
+    /// ([`Chain::new`](crate::Chain::new) requires it): with a key twice, the stores may decide
+    /// differently.
     fn admit(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<Observation, Error>> + Send;
 
@@ -148,6 +150,20 @@ pub trait Store: Send + Sync {
         &self,
         limits: &[ChainLimit],
         units: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    /// Reconciles a reservation made at `reserved_at`: adds `delta` (actual minus reserved) to
+    /// every [`Charge::Reserved`](crate::Charge::Reserved) limit of `limits` (others are
+    /// skipped), into the bucket `reserved_at` fell in, as
+    /// [`Snapshot::reconciled`](crate::window::Snapshot::reconciled) says, in one atomic step.
+    /// Never replayed: an adjustment whose connection dropped fails rather than risk counting
+    /// twice.
+    fn reconcile(
+        &self,
+        limits: &[ChainLimit],
+        reserved_at: Timestamp,
+        delta: i64,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
@@ -189,6 +205,18 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
 
+    /// Reconciles an amount added at `reserved_at` (a budget's reservation): adds `delta`
+    /// (actual minus reserved, signed) to each counter's total in the period `reserved_at` fell
+    /// in, never below zero, as [`PeriodState::reconciled`](crate::period::PeriodState::reconciled)
+    /// says, each counter in one atomic step. Never replayed, as [`add_periods`](Self::add_periods).
+    fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
     /// A fresh lease number, never handed out before by this store (nor, on Redis, by any
     /// other process: the store's members carry a random process tag).
     fn lease(&self) -> Lease;
@@ -203,7 +231,7 @@ pub trait Store: Send + Sync {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        costs: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<Observation, Error>> + Send;

@@ -62,6 +62,32 @@ pub enum Op {
         ms: u64,
         used: bool,
     },
+    /// Admit one request on chain `chain` at `ms` costing each limit its own units; expect
+    /// admission, the refusing index, the retry time (µs) and the most restrictive token
+    /// limit's remaining units.
+    AdmitCosts {
+        chain: usize,
+        ms: u64,
+        costs: &'static [u64],
+        admitted: bool,
+        refused_by: Option<usize>,
+        retry_us: Option<u64>,
+        tokens_left: Option<u64>,
+    },
+    /// Reconcile, at `ms`, the reservation chain `chain` made at `reserved_ms`: `delta` is the
+    /// actual usage minus the reservation.
+    Reconcile {
+        chain: usize,
+        reserved_ms: u64,
+        ms: u64,
+        delta: i64,
+    },
+    /// Read chain `chain` at `ms` (an admission of cost 0); expect each limit's `(cur, prev)`.
+    Seen {
+        chain: usize,
+        ms: u64,
+        counts: &'static [(u64, u64)],
+    },
 }
 
 /// The chains the vectors use.
@@ -99,6 +125,17 @@ pub fn chains() -> Vec<Chain> {
         ]),
         // 7: only a shadow limit no request fits.
         Chain::new(vec![limit(Key, "z", Admission, 0).shadow()]),
+        // 8: a key with 10 requests and 100 reserved tokens a minute.
+        Chain::new(vec![
+            limit(Key, "rv", Admission, 10),
+            limit(Key, "rv", Reserved, 100),
+        ]),
+        // 9: requests and reactive tokens on the key, reserved tokens on the org.
+        Chain::new(vec![
+            limit(Key, "mx", Admission, 10),
+            limit(Key, "mx", Reactive, 100),
+            limit(Org, "mx", Reserved, 100),
+        ]),
     ]
 }
 
@@ -141,6 +178,31 @@ fn refuse(chain: usize, ms: u64, by: usize, retry_us: u64) -> Op {
         remaining: Some(0),
         shadow_over: &[],
     }
+}
+
+fn reserve(chain: usize, ms: u64, costs: &'static [u64], tokens_left: u64) -> Op {
+    Op::AdmitCosts {
+        chain,
+        ms,
+        costs,
+        admitted: true,
+        refused_by: None,
+        retry_us: None,
+        tokens_left: Some(tokens_left),
+    }
+}
+
+fn reconcile(chain: usize, reserved_ms: u64, ms: u64, delta: i64) -> Op {
+    Op::Reconcile {
+        chain,
+        reserved_ms,
+        ms,
+        delta,
+    }
+}
+
+fn seen(chain: usize, ms: u64, counts: &'static [(u64, u64)]) -> Op {
+    Op::Seen { chain, ms, counts }
 }
 
 fn with_remaining(mut op: Op, left: Option<u64>) -> Op {
@@ -393,6 +455,72 @@ pub fn vectors() -> Vec<Op> {
             cost: 1,
             expect: ok(0),
         },
+        // --- chain 8: 10 requests, 100 reserved tokens a minute; costs [1, estimate] ---
+        // An estimate of 60 fits (0 + 60 <= 100): 40 tokens left.
+        reserve(8, 0, &[1, 60], 40),
+        // 60 + 60 > 100: refused by the token limit, charged nothing anywhere. The wait is for
+        // the next bucket (59 s), then until 60 carried weighs 40: 60 * (1 - 40/60) = 20 s.
+        Op::AdmitCosts {
+            chain: 8,
+            ms: 1_000,
+            costs: &[1, 60],
+            admitted: false,
+            refused_by: Some(1),
+            retry_us: Some(79 * S),
+            tokens_left: Some(0),
+        },
+        seen(8, 1_000, &[(1, 0), (60, 0)]),
+        // It used 30 of its 60: 30 go back into its bucket.
+        reconcile(8, 0, 2_000, 30 - 60),
+        seen(8, 2_000, &[(1, 0), (30, 0)]),
+        reserve(8, 3_000, &[1, 60], 10),
+        seen(8, 3_000, &[(2, 0), (90, 0)]),
+        // Across the bucket boundary: the second used 80 of its 60, and the 20 owed go into the
+        // bucket it reserved in, now the previous one.
+        reconcile(8, 3_000, 61_000, 80 - 60),
+        seen(8, 61_000, &[(0, 2), (0, 110)]),
+        // A refund whose bucket is gone (two buckets on) is dropped; units owed go into the
+        // current bucket, towards stricter.
+        reserve(8, 120_500, &[1, 10], 90),
+        reconcile(8, 3_000, 121_000, -50),
+        seen(8, 121_000, &[(1, 0), (10, 0)]),
+        reconcile(8, 3_000, 121_500, 5),
+        seen(8, 121_500, &[(1, 0), (15, 0)]),
+        // Never below zero: a refund of 100 from a bucket holding 15.
+        reconcile(8, 120_500, 122_000, -100),
+        seen(8, 122_000, &[(1, 0), (0, 0)]),
+        // An upstream 500 (no usage): the reservation is kept, a difference of 0 changes nothing.
+        reserve(8, 123_000, &[1, 10], 90),
+        reconcile(8, 123_000, 123_500, 0),
+        seen(8, 123_500, &[(2, 0), (10, 0)]),
+        // A cut stream whose chunks counted 25 against a reservation of 10: 15 more.
+        reconcile(8, 123_000, 124_000, 25 - 10),
+        seen(8, 124_000, &[(2, 0), (25, 0)]),
+        // A refund into the previous bucket: 25 - 20 = 5 left there.
+        reconcile(8, 123_000, 181_000, -20),
+        seen(8, 181_000, &[(0, 2), (0, 5)]),
+        // An estimate above the limit can never pass: no retry time, nothing read or charged.
+        Op::AdmitCosts {
+            chain: 8,
+            ms: 182_000,
+            costs: &[1, 101],
+            admitted: false,
+            refused_by: Some(1),
+            retry_us: None,
+            tokens_left: Some(0),
+        },
+        seen(8, 182_000, &[(0, 2), (0, 5)]),
+        // --- chain 9: a reactive key token limit ignores its cost; the org reserves ---
+        reserve(9, 0, &[1, 999, 60], 40),
+        seen(9, 0, &[(1, 0), (0, 0), (60, 0)]),
+        // Recording charges the reactive limit only, reconciling the reserved one only.
+        Op::Record {
+            chain: 9,
+            ms: 1_000,
+            units: 30,
+        },
+        reconcile(9, 0, 1_000, 30 - 60),
+        seen(9, 1_000, &[(1, 0), (30, 0), (30, 0)]),
     ]
 }
 
@@ -477,6 +605,46 @@ pub async fn run_vectors<S: Store>(store: &S) {
                     .unwrap_or_else(|e| panic!("vector {i}: {e}"));
                 assert_eq!(got, used, "vector {i}: reset");
             }
+            Op::AdmitCosts {
+                chain,
+                ms,
+                costs,
+                admitted,
+                refused_by,
+                retry_us,
+                tokens_left,
+            } => {
+                let d = chains[chain]
+                    .admit_costs_at(store, costs, at(ms))
+                    .await
+                    .unwrap_or_else(|e| panic!("vector {i}: {e}"));
+                assert_eq!(d.admitted, admitted, "vector {i}: admitted");
+                assert_eq!(d.refused_by, refused_by, "vector {i}: refused_by");
+                assert_eq!(
+                    d.retry_after,
+                    retry_us.map(Duration::from_micros),
+                    "vector {i}: retry"
+                );
+                let left = d.most_restrictive(Charge::Reserved).map(|s| s.remaining);
+                assert_eq!(left, tokens_left, "vector {i}: tokens left");
+            }
+            Op::Reconcile {
+                chain,
+                reserved_ms,
+                ms,
+                delta,
+            } => chains[chain]
+                .reconcile_at(store, at(reserved_ms), delta, at(ms))
+                .await
+                .unwrap_or_else(|e| panic!("vector {i}: {e}")),
+            Op::Seen { chain, ms, counts } => {
+                let seen = store
+                    .admit(chains[chain].limits(), 0.into(), Some(at(ms)))
+                    .await
+                    .unwrap_or_else(|e| panic!("vector {i}: {e}"));
+                let got: Vec<(u64, u64)> = seen.snapshots.iter().map(|s| (s.cur, s.prev)).collect();
+                assert_eq!(got, counts, "vector {i}: counts");
+            }
         }
     }
     assert!(from_cache > 0, "the cache answered no refusal");
@@ -552,7 +720,7 @@ pub async fn run_refusal_cache_sweep<S: Store>(store: &S) {
 /// Each limit's count in its current bucket at `ms`, read by an admission of cost 0, which
 /// charges nothing.
 pub async fn counts<S: Store>(store: &S, chain: &Chain, ms: u64) -> Vec<u64> {
-    let seen = store.admit(chain.limits(), 0, Some(at(ms))).await;
+    let seen = store.admit(chain.limits(), 0.into(), Some(at(ms))).await;
     let seen = seen.unwrap_or_else(|e| panic!("counts: {e}"));
     seen.snapshots.iter().map(|s| s.cur).collect()
 }
@@ -868,7 +1036,13 @@ pub async fn run_in_flight_vectors<S: Store>(store: &S) {
     let lease = store.lease();
     for _ in 0..2 {
         let seen = store
-            .admit_holding(chain.limits(), chain.in_flight(), 1, lease, Some(at(200)))
+            .admit_holding(
+                chain.limits(),
+                chain.in_flight(),
+                1.into(),
+                lease,
+                Some(at(200)),
+            )
             .await
             .unwrap();
         assert!(seen.admitted);
@@ -986,4 +1160,108 @@ pub async fn run_state_read_and_clear<S: Store>(store: &S) {
     assert_eq!(charged, [1_100]);
     assert_eq!(seen.totals, [0]);
     assert!(seen.snapshots.iter().all(|s| s.elapsed == 41_000_000));
+}
+
+/// 20 concurrent requests, each reserving 100 tokens, against a reserved limit of 1000 tokens a
+/// minute beside a request limit: exactly 10 are admitted (the reservations fill the window
+/// exactly), the others charged nowhere; half of them come with a request-only chain sharing the
+/// request limit, so a batch mixes groups of one cost with groups of per-limit costs.
+pub async fn race_reserved_tokens<S: Store + Clone + 'static>(store: S) {
+    let both = Arc::new(Chain::new(vec![
+        limit(ScopeKind::Org, "race", Charge::Admission, 1000),
+        limit(ScopeKind::Org, "race", Charge::Reserved, 1000),
+    ]));
+    let requests = Arc::new(Chain::new(vec![limit(
+        ScopeKind::Org,
+        "race",
+        Charge::Admission,
+        1000,
+    )]));
+    let mut tasks = tokio::task::JoinSet::new();
+    for i in 0..40 {
+        let (store, both, requests) = (store.clone(), Arc::clone(&both), Arc::clone(&requests));
+        tasks.spawn(async move {
+            if i % 2 == 0 {
+                let d = both.admit_costs_at(&store, &[1, 100], at(0)).await.unwrap();
+                (true, d.admitted)
+            } else {
+                let d = requests.admit_at(&store, 1, at(0)).await.unwrap();
+                (false, d.admitted)
+            }
+        });
+    }
+    let decisions = tasks.join_all().await;
+    let reserved = decisions.iter().filter(|&&(r, a)| r && a).count();
+    let plain = decisions.iter().filter(|&&(r, a)| !r && a).count();
+    assert_eq!((reserved, plain), (10, 20));
+    assert_eq!(counts(&store, &both, 1).await, [30, 1000]);
+}
+
+/// A chain with a concurrency limit reserving tokens: the admission that takes a slot charges
+/// each limit its own cost, and a refusal takes nothing, slot or tokens.
+pub async fn run_reserved_holding<S: Store>(store: &S) {
+    let chain = Chain::new(vec![
+        limit(ScopeKind::Key, "rh", Charge::Admission, 10),
+        limit(ScopeKind::Key, "rh", Charge::Reserved, 100),
+    ])
+    .with_in_flight(vec![slots(ScopeKind::Key, "rh", 5)]);
+    let first = chain.admit_costs_at(store, &[1, 60], at(0)).await.unwrap();
+    assert!(first.admitted && first.lease.is_some());
+    assert_eq!(counts(store, &chain, 1).await, [1, 60]);
+    let refused = chain.admit_costs_at(store, &[1, 60], at(2)).await.unwrap();
+    assert_eq!((refused.admitted, refused.refused_by), (false, Some(1)));
+    assert!(refused.lease.is_none());
+    assert_eq!(counts(store, &chain, 3).await, [1, 60]);
+    assert_eq!(
+        store
+            .read_running(chain.in_flight(), Some(at(3)))
+            .await
+            .unwrap(),
+        [1]
+    );
+    chain.release(store, first.lease).await.unwrap();
+}
+
+/// 20 concurrent reservations of 100 against a budget of 1000: exactly 10 admitted, the refused
+/// ones taken back; reconciled at 30 each, the budget holds 300; a refund for a period that has
+/// ended is dropped, and an amount owed to it goes into the current one.
+pub async fn race_reserved_budget<S: Store + Clone + 'static>(store: S, tenant: &str) {
+    let budgets = Arc::new(Budgets::new(vec![Budget::new(
+        tenant,
+        ScopeKind::Org,
+        "race",
+        Period::Day,
+        1000,
+    )]));
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..20 {
+        let (store, budgets) = (store.clone(), Arc::clone(&budgets));
+        tasks.spawn(async move { budgets.reserve(&store, 100).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    let admitted: Vec<_> = decisions.iter().filter(|d| d.allowed()).collect();
+    assert_eq!(admitted.len(), 10);
+    assert!(
+        decisions
+            .iter()
+            .filter(|d| !d.allowed())
+            .all(|d| d.retry_after.is_some())
+    );
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [1000]);
+    for d in &admitted {
+        budgets.reconcile(&store, d.now, 30 - 100).await.unwrap();
+    }
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [300]);
+    // Reserved yesterday: a refund is dropped, an amount owed lands today.
+    let yesterday = Timestamp::from_micros(Timestamp::now().as_micros() - 86_400_000_000);
+    budgets.reconcile(&store, yesterday, -50).await.unwrap();
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [300]);
+    budgets.reconcile(&store, yesterday, 5).await.unwrap();
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [305]);
+    // Never below zero.
+    budgets
+        .reconcile(&store, Timestamp::now(), -1000)
+        .await
+        .unwrap();
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [0]);
 }

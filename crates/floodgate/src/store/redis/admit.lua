@@ -13,7 +13,9 @@
 -- then the requests in the order they came, in groups: a group is a run of requests of one cost
 -- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
 -- batch of like requests (many callers of one key) thus sends its chain once: each argument
--- costs Redis a string and the script a tonumber.
+-- costs Redis a string and the script a tonumber. A group whose requests cost each limit its own
+-- units (a token estimate on a reserving token limit beside 1 on the request limits; chain.rs
+-- Costs::PerLimit) sends a cost of -1 and, after its key indices, the n costs in chain order.
 -- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation, and the
 -- refusal chain.rs's first_refusal: the first enforced limit that fails its test.
 -- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
@@ -47,11 +49,17 @@ for j = 1, nk do
 end
 local dirty = {}
 local chain = {}
+-- A per-limit group's costs, in chain order.
+local COST = {}
 local pos = 2 + 4 * nk
 local nargs = #ARGV
 while pos <= nargs do
   local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
   local last = pos + 2 + n
+  -- Per-limit costs follow the key indices; the chain of one cost (the common case) pays one
+  -- comparison per key for them.
+  local per = cost < 0
+  if per then last = last + n end
   -- How many of the group's requests are admitted: the fewest that any key of its chain lets
   -- through. Request k (0-based) of the group sees a charged key at CUR + k * cost; the check
   -- (Snapshot::admits) only grows with k, so each key passes its first few requests and refuses
@@ -63,6 +71,11 @@ while pos <= nargs do
     chain[i] = j
     local w, carried, cur, max = W[j], CARRIED[j], CUR[j], MAX[j]
     local kind = KIND[j]
+    local cost = cost
+    if per then
+      cost = tonumber(ARGV[pos + 2 + n + i])
+      COST[i] = cost
+    end
     local passes
     if kind == 'r' then
       if (cur - max) * w + carried >= 0 then passes = 0 else passes = admitted end
@@ -92,9 +105,11 @@ while pos <= nargs do
       local j = chain[i]
       local kind = KIND[j]
       if kind == 'a' or kind == 'as' then
+        local c = cost
+        if per then c = COST[i] end
         -- Counts stop at 2^53 (window.rs MAX_COUNT): only a shadow limit, which admits past its
         -- max, can be charged that far.
-        CUR[j] = math.min(CUR[j] + admitted * cost, 9007199254740992)
+        CUR[j] = math.min(CUR[j] + admitted * c, 9007199254740992)
         dirty[j] = true
       end
     end

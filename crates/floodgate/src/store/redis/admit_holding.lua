@@ -9,25 +9,27 @@
 -- when done; a member past its expiry belongs to a process that died, and is removed here.
 --
 -- KEYS: the chain's n window states, then its m slot sets.
--- ARGV[1]: the time (clock.lua); ARGV[2]: cost; ARGV[3]: n; ARGV[4]: the lease's member;
--- ARGV[5]: the lease time (µs); then per window key i, ARGV[a + 1..a + 4] with
--- a = 5 + 4 * (i - 1): window W (µs), max, kind ('a', 'r', 'as', 'rs' as in admit.lua), TTL (ms);
--- then per slot set j, ARGV[b + 1..b + 2] with b = 5 + 4 * n + 2 * (j - 1): max, kind ('c', or
--- 'cs' for a shadow limit, which takes a slot but never refuses).
+-- ARGV[1]: the time (clock.lua); ARGV[2]: n; ARGV[3]: the lease's member; ARGV[4]: the lease
+-- time (µs); then per window key i, ARGV[a + 1..a + 5] with a = 4 + 5 * (i - 1): window W (µs),
+-- max, kind ('a', 'r', 'as', 'rs' as in admit.lua), TTL (ms), and the limit's cost (its own:
+-- chain.rs Costs); then per slot set j, ARGV[b + 1..b + 2] with b = 4 + 5 * n + 2 * (j - 1): max,
+-- kind ('c', or 'cs' for a shadow limit, which takes a slot but never refuses).
 -- Reply: {now, cur_1, prev_1, ..., cur_n, prev_n, running_1, ..., running_m, admitted}: each
 -- window's counts at `now` before the charge, each slot set's members other than this lease
 -- (live ones), and 1 or 0.
-local cost, n = tonumber(ARGV[2]), tonumber(ARGV[3])
-local member, lease = ARGV[4], tonumber(ARGV[5])
+local n = tonumber(ARGV[2])
+local member, lease = ARGV[3], tonumber(ARGV[4])
 local m = #KEYS - n
 local reply = {now}
 local admitted = true
 local stored = {}
 if n > 0 then stored = redis.call('MGET', unpack(KEYS, 1, n)) end
-local B, CUR, PREV = {}, {}, {}
+local B, CUR, PREV, COST = {}, {}, {}, {}
 for i = 1, n do
-  local a = 5 + 4 * (i - 1)
+  local a = 4 + 5 * (i - 1)
   local w, max, kind = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), ARGV[a + 3]
+  local cost = tonumber(ARGV[a + 5])
+  COST[i] = cost
   local b, cur, prev = window_at(stored[i], w)
   B[i], CUR[i], PREV[i] = b, cur, prev
   reply[2 * i] = cur
@@ -42,7 +44,7 @@ for i = 1, n do
 end
 for j = 1, m do
   local key = KEYS[n + j]
-  local b = 5 + 4 * n + 2 * (j - 1)
+  local b = 4 + 5 * n + 2 * (j - 1)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local running = redis.call('ZCARD', key)
   -- A replayed call finds its own lease: it is not counted against itself.
@@ -52,10 +54,10 @@ for j = 1, m do
 end
 if admitted then
   for i = 1, n do
-    local a = 5 + 4 * (i - 1)
+    local a = 4 + 5 * (i - 1)
     local kind = ARGV[a + 3]
     if kind == 'a' or kind == 'as' then
-      local cur = math.min(CUR[i] + cost, 9007199254740992)
+      local cur = math.min(CUR[i] + COST[i], 9007199254740992)
       redis.call('SET', KEYS[i], string.format('%d %d %d', B[i], cur, PREV[i]), 'PX', ARGV[a + 4])
     end
   end

@@ -10,8 +10,8 @@ use ::redis::Cmd;
 use super::conn::{Failure, bad_reply, int};
 use super::scripts::ADMIT;
 use super::stats::bump;
-use super::{RedisStore, ttl_millis};
-use crate::chain::ChainLimit;
+use super::{RedisStore, kind_arg, ttl_millis};
+use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::store::Observation;
 use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
@@ -23,10 +23,10 @@ pub(super) struct AdmitQueue {
     sending: bool,
 }
 
-/// One queued admission: its chain, its cost, its time argument and where its answer goes.
+/// One queued admission: its chain, its costs, its time argument and where its answer goes.
 struct PendingAdmit {
     limits: Vec<ChainLimit>,
-    cost: u64,
+    cost: GroupCost,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     time: Option<u64>,
     reply: tokio::sync::oneshot::Sender<Result<Decided, Failure>>,
@@ -51,7 +51,7 @@ impl RedisStore {
     pub(super) async fn admit_inner(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Failure> {
         if self.inner.open.load(Ordering::Acquire) {
@@ -61,7 +61,7 @@ impl RedisStore {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let pending = PendingAdmit {
             limits: limits.to_vec(),
-            cost,
+            cost: GroupCost::from_costs(costs),
             // Only a pinned time is fixed now: the client's clock is read when the batch goes
             // out, so that unpinned admissions share a batch under either clock.
             time: now.map(Timestamp::as_micros),
@@ -265,13 +265,17 @@ impl RedisStore {
             match groups.last_mut() {
                 Some(g) if g.cost == p.cost && g.chain == chain => g.members.push(r),
                 _ => groups.push(Group {
-                    cost: p.cost,
+                    cost: p.cost.clone(),
                     chain,
                     members: vec![r],
                 }),
             }
         }
-        let argc = 1 + 4 * keys.len() + groups.iter().map(|g| 3 + g.chain.len()).sum::<usize>();
+        let group_args = |g: &Group| match g.cost {
+            GroupCost::Each(_) => 3 + g.chain.len(),
+            GroupCost::PerLimit(_) => 3 + 2 * g.chain.len(),
+        };
+        let argc = 1 + 4 * keys.len() + groups.iter().map(group_args).sum::<usize>();
         let mut cmd = self.evalsha(&ADMIT, keys.len(), argc);
         for l in &keys {
             self.key_arg(&mut cmd, &[l.key()]);
@@ -282,25 +286,25 @@ impl RedisStore {
         };
         for l in &keys {
             let w = l.limit().window_micros();
-            cmd.arg(w).arg(l.limit().max());
-            cmd.arg(match (l.charge(), l.is_shadow()) {
-                (Charge::Admission, false) => "a",
-                (Charge::Reactive, false) => "r",
-                (Charge::Admission, true) => "as",
-                (Charge::Reactive, true) => "rs",
-            });
+            cmd.arg(w).arg(l.limit().max()).arg(kind_arg(l));
             cmd.arg(ttl_millis(w));
         }
         for g in &groups {
-            cmd.arg(g.cost).arg(g.members.len()).arg(g.chain.len());
+            match &g.cost {
+                GroupCost::Each(cost) => cmd.arg(*cost),
+                GroupCost::PerLimit(_) => cmd.arg(-1),
+            };
+            cmd.arg(g.members.len()).arg(g.chain.len());
             for j in &g.chain {
                 cmd.arg(*j);
             }
+            if let GroupCost::PerLimit(costs) = &g.cost {
+                for c in costs.iter() {
+                    cmd.arg(*c);
+                }
+            }
         }
-        let charged = keys
-            .iter()
-            .map(|l| l.charge() == Charge::Admission)
-            .collect();
+        let charged = keys.iter().map(|l| l.charge().at_admission()).collect();
         (
             Packed {
                 cmd,
@@ -342,12 +346,12 @@ fn replay(
                 .collect();
             let admitted = m < admitted;
             if admitted {
-                for &j in &group.chain {
+                for (i, &j) in group.chain.iter().enumerate() {
                     if charged[j - 1] {
                         // Counts stop at 2^53, as in the script (only a shadow limit, never
                         // refusing, can be charged that far).
                         let cur = &mut counts[j - 1][0];
-                        *cur = cur.saturating_add(group.cost).min(MAX_COUNT);
+                        *cur = cur.saturating_add(group.cost.of(i)).min(MAX_COUNT);
                     }
                 }
             }
@@ -377,11 +381,42 @@ struct Packed {
 /// are grouped, so requests are still decided in the order they came (grouping all of a key's
 /// requests would let a busy key's later requests go before another key's earlier ones).
 struct Group {
-    cost: u64,
+    cost: GroupCost,
     /// The chain's keys, as 1-based indices into `KEYS`, in chain order.
     chain: Vec<usize>,
     /// The batch's requests in the group, in the order they are decided.
     members: Vec<usize>,
+}
+
+/// What a queued admission costs its chain's limits, owned: one cost for every limit, or one
+/// per limit (sent as a cost of -1 and the costs after the key indices: admit.lua).
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum GroupCost {
+    Each(u64),
+    PerLimit(Box<[u64]>),
+}
+
+impl GroupCost {
+    /// `costs`, owned; per-limit costs that are all one are sent as that one.
+    fn from_costs(costs: Costs<'_>) -> GroupCost {
+        match costs {
+            Costs::Each(cost) => GroupCost::Each(cost),
+            Costs::PerLimit(c) => match c.split_first() {
+                Some((&first, rest)) if rest.iter().any(|&x| x != first) => {
+                    GroupCost::PerLimit(c.into())
+                }
+                first => GroupCost::Each(first.map_or(0, |(&f, _)| f)),
+            },
+        }
+    }
+
+    /// The cost of limit `i` of the chain.
+    fn of(&self, i: usize) -> u64 {
+        match self {
+            GroupCost::Each(cost) => *cost,
+            GroupCost::PerLimit(costs) => costs.get(i).copied().unwrap_or(0),
+        }
+    }
 }
 
 /// The admission script's reply for a batch (see admit.lua).
@@ -430,7 +465,7 @@ mod tests {
 
     fn group(cost: u64, chain: &[usize], members: &[usize]) -> Group {
         Group {
-            cost,
+            cost: GroupCost::Each(cost),
             chain: chain.to_vec(),
             members: members.to_vec(),
         }

@@ -74,7 +74,7 @@ use charges::ChargeQueue;
 use conn::{Failure, bad_reply, int};
 use reads::ReadQueue;
 use releases::ReleaseQueue;
-use scripts::{ACQUIRE, Op, RESET, STATE_CLEAR, STATE_READ};
+use scripts::{ACQUIRE, Op, PERIODS_RECONCILE, RECONCILE, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
 use super::{
@@ -82,7 +82,7 @@ use super::{
 };
 use crate::Error;
 use crate::bucket::BucketLimit;
-use crate::chain::{ChainLimit, ScopeKind};
+use crate::chain::{ChainLimit, Costs, ScopeKind};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{Period, PeriodCounter};
@@ -199,7 +199,7 @@ impl RedisStore {
                 WindowLimit::per_second(MAX_COUNT),
             )]
         });
-        self.admit_inner(&*PROBE, 1, None)
+        self.admit_inner(&*PROBE, 1.into(), None)
             .await
             .map(|_| ())
             .map_err(Error::from)
@@ -336,11 +336,22 @@ fn ttl_millis(window_us: u64) -> u64 {
     window_us.saturating_mul(2).div_ceil(1000)
 }
 
+/// How the admission scripts take a limit: `a` charged at admission (requests, and reserved
+/// tokens, decided and charged alike at admission), `r` reactive, `s` appended for a shadow one.
+fn kind_arg(l: &ChainLimit) -> &'static str {
+    match (l.charge().at_admission(), l.is_shadow()) {
+        (true, false) => "a",
+        (false, false) => "r",
+        (true, true) => "as",
+        (false, true) => "rs",
+    }
+}
+
 impl Store for RedisStore {
     async fn admit(
         &self,
         limits: &[ChainLimit],
-        cost: u64,
+        cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
         match self.admit_inner(limits, cost, now).await {
@@ -360,7 +371,7 @@ impl Store for RedisStore {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        cost: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
@@ -406,6 +417,36 @@ impl Store for RedisStore {
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
         self.record_inner(limits, units, now).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
+    }
+
+    async fn reconcile(
+        &self,
+        limits: &[ChainLimit],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        let reserved = || limits.iter().filter(|l| l.charge() == Charge::Reserved);
+        let n = reserved().count();
+        if n == 0 || delta == 0 {
+            return Ok(());
+        }
+        let mut cmd = self.evalsha(&RECONCILE, n, 2 + 3 * n);
+        for l in reserved() {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(delta);
+        for l in reserved() {
+            let w = l.limit().window_micros();
+            cmd.arg(w)
+                .arg(reserved_at.as_micros() / w)
+                .arg(ttl_millis(w));
+        }
+        self.inner.run::<()>(&RECONCILE, &cmd).await.map_err(|f| {
             bump(&self.inner.counters.errors);
             f.into()
         })
@@ -491,6 +532,33 @@ impl Store for RedisStore {
                 bump(&self.inner.counters.errors);
                 f.into()
             })
+    }
+
+    async fn reconcile_periods(
+        &self,
+        counters: &[PeriodCounter],
+        reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> Result<(), Error> {
+        if counters.is_empty() || delta == 0 {
+            return Ok(());
+        }
+        let n = counters.len();
+        let mut cmd = self.evalsha(&PERIODS_RECONCILE, n, 3 + n);
+        for c in counters {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        self.time_arg(&mut cmd, now);
+        cmd.arg(delta).arg(reserved_at.as_micros());
+        for c in counters {
+            cmd.arg(c.period().as_str());
+        }
+        let op = &PERIODS_RECONCILE;
+        self.inner.run::<()>(op, &cmd).await.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
     }
 
     async fn read_state(

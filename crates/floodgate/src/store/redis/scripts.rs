@@ -17,8 +17,8 @@ pub(super) enum Replay {
     /// idempotent. Reading period counters: a read, harmless twice.
     Once,
     /// Never replayed: an increment applied twice would count units (tokens, spend) that were
-    /// never used, and nothing would ever take them back. Charges: tokens recorded and spend
-    /// added to period counters (budgets).
+    /// never used, and nothing would ever take them back. Charges (tokens recorded, spend
+    /// added to period counters) and reconciling a reservation.
     Never,
 }
 
@@ -74,9 +74,11 @@ macro_rules! lua {
 
 const ADMIT_LUA: &str = lua!(window "admit.lua");
 const CHARGE_LUA: &str = lua!(charge "charge.lua");
+const RECONCILE_LUA: &str = lua!(window "reconcile.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
 const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
+const PERIODS_RECONCILE_LUA: &str = lua!(period "periods_reconcile.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
 const RENEW_LUA: &str = lua!("renew.lua");
@@ -95,11 +97,16 @@ fn op(name: &'static str, source: &str, replay: Replay) -> Op {
 // Hashed once, on first use.
 pub(super) static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Once));
 pub(super) static CHARGE: LazyLock<Op> = LazyLock::new(|| op("charge", CHARGE_LUA, Replay::Never));
+// A reservation's difference, added once: twice would charge (or refund) it twice.
+pub(super) static RECONCILE: LazyLock<Op> =
+    LazyLock::new(|| op("reconcile", RECONCILE_LUA, Replay::Never));
 pub(super) static ACQUIRE: LazyLock<Op> =
     LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
 pub(super) static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
 pub(super) static PERIODS_READ: LazyLock<Op> =
     LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
+pub(super) static PERIODS_RECONCILE: LazyLock<Op> =
+    LazyLock::new(|| op("periods_reconcile", PERIODS_RECONCILE_LUA, Replay::Never));
 // Taking a slot twice under one lease takes it once (the script finds its own member); the
 // window charge replays as `admit`'s does.
 pub(super) static ADMIT_HOLDING: LazyLock<Op> =
@@ -117,7 +124,8 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
     LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `charge`, `acquire`, `reset`, `periods_read`, `state_read`,
+/// name: `admit`, `charge`, `reconcile`, `acquire`, `reset`, `periods_read`,
+/// `periods_reconcile`, `state_read`,
 /// `state_clear`, `admit_holding`, `release`, `renew`, `running`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
@@ -129,9 +137,11 @@ pub fn script_source(op: &str) -> Option<&'static str> {
     Some(match op {
         "admit" => ADMIT_LUA,
         "charge" => CHARGE_LUA,
+        "reconcile" => RECONCILE_LUA,
         "acquire" => ACQUIRE_LUA,
         "reset" => RESET_LUA,
         "periods_read" => PERIODS_READ_LUA,
+        "periods_reconcile" => PERIODS_RECONCILE_LUA,
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
         "renew" => RENEW_LUA,
@@ -197,6 +207,9 @@ mod tests {
             assert!(script_source(name).is_some());
         }
         assert_eq!(CHARGE.replay, Replay::Never);
+        assert_eq!(RECONCILE.replay, Replay::Never);
+        assert!(script_source("reconcile").is_some());
+        assert_eq!(PERIODS_RECONCILE.replay, Replay::Never);
         assert_eq!(PERIODS_READ.replay, Replay::Once);
         assert!(script_source("periods_read").is_some());
         assert_eq!(ADMIT.replay, Replay::Once);

@@ -17,12 +17,12 @@ use std::time::Duration;
 use super::conn::{Failure, bad_reply};
 use super::scripts::{ADMIT_HOLDING, RENEW, RUNNING};
 use super::stats::bump;
-use super::{Inner, RedisStore, ttl_millis};
-use crate::chain::ChainLimit;
+use super::{Inner, RedisStore, kind_arg, ttl_millis};
+use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::store::Observation;
-use crate::window::{Charge, Snapshot};
+use crate::window::Snapshot;
 
 /// The most slots one renewal call carries.
 const RENEW_CHUNK: usize = 1024;
@@ -58,12 +58,12 @@ impl RedisStore {
         &self,
         limits: &[ChainLimit],
         slots: &[InFlightLimit],
-        cost: u64,
+        costs: Costs<'_>,
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Result<Observation, Failure> {
         let (n, m) = (limits.len(), slots.len());
-        let mut cmd = self.evalsha(&ADMIT_HOLDING, n + m, 5 + 4 * n + 2 * m);
+        let mut cmd = self.evalsha(&ADMIT_HOLDING, n + m, 4 + 5 * n + 2 * m);
         for l in limits {
             self.key_arg(&mut cmd, &[l.key()]);
         }
@@ -73,16 +73,14 @@ impl RedisStore {
         }
         self.time_arg(&mut cmd, now);
         let lease_us = self.inner.config.lease.as_micros().max(1) as u64;
-        cmd.arg(cost).arg(n).arg(self.member(lease)).arg(lease_us);
-        for l in limits {
+        cmd.arg(n).arg(self.member(lease)).arg(lease_us);
+        for (i, l) in limits.iter().enumerate() {
             let w = l.limit().window_micros();
-            let kind = match (l.charge(), l.is_shadow()) {
-                (Charge::Admission, false) => "a",
-                (Charge::Admission, true) => "as",
-                (Charge::Reactive, false) => "r",
-                (Charge::Reactive, true) => "rs",
-            };
-            cmd.arg(w).arg(l.limit().max()).arg(kind).arg(ttl_millis(w));
+            cmd.arg(w)
+                .arg(l.limit().max())
+                .arg(kind_arg(l))
+                .arg(ttl_millis(w));
+            cmd.arg(costs.of(i));
         }
         for s in slots {
             cmd.arg(s.max()).arg(if s.is_shadow() { "cs" } else { "c" });
