@@ -374,6 +374,34 @@ async fn hits_addend_is_the_cost() {
     assert_eq!(r.statuses[0].limit_remaining, 9);
 }
 
+#[tokio::test]
+async fn descriptors_of_different_costs_are_one_atomic_decision() {
+    let (mut s, _dir) = service(&["readme-example05-8.yaml"]).await;
+    // Two counters of 100 a minute (`azure` matches any value), each descriptor its own cost.
+    let call = |a: u64, b: u64| {
+        let mut req = request("internal", &[&[("azure", "a")], &[("azure", "b")]]);
+        req.descriptors[0].hits_addend = Some(UInt64Value { value: a });
+        req.descriptors[1].hits_addend = Some(UInt64Value { value: b });
+        req
+    };
+    let r = s.call(call(1, 90)).await;
+    assert_eq!(r.overall_code, OK);
+    let left: Vec<u32> = r.statuses.iter().map(|st| st.limit_remaining).collect();
+    assert_eq!(left, [99, 10]);
+    // b cannot take 20 more: the call is refused, and a is charged nothing either.
+    let r = s.call(call(1, 20)).await;
+    assert_eq!(r.overall_code, OVER);
+    assert_eq!((r.statuses[0].code, r.statuses[1].code), (OK, OVER));
+    let r = s.call(call(0, 0)).await;
+    let left: Vec<u32> = r.statuses.iter().map(|st| st.limit_remaining).collect();
+    assert_eq!(left, [99, 10], "the refused call charged neither counter");
+    // Both fit: both charged, each its own cost.
+    let r = s.call(call(2, 10)).await;
+    assert_eq!(r.overall_code, OK);
+    let left: Vec<u32> = r.statuses.iter().map(|st| st.limit_remaining).collect();
+    assert_eq!(left, [97, 0]);
+}
+
 /// `descriptor` with Envoy's `limit` override.
 fn overridden(entries: &[(&str, &str)], n: u32, unit: RateLimitUnit) -> RateLimitDescriptor {
     RateLimitDescriptor {

@@ -8,9 +8,9 @@
 //!   the request passes only if every enforced limit passes, and a refused request is charged to
 //!   none of them (envoyproxy/ratelimit adds the hits to every counter, refused or not).
 //! - The cost is `hits_addend`: a descriptor's own when set (0 checks without charging), else
-//!   the request's, with 0 meaning 1. Descriptors with different costs cannot share one
-//!   admission (a store admits one cost): each cost is admitted in turn, in request order, and
-//!   a refusal stops the rest; what earlier costs admitted stays charged (docs/envoy.md).
+//!   the request's, with 0 meaning 1. Descriptors of different costs are one admission with a
+//!   cost per limit, so a call is decided in one atomic step whatever its costs
+//!   (docs/envoy.md).
 //! - Counters are named by the request's entries, as envoyproxy/ratelimit's cache keys are, in
 //!   the domain's hash tag: `{rls:DOMAIN}:gateway:KEY=VALUE.KEY=VALUE:req:WINDOWus` (no
 //!   `:WINDOWus` for a minute, as [`ChainLimit::new`] names keys), never a key
@@ -31,7 +31,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimit
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
 use floodgate::store::AnyStore;
-use floodgate::{Chain, ChainDecision, ChainLimit, Charge, LimitStatus, ScopeKind};
+use floodgate::{Chain, ChainLimit, Charge, LimitStatus, ScopeKind};
 use tonic::{Request, Response, Status};
 
 use super::config::{RlsConfig, Rule, Unit};
@@ -53,12 +53,8 @@ enum Slot<'a> {
     Free(DescriptorOutcome),
     /// `unlimited`.
     Unlimited,
-    /// A limit of the admission of cost `cost`, at index `at` of its chain.
-    Limited {
-        rule: &'a Rule,
-        cost: u64,
-        at: usize,
-    },
+    /// A limit of the call's admission, at index `at` of its chain.
+    Limited { rule: &'a Rule, at: usize },
 }
 
 impl Rls {
@@ -136,8 +132,9 @@ impl Rls {
             .flat_map(|r| r.replaces.iter().map(String::as_str))
             .collect();
         let tenant = format!("rls:{}", escape(&req.domain));
-        // The admissions, one per distinct cost in request order, and each descriptor's place.
-        let mut admissions: Vec<(u64, Vec<ChainLimit>)> = Vec::new();
+        // The call's one admission: its limits, each with its cost, and each descriptor's place.
+        let mut limits: Vec<ChainLimit> = Vec::new();
+        let mut costs: Vec<u64> = Vec::new();
         let mut slots = Vec::with_capacity(rules.len());
         for (d, rule) in req.descriptors.iter().zip(&rules) {
             let slot = match rule.as_deref() {
@@ -158,54 +155,51 @@ impl Rls {
                             window,
                         )
                         .with_shadow(r.shadow);
-                        let group = match admissions.iter().position(|(c, _)| *c == cost) {
-                            Some(g) => g,
-                            None => {
-                                admissions.push((cost, Vec::new()));
-                                admissions.len() - 1
-                            }
-                        };
-                        let limits = &mut admissions[group].1;
                         // The same counter twice in one request (the same descriptor sent
                         // twice) is one limit of the chain: a chain's keys are distinct. With
-                        // overrides of one unit but different sizes on it, the stricter decides.
+                        // overrides of one unit but different sizes on it, the stricter decides;
+                        // sent twice with equal costs it is charged once, with different costs
+                        // the larger.
                         let at = match limits.iter().position(|l| l.key() == limit.key()) {
                             Some(at) => {
                                 if stricter(&limit, &limits[at]) {
                                     limits[at] = limit;
                                 }
+                                costs[at] = costs[at].max(cost);
                                 at
                             }
                             None => {
                                 limits.push(limit);
+                                costs.push(cost);
                                 limits.len() - 1
                             }
                         };
-                        Slot::Limited { rule: r, cost, at }
+                        Slot::Limited { rule: r, at }
                     }
                 },
             };
             slots.push(slot);
         }
-        // Decide each admission in turn; a refusal stops the rest.
-        let mut decisions: Vec<(u64, ChainDecision)> = Vec::with_capacity(admissions.len());
-        for (cost, limits) in admissions {
+        // One atomic step over every limited descriptor, each at its own cost.
+        let decision = if limits.is_empty() {
+            None
+        } else {
             let chain = Chain::new(limits);
             let started = Instant::now();
-            let decided = chain.admit(&self.store, cost).await;
+            let decided = match costs.split_first() {
+                Some((&first, rest)) if rest.iter().all(|&c| c == first) => {
+                    chain.admit(&self.store, first).await
+                }
+                _ => chain.admit_costs(&self.store, &costs).await,
+            };
             let failed = !decided.as_ref().is_ok_and(|d| d.enforced);
             self.metrics.store_call(started.elapsed(), failed);
-            let decision = decided.map_err(|e| {
+            Some(decided.map_err(|e| {
                 tracing::warn!(error = %e, "store unavailable: failing closed");
                 Status::unavailable("the rate limit store is unavailable")
-            })?;
-            let refused = !decision.admitted;
-            decisions.push((cost, decision));
-            if refused {
-                break;
-            }
-        }
-        let enforced = decisions.iter().all(|(_, d)| d.enforced);
+            })?)
+        };
+        let enforced = decision.as_ref().is_none_or(|d| d.enforced);
         let mut response = RateLimitResponse {
             overall_code: Code::Ok as i32,
             ..RateLimitResponse::default()
@@ -231,18 +225,17 @@ impl Rls {
                         ..DescriptorStatus::default()
                     }
                 }
-                Slot::Limited { rule, cost, at } => {
-                    let decided = decisions
-                        .iter()
-                        .find(|(c, _)| c == cost)
-                        .and_then(|(_, d)| Some((d, d.statuses.get(*at)?)));
+                Slot::Limited { rule, at } => {
+                    let decided = decision
+                        .as_ref()
+                        .and_then(|d| Some((d, d.statuses.get(*at)?)));
                     let current_limit = rule.limit.map(|(n, unit)| RateLimit {
                         name: rule.name.clone(),
                         requests_per_unit: n,
                         unit: unit.proto(),
                     });
                     match decided {
-                        // Not decided: the store failed open, or an earlier cost refused.
+                        // Not decided: the store failed open.
                         None => DescriptorStatus {
                             code: Code::Ok as i32,
                             current_limit,
