@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::config::Config;
+use crate::config::{Config, text_digest};
 use crate::http::{AppState, Process};
 
 /// How often the config file is looked at for a change.
@@ -72,6 +72,14 @@ impl Reloader {
     /// The file reloaded.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The digest of the text the running config was read from.
+    fn running_digest(&self) -> u64 {
+        self.running
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .text_digest
     }
 
     /// Reads the file again and, if it is valid and changes only what can change, puts it in
@@ -182,8 +190,13 @@ fn seen(path: &Path) -> Option<Seen> {
 
 /// Watches `reloader`'s file and reloads it when it changes, until the process stops. A file
 /// gone for a moment (mid-rename) is waited for, not reloaded.
+///
+/// The first look, and every look that finds the file's time, length or inode changed, reads
+/// the file and reloads only if its text differs from what the running config was read from:
+/// an edit made between the start's read and the watcher's first look is not missed, and a
+/// touch that changes nothing reloads nothing.
 pub async fn watch(reloader: &Reloader) {
-    let mut last = seen(reloader.path());
+    let mut last = None;
     let mut tick = tokio::time::interval(WATCH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -192,7 +205,12 @@ pub async fn watch(reloader: &Reloader) {
         if now.is_none() || now == last {
             continue;
         }
+        let Ok(text) = std::fs::read(reloader.path()) else {
+            continue;
+        };
         last = now;
-        let _ = reloader.reload();
+        if text_digest(&text) != reloader.running_digest() {
+            let _ = reloader.reload();
+        }
     }
 }

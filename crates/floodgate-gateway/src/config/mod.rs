@@ -82,6 +82,16 @@ impl Config {
     }
 }
 
+/// A digest of a config file's text: the reload watcher compares it with the running config's
+/// [`Config::text_digest`] (docs/design.md §7).
+pub fn text_digest(text: &[u8]) -> u64 {
+    use sha2::{Digest, Sha256};
+    let hash = Sha256::digest(text);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash[..8]);
+    u64::from_le_bytes(first)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -103,3 +113,4 @@ mod tests {
         assert!(c.limits.is_empty());
     }
 }
+

@@ -150,6 +150,9 @@ impl OnErrorKinds {
 pub struct Config {
     /// The file it was read from.
     pub path: PathBuf,
+    /// A digest of the text it was read from, so that the reload watcher can tell whether the
+    /// file still holds what runs (docs/design.md §7).
+    pub text_digest: u64,
     /// Where to listen.
     pub listen: SocketAddr,
     /// Worker threads, each with its own event loop and listening socket (`None`: the default,

@@ -16,6 +16,7 @@ use super::raw::{
     RawAdmin, RawAlerts, RawBudget, RawConfig, RawKey, RawOnError, RawPrice, RawRealtime,
     RawServer, RawStore, RawUpstream,
 };
+use super::text_digest;
 use super::types::{
     AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
     DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
@@ -172,6 +173,7 @@ impl Validator<'_> {
 
         Ok(Config {
             path: self.file.to_path_buf(),
+            text_digest: text_digest(self.text.as_bytes()),
             listen: server.listen,
             workers: server.workers,
             header_timeout: server.header_timeout,

@@ -125,6 +125,7 @@ pub async fn run(
 /// store opened, the gRPC and admin listeners bound, reloads on SIGHUP and file changes.
 /// Blocks the calling thread.
 pub fn serve(options: &RlsOptions) -> Result<(), RlsError> {
+    let loaded = reload::snapshot(&options.config);
     let config = RlsConfig::load(&options.config).map_err(RlsError::Config)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .thread_name("floodgate-rls")
@@ -157,7 +158,7 @@ pub fn serve(options: &RlsOptions) -> Result<(), RlsError> {
                 stopped(stop_rx.clone()),
             ));
         }
-        let reloader = reload::Reloader::new(options.config.clone(), Arc::clone(&rls));
+        let reloader = reload::Reloader::new(options.config.clone(), Arc::clone(&rls), loaded);
         let mut stopping = stop_rx.clone();
         tokio::spawn(async move {
             let watching = reload::watch(&reloader);

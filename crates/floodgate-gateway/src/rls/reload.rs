@@ -19,12 +19,15 @@ pub const WATCH_EVERY: Duration = Duration::from_millis(250);
 pub struct Reloader {
     path: PathBuf,
     rls: Arc<Rls>,
+    loaded: Option<Seen>,
 }
 
 impl Reloader {
-    /// Reloads `path` (a file or a directory) into `rls`.
-    pub fn new(path: PathBuf, rls: Arc<Rls>) -> Reloader {
-        Reloader { path, rls }
+    /// Reloads `path` (a file or a directory) into `rls`, whose running config was read from
+    /// the files as `loaded` (a [`snapshot`] taken before that read) found them: a change made
+    /// since is seen at the watcher's first look.
+    pub fn new(path: PathBuf, rls: Arc<Rls>, loaded: Option<Seen>) -> Reloader {
+        Reloader { path, rls, loaded }
     }
 
     /// Reads the config again and, if it is valid, puts it in force. Logged and counted.
@@ -48,9 +51,11 @@ impl Reloader {
 
 /// What identifies the files' content: each one's name, time, length and inode (a rename over
 /// a file, as editors and Kubernetes ConfigMaps do, changes the inode).
-type Seen = Vec<(PathBuf, Option<SystemTime>, u64, u64)>;
+pub type Seen = Vec<(PathBuf, Option<SystemTime>, u64, u64)>;
 
-fn seen(path: &Path) -> Option<Seen> {
+/// What the files at `path` look like now; taken before the config is read, for
+/// [`Reloader::new`].
+pub fn snapshot(path: &Path) -> Option<Seen> {
     let meta = std::fs::metadata(path).ok()?;
     let mut files = vec![path.to_owned()];
     if meta.is_dir() {
@@ -78,12 +83,12 @@ fn seen(path: &Path) -> Option<Seen> {
 /// Watches the reloader's path and reloads when it changes, forever. A path gone for a moment
 /// (mid-rename) is waited for, not reloaded.
 pub async fn watch(reloader: &Reloader) {
-    let mut last = seen(&reloader.path);
+    let mut last = reloader.loaded.clone();
     let mut tick = tokio::time::interval(WATCH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = seen(&reloader.path);
+        let now = snapshot(&reloader.path);
         if now.is_none() || now == last {
             continue;
         }
