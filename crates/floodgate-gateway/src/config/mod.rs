@@ -113,4 +113,3 @@ mod tests {
         assert!(c.limits.is_empty());
     }
 }
-
