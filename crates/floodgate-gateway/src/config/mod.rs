@@ -33,6 +33,7 @@ mod validate;
 
 pub use money::{MAX_BUDGET_USD, MAX_PRICE_PER_MILLION, per_million, usd};
 pub use types::*;
+pub use validate::text_digest;
 
 impl Config {
     /// Reads and validates the config at `path`.
@@ -80,16 +81,6 @@ impl Config {
             .get(&(kind, id.to_owned()))
             .map_or(&[], Vec::as_slice)
     }
-}
-
-/// A digest of a config file's text: the reload watcher compares it with the running config's
-/// [`Config::text_digest`] (docs/design.md §7).
-pub fn text_digest(text: &[u8]) -> u64 {
-    use sha2::{Digest, Sha256};
-    let hash = Sha256::digest(text);
-    let mut first = [0u8; 8];
-    first.copy_from_slice(&hash[..8]);
-    u64::from_le_bytes(first)
 }
 
 #[cfg(test)]

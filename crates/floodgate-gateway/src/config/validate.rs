@@ -16,7 +16,6 @@ use super::raw::{
     RawAdmin, RawAlerts, RawBudget, RawConfig, RawKey, RawOnError, RawPrice, RawRealtime,
     RawServer, RawStore, RawUpstream,
 };
-use super::text_digest;
 use super::types::{
     AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
     DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
@@ -986,6 +985,15 @@ impl Validator<'_> {
         };
         Ok(UpstreamConfig { target, timeout })
     }
+}
+
+/// A digest of a config file's text: the reload watcher compares it with the running config's
+/// [`Config::text_digest`] (docs/design.md §7).
+pub fn text_digest(text: &[u8]) -> u64 {
+    let hash = Sha256::digest(text);
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&hash[..8]);
+    u64::from_le_bytes(first)
 }
 
 fn parse_sha256(hex: &str) -> Option<[u8; 32]> {
