@@ -29,17 +29,7 @@ use tokio::task::JoinSet;
 
 /// The test server's URL, or `None` (with a note) when Redis tests are not enabled.
 fn redis_url(test: &str) -> Option<String> {
-    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                !common::redis_required(),
-                "{test}: FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is unset"
-            );
-            eprintln!("{test}: skipped, FLOODGATE_TEST_REDIS_URL is unset");
-            None
-        }
-    }
+    common::server_from_env("FLOODGATE_TEST_REDIS_URL", test)
 }
 
 fn random_u64() -> u64 {

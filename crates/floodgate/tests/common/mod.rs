@@ -524,9 +524,45 @@ pub fn vectors() -> Vec<Op> {
     ]
 }
 
+/// `chains` with every scope under a tenant of its own (its kind and id, so that chains sharing
+/// a scope still share its state): on a Redis Cluster each scope then lies in a slot of its own
+/// (as a customer's and the gateway's limits do), so that a chain is decided slot by slot, with
+/// refunds. Every store must decide these exactly as it decides `chains`.
+pub fn spread(chains: Vec<Chain>) -> Vec<Chain> {
+    chains
+        .into_iter()
+        .map(|c| {
+            let limits = c
+                .limits()
+                .iter()
+                .map(|l| {
+                    let tenant = format!("{}:{}", l.scope(), l.id());
+                    ChainLimit::new(&tenant, l.scope(), l.id(), l.charge(), l.limit())
+                        .with_shadow(l.is_shadow())
+                })
+                .collect();
+            let slots = c
+                .in_flight()
+                .iter()
+                .map(|s| {
+                    let tenant = format!("{}:{}", s.scope(), s.id());
+                    InFlightLimit::new(&tenant, s.scope(), s.id(), s.max())
+                        .with_shadow(s.is_shadow())
+                })
+                .collect();
+            Chain::new(limits).with_in_flight(slots)
+        })
+        .collect()
+}
+
 /// Runs every vector against `store`, which must be empty (or under a fresh prefix).
 pub async fn run_vectors<S: Store>(store: &S) {
-    let chains = chains();
+    run_vectors_on(store, chains()).await;
+}
+
+/// Runs every vector against `store` with `chains` in place of [`chains`] (the same chains,
+/// laid out otherwise: [`spread`]).
+pub async fn run_vectors_on<S: Store>(store: &S, chains: Vec<Chain>) {
     // Every admission goes through a refusal cache (docs/design.md §11). Each refusal it
     // answers without the store must be exactly the store's: the expected figures below are
     // the store's, and the store, asked again at the same instant, must give the same decision.
@@ -742,6 +778,22 @@ pub async fn race_past_a_shadow_limit<S: Store + Clone + 'static>(store: S) {
     assert_eq!(over, 9, "all but the first admitted past the shadow limit");
     assert!(refused.iter().all(|d| d.refused_by == Some(1)));
     assert_eq!(counts(&store, &chain, 0).await, [10, 10]);
+}
+
+/// The value of the test server variable `var` (a URL, or a cluster's seeds), or `None` with a
+/// note on stderr when it is unset: a skip, which [`redis_required`] turns into a failure.
+pub fn server_from_env(var: &str, test: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(value) if !value.is_empty() => Some(value),
+        _ => {
+            assert!(
+                !redis_required(),
+                "{test}: FLOODGATE_REQUIRE_REDIS=1 but {var} is unset"
+            );
+            eprintln!("{test}: skipped, {var} is unset");
+            None
+        }
+    }
 }
 
 /// Whether the Redis tests must run (CI sets this): a skip is then a failure.
@@ -966,7 +1018,11 @@ fn running(d: &floodgate::ChainDecision) -> Vec<(u64, bool)> {
 /// The concurrency vectors: the same sequence at pinned times gives the same decisions on every
 /// store. `store` must be empty (or under a fresh prefix).
 pub async fn run_in_flight_vectors<S: Store>(store: &S) {
-    let c = in_flight_chains();
+    run_in_flight_vectors_on(store, in_flight_chains()).await;
+}
+
+/// [`run_in_flight_vectors`] with `c` in place of [`in_flight_chains`] ([`spread`]).
+pub async fn run_in_flight_vectors_on<S: Store>(store: &S, c: Vec<Chain>) {
     let admit = |i: usize, ms: u64| {
         let chain = &c[i];
         async move { chain.admit_at(store, 1, at(ms)).await.unwrap() }

@@ -4,6 +4,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use ::redis::Cmd;
 
@@ -15,6 +16,14 @@ use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::store::Observation;
 use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
+
+/// One slot's admission queue (a single server has one).
+type Lane = Arc<Mutex<AdmitQueue>>;
+
+fn lock(lane: &Lane) -> MutexGuard<'_, AdmitQueue> {
+    // Pushes and drains cannot leave the queue half-changed.
+    lane.lock().unwrap_or_else(PoisonError::into_inner)
+}
 
 /// Admissions queued for the next batch, and whether a task is sending batches.
 #[derive(Default)]
@@ -67,13 +76,18 @@ impl RedisStore {
             time: now.map(Timestamp::as_micros),
             reply: tx,
         };
+        // On a cluster, the chain's slot (all its keys lie in one: `RedisStore::admit_across`).
+        let lane = self
+            .inner
+            .admissions
+            .lane(limits.first().and_then(|l| self.slot(l.key())));
         let start = {
-            let mut q = self.queue();
+            let mut q = lock(&lane);
             q.pending.push(pending);
             !std::mem::replace(&mut q.sending, true)
         };
         if start {
-            tokio::spawn(self.clone().send_batches());
+            tokio::spawn(self.clone().send_batches(lane));
         }
         let (t, admitted, counts) = rx
             .await
@@ -101,31 +115,23 @@ impl RedisStore {
         })
     }
 
-    fn queue(&self) -> std::sync::MutexGuard<'_, AdmitQueue> {
-        // Pushes and drains cannot leave the queue half-changed.
-        self.inner
-            .admissions
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Sends batches until the queue is empty. One batch shares one time argument: admissions
-    /// with another (a pinned clock) wait for a later batch.
-    async fn send_batches(self) {
+    /// Sends batches until `lane`'s queue is empty. One batch shares one time argument:
+    /// admissions with another (a pinned clock) wait for a later batch.
+    async fn send_batches(self, lane: Lane) {
         // If sending stops early (it panicked, or its runtime shut down and dropped it), the
         // queue must not stay marked as served, or every later admission would wait for a
         // sender that is gone: the queued ones are answered as unavailable (their failure
         // policy applies) and the next admission starts a sender again. The batch in hand fails
         // over the same way, its answers dropped.
         struct Unmark<'a> {
-            store: &'a RedisStore,
+            lane: &'a Lane,
             done: bool,
         }
         impl Drop for Unmark<'_> {
             fn drop(&mut self) {
                 if !self.done {
                     let queued = {
-                        let mut q = self.store.queue();
+                        let mut q = lock(self.lane);
                         q.sending = false;
                         std::mem::take(&mut q.pending)
                     };
@@ -135,12 +141,12 @@ impl RedisStore {
             }
         }
         let mut unmark = Unmark {
-            store: &self,
+            lane: &lane,
             done: false,
         };
         loop {
             let batch: Vec<PendingAdmit> = {
-                let mut q = self.queue();
+                let mut q = lock(&lane);
                 let mut batch = Vec::new();
                 let mut rest = Vec::new();
                 let mut limits = 0;
@@ -178,11 +184,11 @@ impl RedisStore {
                 }
                 batch
             };
-            self.send_batch(batch).await;
+            self.send_batch(&lane, batch).await;
         }
     }
 
-    async fn send_batch(&self, mut batch: Vec<PendingAdmit>) {
+    async fn send_batch(&self, lane: &Lane, mut batch: Vec<PendingAdmit>) {
         let (
             Packed {
                 cmd,
@@ -194,7 +200,7 @@ impl RedisStore {
         if taken < batch.len() {
             // Back to the front of the queue: they came before anything queued since.
             let rest = batch.split_off(taken);
-            let mut q = self.queue();
+            let mut q = lock(lane);
             let later = std::mem::replace(&mut q.pending, rest);
             q.pending.extend(later);
         }

@@ -8,9 +8,10 @@
 use std::collections::HashMap;
 
 use ::redis::Cmd;
+use ::redis::cluster_routing::Slot;
 
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued, intern};
+use super::group::{self, Answer, Bounds, Queue, Queued, intern};
 use super::scripts::CHARGE;
 use super::stats::bump;
 use super::{RedisStore, periods_reply, ttl_millis};
@@ -42,6 +43,11 @@ pub(super) struct PendingCharge {
 /// One charge's answer: the batch's instant and, for counters, their totals after it.
 type Charged = (u64, Vec<u64>);
 
+/// The answer of a queued charge.
+async fn landed(answer: Answer<Charged>) -> Result<Charged, Failure> {
+    group::answer(answer, "charge").await
+}
+
 /// The most one batch carries: charges, and keys over all of them past its first (the script
 /// unpacks its keys onto Lua's stack for MGET).
 const BOUNDS: Bounds = Bounds {
@@ -65,7 +71,9 @@ impl Queued for PendingCharge {
 }
 
 impl RedisStore {
-    /// Adds `units` to every reactive limit of `limits`, through a charge batch.
+    /// Adds `units` to every reactive limit of `limits`, through a charge batch (on a cluster,
+    /// one per slot the limits lie in, each a charge of its own: a charge is an add to each
+    /// key, with nothing to decide across them).
     pub(super) async fn record_inner(
         &self,
         limits: &[ChainLimit],
@@ -80,48 +88,80 @@ impl RedisStore {
         if reactive.is_empty() {
             return Ok(());
         }
-        self.charge(Work::Record(reactive, units), now).await?;
+        if !self.is_cluster() {
+            let slot = None;
+            return landed(self.charge(slot, Work::Record(reactive, units), now)?)
+                .await
+                .map(drop);
+        }
+        let mut waits = Vec::new();
+        for (slot, part) in self.by_slot(&reactive, |l| l.key()) {
+            let part = part.iter().map(|&i| reactive[i].clone()).collect();
+            waits.push(self.charge(slot, Work::Record(part, units), now)?);
+        }
+        for wait in waits {
+            landed(wait).await?;
+        }
         Ok(())
     }
 
-    /// Adds `amount` to every counter of `counters` (not empty), through a charge batch.
+    /// Adds `amount` to every counter of `counters` (not empty), through a charge batch (on a
+    /// cluster, one per slot, the totals put back in order).
     pub(super) async fn add_periods_inner(
         &self,
         counters: &[PeriodCounter],
         amount: u64,
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Failure> {
-        let (t, totals) = self
-            .charge(Work::Periods(counters.to_vec(), amount), now)
-            .await?;
+        if !self.is_cluster() {
+            let work = Work::Periods(counters.to_vec(), amount);
+            let (t, totals) = landed(self.charge(None, work, now)?).await?;
+            return Ok(PeriodObservation {
+                now: Timestamp::from_micros(t),
+                enforced: true,
+                totals,
+            });
+        }
+        let parts = self.by_slot(counters, |c| c.key());
+        let mut waits = Vec::with_capacity(parts.len());
+        for (slot, part) in &parts {
+            let list = part.iter().map(|&i| counters[i].clone()).collect();
+            waits.push(self.charge(*slot, Work::Periods(list, amount), now)?);
+        }
+        let mut at = None;
+        let mut totals = vec![0; counters.len()];
+        for ((_, part), wait) in parts.iter().zip(waits) {
+            let (t, seen) = landed(wait).await?;
+            at.get_or_insert(t);
+            for (&i, total) in part.iter().zip(seen) {
+                totals[i] = total;
+            }
+        }
         Ok(PeriodObservation {
-            now: Timestamp::from_micros(t),
+            now: Timestamp::from_micros(at.unwrap_or_default()),
             enforced: true,
             totals,
         })
     }
 
-    /// Queues `work` and waits for its batch. The sending runs in a task of its own, so a
-    /// caller that gives up never strands the others.
-    async fn charge(&self, work: Work, now: Option<Timestamp>) -> Result<Charged, Failure> {
+    /// Queues `work` (its keys all in `slot`) for its slot's batch.
+    fn charge(
+        &self,
+        slot: Option<Slot>,
+        work: Work,
+        now: Option<Timestamp>,
+    ) -> Result<Answer<Charged>, Failure> {
         if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Failure::Unavailable("circuit breaker open".into()));
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let pending = PendingCharge {
-            work,
-            time: now.map(Timestamp::as_micros),
-            reply: tx,
-        };
-        if group::push(&self.inner.charges, pending) {
-            let store = self.clone();
-            tokio::spawn(async move {
-                let send = |batch| store.send_charge_batch(batch);
-                group::serve(&store.inner.charges, BOUNDS, send).await;
-            });
-        }
-        rx.await
-            .map_err(|_| Failure::Unavailable("charge batch abandoned".into()))?
+        let time = now.map(Timestamp::as_micros);
+        Ok(group::submit(
+            self,
+            self.inner.charges.lane(slot),
+            BOUNDS,
+            |reply| PendingCharge { work, time, reply },
+            |store: RedisStore, batch| async move { store.send_charge_batch(batch).await },
+        ))
     }
 
     async fn send_charge_batch(&self, batch: Vec<PendingCharge>) {

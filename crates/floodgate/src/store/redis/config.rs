@@ -39,8 +39,13 @@ pub const DEFAULT_LEASE: Duration = Duration::from_secs(15);
 /// How to reach Redis and how to behave when it cannot be reached.
 #[derive(Clone)]
 pub struct RedisConfig {
-    /// `redis://[:password@]host:port[/db]`, or `rediss://` with the `tls` feature.
+    /// `redis://[:password@]host:port[/db]`, or `rediss://` with the `tls` feature. Unused on a
+    /// cluster ([`cluster`](Self::cluster) not empty).
     pub url: String,
+    /// A Redis Cluster's seed nodes (`redis://host:port` each; the rest of the cluster is
+    /// discovered from them), or empty for the one server at [`url`](Self::url). See
+    /// [`RedisConfig::cluster`].
+    pub cluster: Vec<String>,
     /// Prepended to every key; default `fg:`.
     pub prefix: String,
     /// Fail open (default) or closed when Redis is unreachable.
@@ -65,6 +70,7 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
+            cluster: Vec::new(),
             prefix: "fg:".into(),
             on_error: OnError::Open,
             clock: RedisClock::Server,
@@ -75,10 +81,43 @@ impl RedisConfig {
         }
     }
 
-    /// Whether [`RedisStore::connect`](super::RedisStore::connect) would take this URL, without
-    /// connecting: for config checks. The error never shows the URL's password.
+    /// The defaults, for the Redis Cluster that `seeds` belong to: each decision's keys lie in
+    /// one slot (a chain's within one tenant, by their hash tag) and are decided there in one
+    /// script; a chain whose scopes lie in several slots (a customer's or the gateway's limits)
+    /// is decided slot by slot, with a refund (docs/redis.md, "Redis Cluster").
+    pub fn cluster<S: Into<String>>(seeds: impl IntoIterator<Item = S>) -> Self {
+        let cluster: Vec<String> = seeds.into_iter().map(Into::into).collect();
+        RedisConfig {
+            cluster,
+            ..RedisConfig::new("")
+        }
+    }
+
+    /// Whether [`RedisStore::connect`](super::RedisStore::connect) would take this URL (or
+    /// these seeds), without connecting: for config checks. The error never shows a password.
     pub fn check_url(&self) -> Result<(), Error> {
-        self.connection_info().map(drop)
+        if self.cluster.is_empty() {
+            self.connection_info().map(drop)
+        } else {
+            self.cluster_infos().map(drop)
+        }
+    }
+
+    /// Whether this is a cluster's config.
+    pub fn is_cluster(&self) -> bool {
+        !self.cluster.is_empty()
+    }
+
+    /// The seeds parsed, or an error that names the first bad one with its password hidden.
+    pub(super) fn cluster_infos(&self) -> Result<Vec<::redis::ConnectionInfo>, Error> {
+        self.cluster
+            .iter()
+            .map(|url| {
+                url.as_str().into_connection_info().map_err(|e| {
+                    Error::Backend(format!("invalid Redis URL {}: {e}", redacted(url)))
+                })
+            })
+            .collect()
     }
 
     /// The URL parsed, or an error that names it with its password hidden.
@@ -99,6 +138,10 @@ impl fmt::Debug for RedisConfig {
         // The URL may carry a password: never print it.
         f.debug_struct("RedisConfig")
             .field("url", &redacted(&self.url))
+            .field(
+                "cluster",
+                &self.cluster.iter().map(|u| redacted(u)).collect::<Vec<_>>(),
+            )
             .field("prefix", &self.prefix)
             .field("on_error", &self.on_error)
             .field("clock", &self.clock)

@@ -1,15 +1,20 @@
-//! Calls to Redis and what happens when they fail: the connection and its settings, one
-//! deadline per call, the classification of errors (replayed, an outage, or an answer), and the
-//! circuit breaker with the probe that closes it. The state all this keeps lives in the store's
-//! [`Inner`].
+//! Calls to Redis and what happens when they fail: the connection and its settings (one
+//! server's, or a Redis Cluster's), one deadline per call, the classification of errors
+//! (replayed, an outage, or an answer), and the circuit breaker with the probe that closes it.
+//! The state all this keeps lives in the store's [`Inner`].
 
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use ::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use ::redis::cluster::{ClusterClient, ClusterClientBuilder};
+use ::redis::cluster_async::ClusterConnection;
 use ::redis::io::tcp::TcpSettings;
-use ::redis::{Client, Cmd, ErrorKind, FromRedisValue, RedisError, ServerErrorKind};
+use ::redis::{
+    Client, Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisFuture, ServerErrorKind,
+    Value,
+};
 
 use super::Inner;
 use super::config::RedisConfig;
@@ -17,19 +22,152 @@ use super::scripts::{Op, Replay, evalsha};
 use super::stats::bump;
 use crate::Error;
 
-/// The client for `config.url`, and the settings of every connection made from it (see
+/// How connections are made: to one server, or to a cluster from its seed nodes.
+#[derive(Clone)]
+pub(super) enum Maker {
+    Single(Client, ConnectionManagerConfig),
+    Cluster(ClusterClient),
+}
+
+/// The connection calls go through. Cheap to clone: clones share it.
+#[derive(Clone)]
+pub(super) enum Connection {
+    /// One server's multiplexed, reconnecting connection.
+    Single(ConnectionManager),
+    /// A cluster's connection (slots discovered and refreshed by the redis crate), or none yet:
+    /// no seed answered. Calls then fail as unreachable and the breaker's probe connects.
+    Cluster(Option<ClusterConnection>),
+}
+
+/// What a call on a cluster that has no connection yet gets: an unreachable server.
+fn not_connected() -> RedisError {
+    RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::ConnectionRefused,
+        "no Redis Cluster node answered yet",
+    ))
+}
+
+impl ConnectionLike for Connection {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Connection::Single(c) => c.req_packed_command(cmd),
+            Connection::Cluster(Some(c)) => Box::pin(cluster_command(c, cmd)),
+            Connection::Cluster(None) => Box::pin(async { Err(not_connected()) }),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Connection::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(Some(c)) => c.req_packed_commands(pipeline, offset, count),
+            Connection::Cluster(None) => Box::pin(async { Err(not_connected()) }),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Connection::Single(c) => c.get_db(),
+            Connection::Cluster(_) => 0,
+        }
+    }
+}
+
+/// How many redirections and waits one command follows on a cluster before its error is
+/// returned (within the call's deadline in any case).
+const MAX_REDIRECTS: u32 = 8;
+/// How long a command waits before it is sent again after `TRYAGAIN` (a multi-key script in a
+/// slot being migrated) or before a node's connection exists.
+const REDIRECT_WAIT: Duration = Duration::from_millis(5);
+
+/// `cmd` on a cluster, following `MOVED` and `ASK` and waiting out `TRYAGAIN`. The cluster
+/// client is built without retries of its own ([`client`]): a retry after a dropped connection
+/// would replay what may already have run, which a charge must never be (docs/redis.md). Every
+/// error followed here is one the node answered without running the command, so sending it
+/// again runs it at most once; a dropped connection is returned to [`Inner::run`], which replays
+/// by the operation's own policy, as on one server.
+async fn cluster_command(conn: &mut ClusterConnection, cmd: &Cmd) -> Result<Value, RedisError> {
+    use ::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
+    let mut answer = conn.req_packed_command(cmd).await;
+    for _ in 0..MAX_REDIRECTS {
+        let err = match answer {
+            Ok(value) => return Ok(value),
+            Err(e) => e,
+        };
+        let to = |node: &str| {
+            let (host, port) = node.rsplit_once(':')?;
+            Some(SingleNodeRoutingInfo::ByAddress {
+                host: host.to_owned(),
+                port: port.parse().ok()?,
+            })
+        };
+        answer = match err.kind() {
+            ErrorKind::Server(ServerErrorKind::Moved) => {
+                let Some(route) = err.redirect_node().and_then(|(node, _)| to(node)) else {
+                    return Err(err);
+                };
+                conn.route_command(cmd.clone(), RoutingInfo::SingleNode(route))
+                    .await
+            }
+            ErrorKind::Server(ServerErrorKind::Ask) => {
+                let Some(route) = err.redirect_node().and_then(|(node, _)| to(node)) else {
+                    return Err(err);
+                };
+                // ASKING and the command on one connection, one after the other.
+                let mut asking = ::redis::pipe();
+                asking.cmd("ASKING").ignore().add_command(cmd.clone());
+                conn.route_pipeline(asking, 1, 1, route)
+                    .await
+                    .and_then(|mut values| values.pop().ok_or_else(err_reply))
+            }
+            ErrorKind::Server(ServerErrorKind::TryAgain) | ErrorKind::ClusterConnectionNotFound => {
+                tokio::time::sleep(REDIRECT_WAIT).await;
+                conn.req_packed_command(cmd).await
+            }
+            _ => return Err(err),
+        };
+    }
+    answer
+}
+
+fn err_reply() -> RedisError {
+    RedisError::from((ErrorKind::Client, "no reply to a redirected command"))
+}
+
+/// How connections to `config`'s server or cluster are made (see
 /// [`RedisStore::connect`](super::RedisStore::connect)): fails only on a configuration that can
 /// never work.
-pub(super) fn client(config: &RedisConfig) -> Result<(Client, ConnectionManagerConfig), Error> {
+pub(super) fn client(config: &RedisConfig) -> Result<Maker, Error> {
     #[cfg(feature = "tls")]
-    if config.url.starts_with("rediss://") {
+    if config.url.starts_with("rediss://")
+        || config.cluster.iter().any(|u| u.starts_with("rediss://"))
+    {
         install_crypto_provider();
     }
     // TCP_NODELAY (the redis crate leaves Nagle on): a call written while another is in
     // flight (a token record beside an admission batch) must not wait for the first's ACK.
-    let info = config
-        .connection_info()?
-        .set_tcp_settings(TcpSettings::default().set_nodelay(true));
+    let tcp = TcpSettings::default().set_nodelay(true);
+    if !config.cluster.is_empty() {
+        let seeds = config.cluster_infos()?;
+        let client = ClusterClientBuilder::new(seeds)
+            .tcp_settings(tcp)
+            .connection_timeout(config.connect_timeout)
+            // A node that goes silent answers with a timeout (and is reconnected) rather than
+            // holding the calls routed to it for TCP's minutes; every call has its own,
+            // shorter, deadline besides (see `Inner::run`).
+            .response_timeout(config.connect_timeout.max(config.timeout))
+            // No retries inside the client: `cluster_command` follows redirections, and a call
+            // is replayed only by its operation's policy.
+            .retries(0)
+            .build()
+            .map_err(|e| config.invalid(e))?;
+        return Ok(Maker::Cluster(client));
+    }
+    let info = config.connection_info()?.set_tcp_settings(tcp);
     let client = Client::open(info).map_err(|e| config.invalid(e))?;
     let manager = ConnectionManagerConfig::new()
         .set_connection_timeout(Some(config.connect_timeout))
@@ -41,7 +179,22 @@ pub(super) fn client(config: &RedisConfig) -> Result<(Client, ConnectionManagerC
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(20))
         .set_max_delay(Duration::from_millis(200));
-    Ok((client, manager))
+    Ok(Maker::Single(client, manager))
+}
+
+impl Maker {
+    /// A new connection. One server's connects lazily (it cannot fail here but on a config
+    /// that never works); a cluster's is made by the probe ([`Inner::connect_cluster`]).
+    pub(super) fn lazy(&self) -> Result<Connection, Error> {
+        match self {
+            Maker::Single(client, manager) => {
+                ConnectionManager::new_lazy_with_config(client.clone(), manager.clone())
+                    .map(Connection::Single)
+                    .map_err(|e| Error::Backend(format!("Redis client: {e}")))
+            }
+            Maker::Cluster(_) => Ok(Connection::Cluster(None)),
+        }
+    }
 }
 
 #[cfg(feature = "tls")]
@@ -128,7 +281,7 @@ fn classify(e: &RedisError) -> Class {
 
 impl Inner {
     /// The connection calls go through now, and its generation.
-    fn connection(&self) -> (u64, ConnectionManager) {
+    fn connection(&self) -> (u64, Connection) {
         self.conn
             .read()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -151,14 +304,39 @@ impl Inner {
         if current.0 != timed_out {
             return;
         }
-        match ConnectionManager::new_lazy_with_config(self.client.clone(), self.manager.clone()) {
+        match self.maker.lazy() {
             Ok(conn) => *current = (timed_out + 1, conn),
             // Not reached with a client that made the first connection; the old one stays.
             Err(e) => tracing::debug!(error = %e, "floodgate: cannot make a new Redis connection"),
         }
     }
 
+    /// On a cluster without a connection, makes one from the seeds (each tried in turn, within
+    /// the connect timeout); it then discovers the rest of the cluster. Nothing on one server,
+    /// or once connected.
+    pub(super) async fn connect_cluster(&self) -> Result<(), String> {
+        let Maker::Cluster(client) = &self.maker else {
+            return Ok(());
+        };
+        if !matches!(self.connection().1, Connection::Cluster(None)) {
+            return Ok(());
+        }
+        let made = tokio::time::timeout(self.config.connect_timeout, client.get_async_connection())
+            .await
+            .map_err(|_| "connecting to the Redis Cluster timed out".to_owned())?
+            .map_err(|e| e.to_string())?;
+        let mut current = self
+            .conn
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if matches!(current.1, Connection::Cluster(None)) {
+            current.1 = Connection::Cluster(Some(made));
+        }
+        Ok(())
+    }
+
     pub(super) async fn ping(&self) -> Result<(), String> {
+        self.connect_cluster().await?;
         ping(&mut self.connection().1).await
     }
 
@@ -273,8 +451,8 @@ impl Inner {
     }
 }
 
-/// `PING` on `conn`.
-async fn ping(conn: &mut ConnectionManager) -> Result<(), String> {
+/// `PING` on `conn` (on a cluster, on every node).
+async fn ping(conn: &mut Connection) -> Result<(), String> {
     ::redis::cmd("PING")
         .query_async::<()>(conn)
         .await
@@ -303,9 +481,10 @@ async fn probe(inner: Weak<Inner>) {
         let Some(inner) = inner.upgrade() else {
             return;
         };
-        // The connection pinged is the one replaced if the ping times out.
-        let (generation, mut conn) = inner.connection();
-        let answered = tokio::time::timeout(inner.config.connect_timeout, ping(&mut conn)).await;
+        // The connection pinged is the one replaced if the ping times out (a cluster without
+        // one connects first).
+        let generation = inner.connection().0;
+        let answered = tokio::time::timeout(inner.config.connect_timeout, inner.ping()).await;
         match answered {
             Ok(Ok(())) => {
                 inner.reopen();

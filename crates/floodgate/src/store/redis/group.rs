@@ -6,9 +6,41 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 use std::future::Future;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use ::redis::cluster_routing::Slot;
 
 use super::conn::Failure;
+
+/// One queue per Redis Cluster slot, or the one queue of a single server (`None`): a script's
+/// keys must lie in one slot, so a cluster's calls batch by slot, each slot with a sender of its
+/// own (docs/redis.md, "Redis Cluster"). A slot's queue, once made, stays: at most one per slot.
+pub(super) struct Lanes<Q> {
+    single: Arc<Mutex<Q>>,
+    slots: Mutex<HashMap<Slot, Arc<Mutex<Q>>, foldhash::fast::RandomState>>,
+}
+
+impl<Q: Default> Default for Lanes<Q> {
+    fn default() -> Self {
+        Lanes {
+            single: Arc::default(),
+            slots: Mutex::default(),
+        }
+    }
+}
+
+impl<Q: Default> Lanes<Q> {
+    /// The queue of `slot` (`None`: a single server's).
+    pub(super) fn lane(&self, slot: Option<Slot>) -> Arc<Mutex<Q>> {
+        match slot {
+            None => Arc::clone(&self.single),
+            Some(slot) => {
+                let mut slots = self.slots.lock().unwrap_or_else(PoisonError::into_inner);
+                Arc::clone(slots.entry(slot).or_default())
+            }
+        }
+    }
+}
 
 /// One queued call of a batched operation.
 pub(super) trait Queued: Send + 'static {
@@ -48,8 +80,44 @@ fn lock<T>(queue: &Mutex<Queue<T>>) -> MutexGuard<'_, Queue<T>> {
     queue.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
+/// Where a queued call's answer comes.
+pub(super) type Answer<R> = tokio::sync::oneshot::Receiver<Result<R, Failure>>;
+
+/// Queues the call `make` builds around its reply channel in `lane`, and starts a task that
+/// sends `lane`'s batches with `send` (given a clone of `ctx`, the store) if none does: the
+/// sending runs in a task of its own, so a caller that gives up never strands the others.
+pub(super) fn submit<T, R, S, F, Fut>(
+    ctx: &S,
+    lane: Arc<Mutex<Queue<T>>>,
+    bounds: Bounds,
+    make: impl FnOnce(tokio::sync::oneshot::Sender<Result<R, Failure>>) -> T,
+    send: F,
+) -> Answer<R>
+where
+    T: Queued,
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Vec<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if push(&lane, make(tx)) {
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            serve(&lane, bounds, |batch| send(ctx.clone(), batch)).await;
+        });
+    }
+    rx
+}
+
+/// The answer of a call queued with [`submit`]; `what` names its batch if the sender dropped it.
+pub(super) async fn answer<R>(answer: Answer<R>, what: &str) -> Result<R, Failure> {
+    answer
+        .await
+        .map_err(|_| Failure::Unavailable(format!("{what} batch abandoned")))?
+}
+
 /// Queues `call`; says whether the caller must start a sender ([`serve`]).
-pub(super) fn push<T>(queue: &Mutex<Queue<T>>, call: T) -> bool {
+fn push<T>(queue: &Mutex<Queue<T>>, call: T) -> bool {
     let mut q = lock(queue);
     q.pending.push(call);
     !std::mem::replace(&mut q.sending, true)

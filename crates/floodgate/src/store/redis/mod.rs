@@ -50,11 +50,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
-use ::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use ::redis::{Client, Cmd, RedisWrite};
+use ::redis::cluster_routing::Slot;
+use ::redis::{Cmd, RedisWrite};
 
 mod batch;
 mod charges;
+mod cluster;
 mod config;
 mod conn;
 mod group;
@@ -72,9 +73,10 @@ pub use stats::RedisStats;
 use batch::AdmitQueue;
 use charges::ChargeQueue;
 use conn::{Failure, bad_reply, int};
+use group::Lanes;
 use reads::ReadQueue;
 use releases::ReleaseQueue;
-use scripts::{ACQUIRE, Op, PERIODS_RECONCILE, RECONCILE, RESET, STATE_CLEAR, STATE_READ};
+use scripts::{ACQUIRE, Op, PERIODS_RECONCILE, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
 
 use super::{
@@ -101,19 +103,19 @@ pub struct RedisStore {
 struct Inner {
     /// The connection calls go through, with its generation: replaced by
     /// [`Inner::fresh_connection`] when a call or a probe times out on it.
-    conn: std::sync::RwLock<(u64, ConnectionManager)>,
+    conn: std::sync::RwLock<(u64, conn::Connection)>,
     /// How a fresh connection is made.
-    client: Client,
-    manager: ConnectionManagerConfig,
+    maker: conn::Maker,
     config: RedisConfig,
-    /// Admissions waiting for the next batch (see [`RedisStore::admit_inner`]).
-    admissions: std::sync::Mutex<AdmitQueue>,
+    /// Admissions waiting for the next batch, per cluster slot (see
+    /// [`RedisStore::admit_inner`]).
+    admissions: Lanes<AdmitQueue>,
     /// Charges waiting for the next charge batch (`charges.rs`).
-    charges: std::sync::Mutex<ChargeQueue>,
+    charges: Lanes<ChargeQueue>,
     /// Budget reads waiting for the next read batch (`reads.rs`).
-    reads: std::sync::Mutex<ReadQueue>,
+    reads: Lanes<ReadQueue>,
     /// Slot releases waiting for the next release batch (`releases.rs`).
-    releases: std::sync::Mutex<ReleaseQueue>,
+    releases: Lanes<ReleaseQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
     open: AtomicBool,
     /// Set when a probe closed the breaker, cleared by the first call that succeeds after it:
@@ -140,26 +142,25 @@ impl fmt::Debug for RedisStore {
 }
 
 impl RedisStore {
-    /// A store for the server `config.url` names.
+    /// A store for the server `config.url` names, or for the Redis Cluster of
+    /// [`RedisConfig::cluster`]'s seeds.
     ///
     /// Fails only on a configuration that can never work (a malformed URL, `rediss://` without
     /// the `tls` feature). An unreachable server is not an error: the store starts with its
     /// circuit breaker open, applies [`OnError`] and connects as soon as Redis answers, so a
     /// service can start before its Redis. Must be called within a Tokio runtime.
     pub async fn connect(config: RedisConfig) -> Result<RedisStore, Error> {
-        let (client, manager) = conn::client(&config)?;
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), manager.clone())
-            .map_err(|e| Error::Backend(format!("Redis client: {e}")))?;
+        let maker = conn::client(&config)?;
+        let conn = maker.lazy()?;
         let store = RedisStore {
             inner: Arc::new(Inner {
                 conn: std::sync::RwLock::new((0, conn)),
-                client,
-                manager,
+                maker,
                 config,
-                admissions: std::sync::Mutex::new(AdmitQueue::default()),
-                charges: std::sync::Mutex::new(ChargeQueue::default()),
-                reads: std::sync::Mutex::new(ReadQueue::default()),
-                releases: std::sync::Mutex::new(ReleaseQueue::default()),
+                admissions: Lanes::default(),
+                charges: Lanes::default(),
+                reads: Lanes::default(),
+                releases: Lanes::default(),
                 open: AtomicBool::new(false),
                 unconfirmed: AtomicBool::new(false),
                 outage_since: std::sync::Mutex::new(None),
@@ -218,6 +219,39 @@ impl RedisStore {
     /// The store's configuration.
     pub fn config(&self) -> &RedisConfig {
         &self.inner.config
+    }
+
+    /// Whether this store is on a Redis Cluster.
+    pub fn is_cluster(&self) -> bool {
+        self.inner.config.is_cluster()
+    }
+
+    /// The cluster slot of storage key `key`, or `None` on one server. A prefix without braces
+    /// leaves the key's own hash tag in force; one with braces is hashed as Redis does.
+    fn slot(&self, key: &str) -> Option<Slot> {
+        if !self.is_cluster() {
+            return None;
+        }
+        let prefix = &self.inner.config.prefix;
+        Some(if prefix.contains(['{', '}']) {
+            Slot::for_key(self.redis_key(key))
+        } else {
+            Slot::for_key(key)
+        })
+    }
+
+    /// The positions of `items` grouped by the slot of each one's key, the groups in the order
+    /// of their first item, each in order. One group, of everything, on one server.
+    fn by_slot<T>(&self, items: &[T], key: impl Fn(&T) -> &str) -> Vec<(Option<Slot>, Vec<usize>)> {
+        let mut groups: Vec<(Option<Slot>, Vec<usize>)> = Vec::new();
+        for (i, item) in items.iter().enumerate() {
+            let slot = self.slot(key(item));
+            match groups.iter_mut().find(|(s, _)| *s == slot) {
+                Some((_, members)) => members.push(i),
+                None => groups.push((slot, vec![i])),
+            }
+        }
+        groups
     }
 
     /// The full Redis key for a storage key: the prefix prepended.
@@ -354,7 +388,12 @@ impl Store for RedisStore {
         cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
-        match self.admit_inner(limits, cost, now).await {
+        let decided = if self.is_cluster() {
+            self.admit_across(limits, &[], cost, None, now).await
+        } else {
+            self.admit_inner(limits, cost, now).await
+        };
+        match decided {
             Ok(seen) => Ok(seen),
             Err(failure) => {
                 self.fail(failure)?;
@@ -375,10 +414,14 @@ impl Store for RedisStore {
         lease: Lease,
         now: Option<Timestamp>,
     ) -> Result<Observation, Error> {
-        match self
-            .admit_holding_inner(limits, slots, cost, lease, now)
-            .await
-        {
+        let decided = if self.is_cluster() {
+            self.admit_across(limits, slots, cost, Some(lease), now)
+                .await
+        } else {
+            self.admit_holding_inner(limits, slots, cost, lease, now)
+                .await
+        };
+        match decided {
             Ok(seen) => Ok(seen),
             Err(failure) => {
                 self.fail(failure)?;
@@ -429,27 +472,22 @@ impl Store for RedisStore {
         delta: i64,
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
-        let reserved = || limits.iter().filter(|l| l.charge() == Charge::Reserved);
-        let n = reserved().count();
-        if n == 0 || delta == 0 {
+        if delta == 0 {
             return Ok(());
         }
-        let mut cmd = self.evalsha(&RECONCILE, n, 2 + 3 * n);
-        for l in reserved() {
-            self.key_arg(&mut cmd, &[l.key()]);
+        let reserved: Vec<&ChainLimit> = limits
+            .iter()
+            .filter(|l| l.charge() == Charge::Reserved)
+            .collect();
+        if reserved.is_empty() {
+            return Ok(());
         }
-        self.time_arg(&mut cmd, now);
-        cmd.arg(delta);
-        for l in reserved() {
-            let w = l.limit().window_micros();
-            cmd.arg(w)
-                .arg(reserved_at.as_micros() / w)
-                .arg(ttl_millis(w));
-        }
-        self.inner.run::<()>(&RECONCILE, &cmd).await.map_err(|f| {
-            bump(&self.inner.counters.errors);
-            f.into()
-        })
+        self.add_to_buckets(&reserved, reserved_at, delta, now)
+            .await
+            .map_err(|f| {
+                bump(&self.inner.counters.errors);
+                f.into()
+            })
     }
 
     async fn acquire(
@@ -544,21 +582,25 @@ impl Store for RedisStore {
         if counters.is_empty() || delta == 0 {
             return Ok(());
         }
-        let n = counters.len();
-        let mut cmd = self.evalsha(&PERIODS_RECONCILE, n, 3 + n);
-        for c in counters {
-            self.key_arg(&mut cmd, &[c.key()]);
+        // One call per slot on a cluster (a counter is its own add: nothing spans them).
+        for (_, part) in self.by_slot(counters, |c| c.key()) {
+            let n = part.len();
+            let mut cmd = self.evalsha(&PERIODS_RECONCILE, n, 3 + n);
+            for &i in &part {
+                self.key_arg(&mut cmd, &[counters[i].key()]);
+            }
+            self.time_arg(&mut cmd, now);
+            cmd.arg(delta).arg(reserved_at.as_micros());
+            for &i in &part {
+                cmd.arg(counters[i].period().as_str());
+            }
+            let op = &PERIODS_RECONCILE;
+            self.inner.run::<()>(op, &cmd).await.map_err(|f| {
+                bump(&self.inner.counters.errors);
+                Error::from(f)
+            })?;
         }
-        self.time_arg(&mut cmd, now);
-        cmd.arg(delta).arg(reserved_at.as_micros());
-        for c in counters {
-            cmd.arg(c.period().as_str());
-        }
-        let op = &PERIODS_RECONCILE;
-        self.inner.run::<()>(op, &cmd).await.map_err(|f| {
-            bump(&self.inner.counters.errors);
-            f.into()
-        })
+        Ok(())
     }
 
     async fn read_state(

@@ -5,8 +5,10 @@
 
 use std::collections::HashMap;
 
+use ::redis::cluster_routing::Slot;
+
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued, intern};
+use super::group::{self, Answer, Bounds, Queue, Queued, intern};
 use super::scripts::PERIODS_READ;
 use super::stats::bump;
 use super::{RedisStore, periods_reply};
@@ -37,6 +39,11 @@ impl Queued for PendingRead {
     }
 }
 
+/// The answer of a queued read.
+async fn read(answer: Answer<PeriodObservation>) -> Result<PeriodObservation, Failure> {
+    group::answer(answer, "budget read").await
+}
+
 /// The most one batch carries: reads, and counters over all of them past its first.
 const BOUNDS: Bounds = Bounds {
     calls: 256,
@@ -44,30 +51,61 @@ const BOUNDS: Bounds = Bounds {
 };
 
 impl RedisStore {
-    /// Reads each counter of `counters` (not empty) in its period, through a read batch.
+    /// Reads each counter of `counters` (not empty) in its period, through a read batch (on a
+    /// cluster, one per slot, the totals put back in order; the first slot's instant is the
+    /// answer's).
     pub(super) async fn read_periods_inner(
         &self,
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Failure> {
+        if !self.is_cluster() {
+            return read(self.queue_read(None, counters.to_vec(), now)?).await;
+        }
+        let parts = self.by_slot(counters, |c| c.key());
+        let mut waits = Vec::with_capacity(parts.len());
+        for (slot, part) in &parts {
+            let list = part.iter().map(|&i| counters[i].clone()).collect();
+            waits.push(self.queue_read(*slot, list, now)?);
+        }
+        let mut at = None;
+        let mut totals = vec![0; counters.len()];
+        for ((_, part), wait) in parts.iter().zip(waits) {
+            let seen = read(wait).await?;
+            at.get_or_insert(seen.now);
+            for (&i, total) in part.iter().zip(seen.totals) {
+                totals[i] = total;
+            }
+        }
+        Ok(PeriodObservation {
+            now: at.unwrap_or_else(Timestamp::now),
+            enforced: true,
+            totals,
+        })
+    }
+
+    /// Queues a read of `counters` (all in `slot`) for its slot's batch.
+    fn queue_read(
+        &self,
+        slot: Option<Slot>,
+        counters: Vec<PeriodCounter>,
+        now: Option<Timestamp>,
+    ) -> Result<Answer<PeriodObservation>, Failure> {
         if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Failure::Unavailable("circuit breaker open".into()));
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let pending = PendingRead {
-            counters: counters.to_vec(),
-            time: now.map(Timestamp::as_micros),
-            reply: tx,
-        };
-        if group::push(&self.inner.reads, pending) {
-            let store = self.clone();
-            tokio::spawn(async move {
-                let send = |batch| store.send_read_batch(batch);
-                group::serve(&store.inner.reads, BOUNDS, send).await;
-            });
-        }
-        rx.await
-            .map_err(|_| Failure::Unavailable("budget read batch abandoned".into()))?
+        let time = now.map(Timestamp::as_micros);
+        Ok(group::submit(
+            self,
+            self.inner.reads.lane(slot),
+            BOUNDS,
+            |reply| PendingRead {
+                counters,
+                time,
+                reply,
+            },
+            |store: RedisStore, batch| async move { store.send_read_batch(batch).await },
+        ))
     }
 
     async fn send_read_batch(&self, batch: Vec<PendingRead>) {

@@ -5,9 +5,11 @@
 
 use std::collections::HashMap;
 
+use ::redis::cluster_routing::Slot;
+
 use super::RedisStore;
 use super::conn::Failure;
-use super::group::{self, Bounds, Queue, Queued, intern};
+use super::group::{self, Answer, Bounds, Queue, Queued, intern};
 use super::scripts::RELEASE;
 use crate::in_flight::InFlightLimit;
 
@@ -34,6 +36,11 @@ impl Queued for PendingRelease {
     }
 }
 
+/// The answer of a queued release.
+async fn released(answer: Answer<()>) -> Result<(), Failure> {
+    group::answer(answer, "release").await
+}
+
 /// The most one batch carries: releases, and slot sets over all of them past its first.
 const BOUNDS: Bounds = Bounds {
     calls: 256,
@@ -41,30 +48,48 @@ const BOUNDS: Bounds = Bounds {
 };
 
 impl RedisStore {
-    /// Removes `member` from each set of `slots` (not empty), through a release batch.
+    /// Removes `member` from each set of `slots` (not empty), through a release batch (on a
+    /// cluster, one per slot the sets lie in).
     pub(super) async fn release_batched(
         &self,
         slots: &[InFlightLimit],
         member: String,
     ) -> Result<(), Failure> {
+        if !self.is_cluster() {
+            return released(self.queue_release(None, slots.to_vec(), member)?).await;
+        }
+        let mut waits = Vec::new();
+        for (slot, part) in self.by_slot(slots, |s| s.key()) {
+            let sets = part.iter().map(|&i| slots[i].clone()).collect();
+            waits.push(self.queue_release(slot, sets, member.clone())?);
+        }
+        for wait in waits {
+            released(wait).await?;
+        }
+        Ok(())
+    }
+
+    /// Queues a release of `member` from `slots` (all in cluster slot `slot`).
+    fn queue_release(
+        &self,
+        slot: Option<Slot>,
+        slots: Vec<InFlightLimit>,
+        member: String,
+    ) -> Result<Answer<()>, Failure> {
         if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Failure::Unavailable("circuit breaker open".into()));
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let pending = PendingRelease {
-            slots: slots.to_vec(),
-            member,
-            reply: tx,
-        };
-        if group::push(&self.inner.releases, pending) {
-            let store = self.clone();
-            tokio::spawn(async move {
-                let send = |batch| store.send_release_batch(batch);
-                group::serve(&store.inner.releases, BOUNDS, send).await;
-            });
-        }
-        rx.await
-            .map_err(|_| Failure::Unavailable("release batch abandoned".into()))?
+        Ok(group::submit(
+            self,
+            self.inner.releases.lane(slot),
+            BOUNDS,
+            |reply| PendingRelease {
+                slots,
+                member,
+                reply,
+            },
+            |store: RedisStore, batch| async move { store.send_release_batch(batch).await },
+        ))
     }
 
     async fn send_release_batch(&self, batch: Vec<PendingRelease>) {

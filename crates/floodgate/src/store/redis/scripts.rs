@@ -4,7 +4,6 @@
 
 use std::sync::LazyLock;
 
-use ::redis::aio::ConnectionManager;
 use ::redis::{Cmd, ErrorKind, FromRedisValue, RedisError, Script, ServerErrorKind};
 
 /// Whether an operation may run again after its connection dropped under it, not knowing
@@ -163,7 +162,7 @@ const MAX_RELOADS: u32 = 3;
 pub(super) async fn evalsha<T: FromRedisValue>(
     op: &Op,
     cmd: &Cmd,
-    conn: &mut ConnectionManager,
+    conn: &mut super::conn::Connection,
 ) -> Result<T, RedisError> {
     let mut reloads = 0;
     loop {

@@ -14,6 +14,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
+use ::redis::cluster_routing::Slot;
+
 use super::conn::{Failure, bad_reply};
 use super::scripts::{ADMIT_HOLDING, RENEW, RUNNING};
 use super::stats::bump;
@@ -44,7 +46,7 @@ pub(super) fn process_tag() -> u64 {
 
 impl RedisStore {
     /// A lease's member in a slot set.
-    fn member(&self, lease: Lease) -> String {
+    pub(super) fn member(&self, lease: Lease) -> String {
         format!("{:016x}-{}", self.inner.tag, lease.id())
     }
 
@@ -106,7 +108,14 @@ impl RedisStore {
         let running = reply[1 + 2 * n..1 + 2 * n + m].to_vec();
         let admitted = reply[1 + 2 * n + m] == 1;
         if admitted {
-            self.held().leases.insert(lease.id(), keys);
+            // On a cluster one lease may hold slots in several slots' steps (`cluster.rs`).
+            let mut held = self.held();
+            match held.leases.get_mut(&lease.id()) {
+                Some(had) => *had = had.iter().chain(keys.iter()).cloned().collect(),
+                None => {
+                    held.leases.insert(lease.id(), keys);
+                }
+            }
         }
         self.count(admitted);
         Ok(Observation {
@@ -116,6 +125,11 @@ impl RedisStore {
             snapshots,
             running,
         })
+    }
+
+    /// Stops renewing `lease`'s slots (a cross-slot admission refused after taking some).
+    pub(super) fn forget_lease(&self, lease: Lease) {
+        self.held().leases.remove(&lease.id());
     }
 
     /// Gives back `lease`'s slots and stops renewing them.
@@ -136,6 +150,27 @@ impl RedisStore {
     /// Each slot set's live members at `now`, [`RENEW_CHUNK`] sets per script, changing
     /// nothing.
     pub(super) async fn read_running_inner(
+        &self,
+        slots: &[InFlightLimit],
+        now: Option<Timestamp>,
+    ) -> Result<Vec<u64>, Failure> {
+        if self.is_cluster() {
+            // One slot at a time, the counts put back in order.
+            let mut out = vec![0; slots.len()];
+            for (_, part) in self.by_slot(slots, |s| s.key()) {
+                let sets: Vec<InFlightLimit> = part.iter().map(|&i| slots[i].clone()).collect();
+                let counts = self.read_running_in_slot(&sets, now).await?;
+                for (&i, n) in part.iter().zip(counts) {
+                    out[i] = n;
+                }
+            }
+            return Ok(out);
+        }
+        self.read_running_in_slot(slots, now).await
+    }
+
+    /// [`read_running_inner`](Self::read_running_inner) of sets that lie in one slot.
+    async fn read_running_in_slot(
         &self,
         slots: &[InFlightLimit],
         now: Option<Timestamp>,
@@ -170,7 +205,22 @@ impl RedisStore {
                 .collect()
         };
         let lease_us = self.inner.config.lease.as_micros().max(1) as u64;
-        for chunk in pairs.chunks(RENEW_CHUNK) {
+        // A renewal's keys lie in one slot: on a cluster the pairs go by slot, chunked per slot.
+        let mut runs: Vec<Vec<(String, String)>> = Vec::new();
+        if self.is_cluster() {
+            let mut by_slot: HashMap<Slot, Vec<(String, String)>> = HashMap::new();
+            for pair in pairs {
+                by_slot
+                    .entry(Slot::for_key(&pair.0))
+                    .or_default()
+                    .push(pair);
+            }
+            runs.extend(by_slot.into_values());
+        } else {
+            runs.push(pairs);
+        }
+        let chunks = runs.iter().flat_map(|run| run.chunks(RENEW_CHUNK));
+        for chunk in chunks {
             let mut cmd = self.evalsha(&RENEW, chunk.len(), 2 + chunk.len());
             for (key, _) in chunk {
                 cmd.arg(key.as_str());

@@ -30,6 +30,62 @@ impl RedisStore {
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> Result<StateObservation, Error> {
+        if !self.is_cluster() {
+            return self.state_call_in_slot(op, limits, counters, now).await;
+        }
+        // On a cluster, one slot at a time, the answers put back in order, every slot read at
+        // the first one's instant.
+        let mut seen = StateObservation {
+            now: now.unwrap_or_else(Timestamp::now),
+            snapshots: limits
+                .iter()
+                .map(|l| Snapshot::at(None, now.unwrap_or_else(Timestamp::now), l.limit()))
+                .collect(),
+            totals: vec![0; counters.len()],
+        };
+        let windows = self.by_slot(limits, |l| l.key());
+        let periods = self.by_slot(counters, |c| c.key());
+        let mut pinned = now;
+        for (slot, w) in &windows {
+            let p: &[usize] = periods
+                .iter()
+                .find(|(s, _)| s == slot)
+                .map_or(&[], |(_, p)| p.as_slice());
+            let ls: Vec<ChainLimit> = w.iter().map(|&i| limits[i].clone()).collect();
+            let cs: Vec<PeriodCounter> = p.iter().map(|&i| counters[i].clone()).collect();
+            let part = self.state_call_in_slot(op, &ls, &cs, pinned).await?;
+            pinned.get_or_insert(part.now);
+            seen.now = pinned.unwrap_or(part.now);
+            for (&i, snapshot) in w.iter().zip(part.snapshots) {
+                seen.snapshots[i] = snapshot;
+            }
+            for (&i, total) in p.iter().zip(part.totals) {
+                seen.totals[i] = total;
+            }
+        }
+        for (slot, p) in &periods {
+            if windows.iter().any(|(s, _)| s == slot) {
+                continue;
+            }
+            let cs: Vec<PeriodCounter> = p.iter().map(|&i| counters[i].clone()).collect();
+            let part = self.state_call_in_slot(op, &[], &cs, pinned).await?;
+            pinned.get_or_insert(part.now);
+            seen.now = pinned.unwrap_or(part.now);
+            for (&i, total) in p.iter().zip(part.totals) {
+                seen.totals[i] = total;
+            }
+        }
+        Ok(seen)
+    }
+
+    /// [`state_call`](Self::state_call) for keys that all lie in one slot (or on one server).
+    async fn state_call_in_slot(
+        &self,
+        op: &'static Op,
+        limits: &[ChainLimit],
+        counters: &[PeriodCounter],
+        now: Option<Timestamp>,
+    ) -> Result<StateObservation, Error> {
         let total = limits.len() + counters.len();
         let mut seen = StateObservation {
             now: now.unwrap_or_else(Timestamp::now),

@@ -1,0 +1,293 @@
+//! The Redis store on a real Redis Cluster (three primaries with a replica each, started by
+//! `scripts/test` through `scripts/redis-cluster`).
+//!
+//! Every test reads `FLOODGATE_TEST_REDIS_CLUSTER_URLS` (the seeds, comma-separated) and returns
+//! early with a note when it is unset, unless `FLOODGATE_REQUIRE_REDIS=1` (CI), when a skip is a
+//! failure. Each test works under its own random key prefix.
+#![cfg(feature = "redis")]
+
+mod common;
+
+use std::sync::Arc;
+
+use floodgate::store::redis::{RedisConfig, RedisStore};
+use floodgate::store::{MemoryStore, Store};
+use floodgate::{Chain, ChainLimit, Charge, ScopeKind, Timestamp, WindowLimit};
+use tokio::task::JoinSet;
+
+/// The cluster's seeds, or `None` (with a note) when cluster tests are not enabled.
+fn seeds(test: &str) -> Option<Vec<String>> {
+    let seeds = common::server_from_env("FLOODGATE_TEST_REDIS_CLUSTER_URLS", test)?;
+    Some(seeds.split(',').map(str::to_owned).collect())
+}
+
+fn prefix() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    format!("fgcluster:{nanos:x}-{}:", std::process::id())
+}
+
+async fn store_with(seeds: &[String], prefix: &str) -> RedisStore {
+    let config = RedisConfig {
+        prefix: prefix.to_owned(),
+        ..RedisConfig::cluster(seeds.iter().cloned())
+    };
+    let store = RedisStore::connect(config).await.unwrap();
+    assert!(store.is_cluster());
+    store.ready().await.expect("the cluster is ready");
+    store
+}
+
+async fn store(seeds: &[String]) -> RedisStore {
+    store_with(seeds, &prefix()).await
+}
+
+fn pinned(s: u64) -> Timestamp {
+    Timestamp::from_micros(1_700_000_000_000_000 + s * 1_000_000)
+}
+
+/// A request limit of `max` a minute on `scope`/`id`, under `tenant`'s hash tag.
+fn req(tenant: &str, scope: ScopeKind, id: &str, max: u64) -> ChainLimit {
+    ChainLimit::new(
+        tenant,
+        scope,
+        id,
+        Charge::Admission,
+        WindowLimit::per_minute(max),
+    )
+}
+
+/// What `chain`'s limits count now (an admission of cost 0 charges nothing).
+async fn counts(store: &RedisStore, chain: &Chain, now: Timestamp) -> Vec<u64> {
+    let seen = store
+        .read_state(chain.limits(), &[], Some(now))
+        .await
+        .unwrap();
+    seen.snapshots.iter().map(|s| s.cur).collect()
+}
+
+#[tokio::test]
+async fn shared_vectors_pass_on_the_cluster_in_one_slot_and_across_slots() {
+    let Some(seeds) = seeds("shared_vectors_pass_on_the_cluster_in_one_slot_and_across_slots")
+    else {
+        return;
+    };
+    // The chains as they are (one tenant: one slot), then with every scope in a slot of its own:
+    // decided slot by slot, with refunds, and still exactly as the memory store decides.
+    common::run_vectors(&store(&seeds).await).await;
+    common::run_vectors_on(&store(&seeds).await, common::spread(common::chains())).await;
+    common::run_vectors_on(&MemoryStore::new(), common::spread(common::chains())).await;
+    common::run_period_vectors(&store(&seeds).await).await;
+    common::run_refusal_cache_sweep(&store(&seeds).await).await;
+}
+
+#[tokio::test]
+async fn concurrency_vectors_pass_on_the_cluster_in_one_slot_and_across_slots() {
+    let Some(seeds) = seeds("concurrency_vectors_pass_on_the_cluster_in_one_slot_and_across_slots")
+    else {
+        return;
+    };
+    let spread = || common::spread(common::in_flight_chains());
+    common::run_in_flight_vectors(&store(&seeds).await).await;
+    common::run_in_flight_vectors_on(&store(&seeds).await, spread()).await;
+    common::run_in_flight_vectors_on(&MemoryStore::new(), spread()).await;
+    common::run_reserved_holding(&store(&seeds).await).await;
+    let s = store(&seeds).await;
+    common::run_state_read_and_clear(&s).await;
+    assert_eq!(s.leases_held(), 0, "every lease given back or never taken");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn three_replicas_race_ninety_six_requests_against_five_and_a_gateway_limit() {
+    let Some(seeds) = seeds("three_replicas_race_ninety_six_requests_against_five") else {
+        return;
+    };
+    let prefix = prefix();
+    let mut replicas = Vec::new();
+    for _ in 0..3 {
+        replicas.push(store_with(&seeds, &prefix).await);
+    }
+    // The key's limit in its org's slot, a roomy gateway-wide limit in the gateway's.
+    let key = req("org:race", ScopeKind::Key, "race", 5);
+    let gateway = req("gateway", ScopeKind::Gateway, "gateway", 1000);
+    let chain = Arc::new(Chain::new(vec![key, gateway]));
+    let now = pinned(7);
+    let mut tasks = JoinSet::new();
+    for i in 0..96 {
+        let (store, chain) = (replicas[i % 3].clone(), chain.clone());
+        tasks.spawn(async move { chain.admit_at(&store, 1, now).await.unwrap() });
+    }
+    let decisions = tasks.join_all().await;
+    assert!(decisions.iter().all(|d| d.enforced));
+    assert_eq!(decisions.iter().filter(|d| d.admitted).count(), 5);
+    // Refused by the key's step, the gateway's was never run: it counts the 5 alone.
+    assert_eq!(counts(&replicas[0], &chain, now).await, [5, 5]);
+}
+
+#[tokio::test]
+async fn a_refusal_by_a_later_slot_is_charged_to_none() {
+    let Some(seeds) = seeds("a_refusal_by_a_later_slot_is_charged_to_none") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let now = pinned(11);
+    let key = req("org:acme", ScopeKind::Key, "alice", 100);
+    let customer = req("customer:big", ScopeKind::Customer, "big", 2);
+    let gateway = req("gateway", ScopeKind::Gateway, "gateway", 100);
+    let chain = Chain::new(vec![key, customer, gateway]);
+    for _ in 0..2 {
+        assert!(chain.admit_at(&store, 1, now).await.unwrap().admitted);
+    }
+    let refused = chain.admit_at(&store, 1, now).await.unwrap();
+    assert!(!refused.admitted && refused.enforced);
+    assert_eq!(refused.refused_by, Some(1), "the customer's limit refuses");
+    // The key's step was charged, then refunded; the gateway's was read, not run.
+    assert_eq!(counts(&store, &chain, now).await, [2, 2, 2]);
+    // Its headers describe every limit as now: the gateway's remaining is read from its slot.
+    let gateway_left = refused.statuses[2].remaining;
+    assert_eq!(gateway_left, 98);
+    // The same decision as the memory store's, where it is one atomic step.
+    let memory = MemoryStore::new();
+    for _ in 0..2 {
+        chain.admit_at(&memory, 1, now).await.unwrap();
+    }
+    assert_eq!(chain.admit_at(&memory, 1, now).await.unwrap(), refused);
+}
+
+/// The bound docs/redis.md states: a request refused by a later slot holds its charge in the
+/// earlier slots until its refund, so concurrent requests there can be refused that an atomic
+/// decision would admit, at most as many as such requests are in flight, and never the other
+/// way; once the refunds land, exactly what was admitted is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refund_in_flight_errs_towards_stricter_by_at_most_what_is_in_flight() {
+    let Some(seeds) = seeds("a_refund_in_flight_errs_towards_stricter") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let now = pinned(13);
+    let key = req("org:acme", ScopeKind::Key, "shared", 10);
+    let full = req("customer:full", ScopeKind::Customer, "full", 1);
+    // The customer is full: every request of `refused` charges the key, then is refunded.
+    assert!(
+        Chain::new(vec![full.clone()])
+            .admit_at(&store, 1, now)
+            .await
+            .unwrap()
+            .admitted
+    );
+    let refused = Arc::new(Chain::new(vec![key.clone(), full]));
+    let alone = Arc::new(Chain::new(vec![key.clone()]));
+    const IN_FLIGHT: usize = 4;
+    let mut tasks = JoinSet::new();
+    for i in 0..(20 + IN_FLIGHT) {
+        let store = store.clone();
+        let chain = if i % 6 == 0 && i / 6 < IN_FLIGHT {
+            refused.clone()
+        } else {
+            alone.clone()
+        };
+        let crossing = Arc::ptr_eq(&chain, &refused);
+        tasks.spawn(async move { (crossing, chain.admit_at(&store, 1, now).await.unwrap()) });
+    }
+    let decisions = tasks.join_all().await;
+    assert_eq!(
+        decisions.iter().filter(|(c, _)| *c).count(),
+        IN_FLIGHT,
+        "the test sends as many crossing requests as it says"
+    );
+    assert!(
+        decisions
+            .iter()
+            .filter(|(c, _)| *c)
+            .all(|(_, d)| !d.admitted),
+        "a request the customer refuses is never admitted"
+    );
+    let admitted = decisions.iter().filter(|(c, d)| !*c && d.admitted).count();
+    assert!(
+        (10 - IN_FLIGHT..=10).contains(&admitted),
+        "an atomic decision admits 10; refunds in flight may refuse at most {IN_FLIGHT} of them: {admitted}"
+    );
+    // Every refund landed: the key counts what it admitted, and admits exactly the rest.
+    assert_eq!(counts(&store, &alone, now).await, [admitted as u64]);
+    let mut more = 0;
+    while alone.admit_at(&store, 1, now).await.unwrap().admitted {
+        more += 1;
+    }
+    assert_eq!(admitted + more, 10);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_gateway_wide_limit_across_orgs_is_exact() {
+    let Some(seeds) = seeds("a_gateway_wide_limit_across_orgs_is_exact") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let now = pinned(17);
+    let gateway = req("gateway", ScopeKind::Gateway, "gateway", 30);
+    // Twelve orgs, in slots of their own, each key roomy: only the gateway's limit binds.
+    let chains: Vec<Arc<Chain>> = (0..12)
+        .map(|o| {
+            let key = req(&format!("org:o{o}"), ScopeKind::Key, &format!("k{o}"), 100);
+            Arc::new(Chain::new(vec![key, gateway.clone()]))
+        })
+        .collect();
+    let mut tasks = JoinSet::new();
+    for i in 0..120 {
+        let (store, chain) = (store.clone(), chains[i % 12].clone());
+        tasks.spawn(async move { (i % 12, chain.admit_at(&store, 1, now).await.unwrap()) });
+    }
+    let decisions = tasks.join_all().await;
+    assert_eq!(decisions.iter().filter(|(_, d)| d.admitted).count(), 30);
+    // Each org's key counts only its admitted requests: every refusal was refunded.
+    let gateway_count = counts(&store, &Chain::new(vec![gateway]), now).await;
+    assert_eq!(gateway_count, [30]);
+    for (o, chain) in chains.iter().enumerate() {
+        let admitted = decisions
+            .iter()
+            .filter(|(i, d)| *i == o && d.admitted)
+            .count();
+        assert_eq!(
+            counts(&store, chain, now).await[0],
+            admitted as u64,
+            "org {o}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn charges_and_budgets_land_in_every_slot() {
+    let Some(seeds) = seeds("charges_and_budgets_land_in_every_slot") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let now = pinned(19);
+    let tokens = |tenant: &str, scope, id: &str| {
+        ChainLimit::new(
+            tenant,
+            scope,
+            id,
+            Charge::Reactive,
+            WindowLimit::per_minute(1000),
+        )
+    };
+    let chain = Chain::new(vec![
+        tokens("org:acme", ScopeKind::Org, "acme"),
+        tokens("customer:c", ScopeKind::Customer, "c"),
+        tokens("gateway", ScopeKind::Gateway, "gateway"),
+    ]);
+    store.record(chain.limits(), 42, Some(now)).await.unwrap();
+    assert_eq!(counts(&store, &chain, now).await, [42, 42, 42]);
+    let memory = MemoryStore::new();
+    memory.record(chain.limits(), 42, Some(now)).await.unwrap();
+    let on_memory = memory
+        .read_state(chain.limits(), &[], Some(now))
+        .await
+        .unwrap();
+    let on_cluster = store
+        .read_state(chain.limits(), &[], Some(now))
+        .await
+        .unwrap();
+    assert_eq!(on_cluster.snapshots, on_memory.snapshots);
+}
