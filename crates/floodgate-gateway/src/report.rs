@@ -8,7 +8,7 @@ use std::path::Path;
 use floodgate::ScopeKind;
 
 use crate::auth::Keys;
-use crate::config::{Backend, Config, GATEWAY_ID, OnError, UpstreamTarget, per_million};
+use crate::config::{Config, GATEWAY_ID, OnError, UpstreamTarget, per_million};
 use crate::pricing::Prices;
 
 /// Writes what a valid config resolves to: store, upstream, every key's chain and budgets
@@ -42,13 +42,14 @@ pub fn write(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<(
             mode(kinds.budgets)
         ),
     };
-    let backend = match config.store.backend {
-        Backend::Memory => "memory",
-        Backend::Redis => "redis",
-    };
-    match &config.store.url {
-        Some(_) => writeln!(out, "store: {backend} (url set, on_error = {on_error})")?,
-        None => writeln!(out, "store: {backend} (on_error = {on_error})")?,
+    let backend = config.store.backend.name();
+    match (&config.store.url, config.store.urls.len()) {
+        (Some(_), _) => writeln!(out, "store: {backend} (url set, on_error = {on_error})")?,
+        (None, 0) => writeln!(out, "store: {backend} (on_error = {on_error})")?,
+        (None, seeds) => writeln!(
+            out,
+            "store: {backend} ({seeds} seed nodes, on_error = {on_error})"
+        )?,
     }
     if let Some(warning) = config.store.ignored_url_warning() {
         writeln!(out, "warning: {warning}")?;

@@ -37,12 +37,16 @@ pub async fn open(config: &StoreConfig) -> Result<(GatewayStore, StoreGuard), Er
             };
             Ok((AnyStore::Memory(store), guard))
         }
-        Backend::Redis => {
-            let url = config
-                .url
-                .clone()
-                .ok_or_else(|| Error::Backend("the redis backend needs a URL".into()))?;
-            let mut redis = RedisConfig::new(url);
+        Backend::Redis | Backend::RedisCluster => {
+            let mut redis = if config.backend == Backend::RedisCluster {
+                RedisConfig::cluster(config.urls.iter().cloned())
+            } else {
+                let url = config
+                    .url
+                    .clone()
+                    .ok_or_else(|| Error::Backend("the redis backend needs a URL".into()))?;
+                RedisConfig::new(url)
+            };
             redis.on_error = match config.on_error {
                 OnError::Open => RedisOnError::Open,
                 OnError::Closed => RedisOnError::Closed,
@@ -69,14 +73,12 @@ pub async fn ping(store: &GatewayStore) -> Result<(), Error> {
 pub fn name(store: &GatewayStore) -> &'static str {
     match store {
         AnyStore::Memory(_) => "memory",
+        AnyStore::Redis(r) if r.is_cluster() => "redis-cluster",
         AnyStore::Redis(_) => "redis",
     }
 }
 
 /// The short name of a configured backend, for logs.
 pub fn backend_name(backend: Backend) -> &'static str {
-    match backend {
-        Backend::Memory => "memory",
-        Backend::Redis => "redis",
-    }
+    backend.name()
 }

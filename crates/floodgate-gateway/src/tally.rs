@@ -133,9 +133,19 @@ enum Keep {
 /// they are).
 #[derive(Debug)]
 struct RedisTally {
-    client: redis::Client,
+    client: TallyClient,
     /// The key of a day's hash, without the day: `{prefix}{floodgate}:tally:`.
     key: String,
+}
+
+/// The tally's client: one server's, or a cluster's (the tally's keys share one hash tag, so
+/// one slot: a flush is one transaction there too).
+#[derive(Debug)]
+// Built once per process and kept boxed (`Keep::Redis`): the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
+enum TallyClient {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
 }
 
 /// How long a tally call to Redis may take, connecting included.
@@ -155,12 +165,22 @@ impl RedisTally {
             .set_connection_timeout(Some(REDIS_TIMEOUT))
             .set_response_timeout(None);
         let attempt = async {
-            let mut conn = self
-                .client
-                .get_multiplexed_async_connection_with_config(&config)
-                .await
-                .map_err(|e| e.to_string())?;
-            pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
+            match &self.client {
+                TallyClient::Single(client) => {
+                    let mut conn = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
+                }
+                TallyClient::Cluster(client) => {
+                    let mut conn = client
+                        .get_async_connection()
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    pipe.query_async(&mut conn).await.map_err(|e| e.to_string())
+                }
+            }
         };
         tokio::time::timeout(REDIS_TIMEOUT, attempt)
             .await
@@ -189,7 +209,22 @@ impl Tally {
                     .map_err(|e| format!("the refusal tally's Redis client: {e}"))?;
                 let prefix = config.store.prefix.as_deref().unwrap_or("fg:");
                 Keep::Redis(Box::new(RedisTally {
-                    client,
+                    client: TallyClient::Single(client),
+                    key: format!("{prefix}{{floodgate}}:tally:"),
+                }))
+            }
+            (Backend::RedisCluster, _, _) => {
+                // No retries inside the client: a flush sent again after a dropped connection
+                // could count twice; one that fails is kept for the next flush instead.
+                let client = redis::cluster::ClusterClientBuilder::new(config.store.urls.clone())
+                    .connection_timeout(REDIS_TIMEOUT)
+                    .response_timeout(REDIS_TIMEOUT)
+                    .retries(0)
+                    .build()
+                    .map_err(|e| format!("the refusal tally's Redis Cluster client: {e}"))?;
+                let prefix = config.store.prefix.as_deref().unwrap_or("fg:");
+                Keep::Redis(Box::new(RedisTally {
+                    client: TallyClient::Cluster(client),
                     key: format!("{prefix}{{floodgate}}:tally:"),
                 }))
             }

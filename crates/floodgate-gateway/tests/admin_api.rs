@@ -316,6 +316,23 @@ async fn the_admin_api_on_redis() {
 }
 
 #[tokio::test]
+async fn the_admin_api_on_a_redis_cluster() {
+    let Some(seeds) = test_server(
+        "FLOODGATE_TEST_REDIS_CLUSTER_URLS",
+        "the_admin_api_on_a_redis_cluster",
+    ) else {
+        return;
+    };
+    let urls: Vec<String> = seeds.split(',').map(|u| format!("\"{u}\"")).collect();
+    let store = format!(
+        "[store]\nbackend = \"redis-cluster\"\nurls = [{}]\nprefix = \"{}\"",
+        urls.join(", "),
+        fresh_prefix()
+    );
+    known_sequence(&store).await;
+}
+
+#[tokio::test]
 async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
     let up = fake_upstream().await;
     let s = setup("", &up.url()).await;

@@ -93,11 +93,12 @@ pub(super) struct RawAlerts {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "a [store] table (backend, url, on_error, prefix)"
+    expecting = "a [store] table (backend, url, urls, on_error, prefix, lease_sec)"
 )]
 pub(super) struct RawStore {
     pub(super) backend: Option<Spanned<Backend>>,
     pub(super) url: Option<Spanned<String>>,
+    pub(super) urls: Option<Spanned<Vec<Spanned<String>>>>,
     pub(super) on_error: Option<RawOnError>,
     pub(super) prefix: Option<String>,
     pub(super) lease_sec: Option<Spanned<u64>>,

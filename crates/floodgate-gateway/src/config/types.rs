@@ -98,12 +98,30 @@ impl std::error::Error for ConfigError {}
 
 /// Which store holds the limits' state.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "kebab-case")]
 pub enum Backend {
     /// The embedded in-memory store: one process.
     Memory,
     /// Redis: many gateway replicas share one truth.
     Redis,
+    /// A Redis Cluster (`urls`, its seed nodes): the same, across many Redis primaries.
+    RedisCluster,
+}
+
+impl Backend {
+    /// Whether the state is in Redis (one server or a cluster).
+    pub fn is_redis(self) -> bool {
+        matches!(self, Backend::Redis | Backend::RedisCluster)
+    }
+
+    /// The backend's name, as the config writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Memory => "memory",
+            Backend::Redis => "redis",
+            Backend::RedisCluster => "redis-cluster",
+        }
+    }
 }
 
 /// What admission does when the store cannot be reached.
@@ -339,6 +357,8 @@ pub struct StoreConfig {
     pub backend: Backend,
     /// The Redis URL (after `FLOODGATE_REDIS_URL`), if any.
     pub url: Option<String>,
+    /// A Redis Cluster's seed nodes (`urls`), on the `redis-cluster` backend.
+    pub urls: Vec<String>,
     /// Fail open or closed when the store is unreachable: the store's own mode, the one of
     /// every kind when they agree, else `Closed` (the gateway then applies each kind's).
     pub on_error: OnError,
@@ -356,6 +376,7 @@ impl fmt::Debug for StoreConfig {
         f.debug_struct("StoreConfig")
             .field("backend", &self.backend)
             .field("url", &self.url.as_ref().map(|_| "<set>"))
+            .field("urls", &self.urls.len())
             .field("on_error", &self.on_error_by_kind)
             .field("prefix", &self.prefix)
             .field("lease", &self.lease)

@@ -382,7 +382,7 @@ impl Validator<'_> {
             return Ok(alerts);
         };
         if let Some(p) = raw.path {
-            if backend == Backend::Redis {
+            if backend.is_redis() {
                 return Err(self.error(
                     p.span(),
                     "alerts.path",
@@ -743,9 +743,9 @@ impl Validator<'_> {
         raw: Option<RawStore>,
         env_url: Option<String>,
     ) -> Result<StoreConfig, ConfigError> {
-        let (backend, url, on_error, prefix, lease_sec) = match raw {
-            None => (None, None, None, None, None),
-            Some(s) => (s.backend, s.url, s.on_error, s.prefix, s.lease_sec),
+        let (backend, url, urls, on_error, prefix, lease_sec) = match raw {
+            None => (None, None, None, None, None, None),
+            Some(s) => (s.backend, s.url, s.urls, s.on_error, s.prefix, s.lease_sec),
         };
         let lease = match lease_sec {
             None => floodgate::store::redis::DEFAULT_LEASE,
@@ -805,7 +805,22 @@ impl Validator<'_> {
                 format!("{REDIS_URL_ENV}: {e}"),
             ));
         }
-        let url = env_url.or(url.map(Spanned::into_inner));
+        let urls =
+            self.cluster_urls(backend, backend_span.clone(), url.as_ref(), urls, &env_url)?;
+        if backend == Backend::RedisCluster
+            && let Some(p) = &prefix
+            && p.contains(['{', '}'])
+        {
+            return Err(self.error(
+                backend_span.clone().unwrap_or(0..0),
+                "store.prefix",
+                "a prefix with `{` or `}` is a hash tag of its own: every key would lie in one cluster slot",
+            ));
+        }
+        let url = match backend {
+            Backend::RedisCluster => None,
+            _ => env_url.or(url.map(Spanned::into_inner)),
+        };
         if backend == Backend::Redis && url.is_none() {
             return Err(self.error(
                 backend_span.unwrap_or(0..0),
@@ -826,11 +841,86 @@ impl Validator<'_> {
         Ok(StoreConfig {
             backend,
             url,
+            urls,
             on_error: by_kind.uniform().unwrap_or(OnError::Closed),
             on_error_by_kind: by_kind,
             prefix,
             lease,
         })
+    }
+
+    /// The seeds of the `redis-cluster` backend: `urls` (or `FLOODGATE_REDIS_URL`, seeds
+    /// separated by commas), each a `redis://` or `rediss://` URL; `url` is refused there, and
+    /// `urls` anywhere else.
+    fn cluster_urls(
+        &self,
+        backend: Backend,
+        backend_span: Option<Range<usize>>,
+        url: Option<&Spanned<String>>,
+        urls: Option<Spanned<Vec<Spanned<String>>>>,
+        env_url: &Option<String>,
+    ) -> Result<Vec<String>, ConfigError> {
+        if backend != Backend::RedisCluster {
+            return match urls {
+                Some(u) => Err(self.error(
+                    u.span(),
+                    "store.urls",
+                    "seed nodes are for `backend = \"redis-cluster\"`; one server takes `url`",
+                )),
+                None => Ok(Vec::new()),
+            };
+        }
+        if let Some(u) = url {
+            return Err(self.error(
+                u.span(),
+                "store.url",
+                "the redis-cluster backend takes `urls`, its seed nodes: `urls = [\"redis://host:port\", ...]`",
+            ));
+        }
+        let check = |seeds: &[String]| {
+            floodgate::store::redis::RedisConfig::cluster(seeds.iter().cloned())
+                .check_url()
+                .map_err(|e| e.to_string())
+        };
+        if let Some(env) = env_url {
+            let seeds: Vec<String> = env.split(',').map(|s| s.trim().to_owned()).collect();
+            return match check(&seeds) {
+                Ok(()) => Ok(seeds),
+                Err(e) => Err(self.error(
+                    backend_span.unwrap_or(0..0),
+                    "store.urls",
+                    format!("{REDIS_URL_ENV}: {e}"),
+                )),
+            };
+        }
+        let Some(urls) = urls else {
+            return Err(self.error(
+                backend_span.unwrap_or(0..0),
+                "store.urls",
+                format!(
+                    "the redis-cluster backend needs `urls`, its seed nodes (or {REDIS_URL_ENV})"
+                ),
+            ));
+        };
+        if urls.get_ref().is_empty() {
+            return Err(self.error(urls.span(), "store.urls", "needs at least one seed node"));
+        }
+        let mut seeds = Vec::with_capacity(urls.get_ref().len());
+        for u in urls.into_inner() {
+            let ok = u.get_ref().starts_with("redis://") || u.get_ref().starts_with("rediss://");
+            if !ok {
+                return Err(self.error(
+                    u.span(),
+                    "store.urls",
+                    "expected a redis:// or rediss:// URL",
+                ));
+            }
+            if let Err(e) = check(std::slice::from_ref(u.get_ref())) {
+                return Err(self.error(u.span(), "store.urls", e));
+            }
+            seeds.push(u.into_inner());
+        }
+        Ok(seeds)
     }
 
     fn upstream(&self, raw: Spanned<RawUpstream>) -> Result<UpstreamConfig, ConfigError> {
@@ -1059,6 +1149,39 @@ mod tests {
         let text = "[store]\nbackend = \"redis\"\n[upstream]\ndemo = true\n";
         let c = Config::parse_with_env("t.toml", text, Some("redis://env:6379".into())).unwrap();
         assert_eq!(c.store.url.as_deref(), Some("redis://env:6379"));
+    }
+
+    #[test]
+    fn a_redis_cluster_takes_seed_nodes_and_names_each_mistake() {
+        let store = |body: &str| {
+            format!("[upstream]\ndemo = true\n[store]\nbackend = \"redis-cluster\"\n{body}")
+        };
+        let c = parse(&store("urls = [\"redis://a:7000\", \"redis://b:7001\"]\n")).unwrap();
+        assert_eq!(c.store.backend, Backend::RedisCluster);
+        assert_eq!(c.store.urls, ["redis://a:7000", "redis://b:7001"]);
+        assert_eq!(c.store.url, None);
+        let e = parse(&store("")).unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (4, "store.urls"), "{e}");
+        assert!(e.message.contains("seed nodes"), "{e}");
+        let e = parse(&store("url = \"redis://a:7000\"\n")).unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (5, "store.url"), "{e}");
+        let e = parse(&store("urls = []\n")).unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (5, "store.urls"), "{e}");
+        let e = parse(&store(
+            "urls = [\"redis://a:7000\",\n  \"http://b:7001\"]\n",
+        ))
+        .unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (6, "store.urls"), "{e}");
+        let e = parse(&store("urls = [\"redis://a:7000\"]\nprefix = \"{app}:\"\n")).unwrap_err();
+        assert_eq!(e.field, "store.prefix", "{e}");
+        // Seed nodes on one server's backend are refused where they are written.
+        let e = parse("[upstream]\ndemo = true\n[store]\nbackend = \"redis\"\nurl = \"redis://a:1\"\nurls = [\"redis://a:7000\"]\n").unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (6, "store.urls"), "{e}");
+        // The environment's seeds, comma-separated, win over the file's.
+        let text = store("urls = [\"redis://file:7000\"]\n");
+        let env = Some("redis://e1:7000, redis://e2:7001".to_owned());
+        let c = Config::parse_with_env("t.toml", &text, env).unwrap();
+        assert_eq!(c.store.urls, ["redis://e1:7000", "redis://e2:7001"]);
     }
 
     #[test]

@@ -130,7 +130,7 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
                 .map_err(StartError::Store)?;
             (Some(store), Some(guard))
         }
-        Backend::Redis => (None, None),
+        Backend::Redis | Backend::RedisCluster => (None, None),
     };
     let workers = if cfg!(unix) {
         config.workers.unwrap_or_else(default_workers)

@@ -496,14 +496,20 @@ pub fn serve_binary(file: &std::path::Path) -> std::process::Child {
 /// The Redis server tests use (`FLOODGATE_TEST_REDIS_URL`), or `None` with a note (the test
 /// skips) — unless `FLOODGATE_REQUIRE_REDIS=1` (CI), when a skip is a failure.
 pub fn test_redis_url(test: &str) -> Option<String> {
-    match std::env::var("FLOODGATE_TEST_REDIS_URL") {
+    test_server("FLOODGATE_TEST_REDIS_URL", test)
+}
+
+/// The test server (or cluster seeds) that `var` names, or `None` with a note (the test skips),
+/// unless `FLOODGATE_REQUIRE_REDIS=1` (CI), when a skip is a failure.
+pub fn test_server(var: &str, test: &str) -> Option<String> {
+    match std::env::var(var) {
         Ok(url) if !url.is_empty() => Some(url),
         _ => {
             assert!(
                 std::env::var("FLOODGATE_REQUIRE_REDIS").as_deref() != Ok("1"),
-                "{test}: FLOODGATE_REQUIRE_REDIS=1 but FLOODGATE_TEST_REDIS_URL is not set"
+                "{test}: FLOODGATE_REQUIRE_REDIS=1 but {var} is not set"
             );
-            eprintln!("{test}: skipped, FLOODGATE_TEST_REDIS_URL is not set");
+            eprintln!("{test}: skipped, {var} is not set");
             None
         }
     }

@@ -78,8 +78,8 @@ impl ConnectionLike for Connection {
 }
 
 /// How many redirections and waits one command follows on a cluster before its error is
-/// returned (within the call's deadline in any case).
-const MAX_REDIRECTS: u32 = 8;
+/// returned (within the call's deadline in any case: 30 waits are 150 ms).
+const MAX_REDIRECTS: u32 = 30;
 /// How long a command waits before it is sent again after `TRYAGAIN` (a multi-key script in a
 /// slot being migrated) or before a node's connection exists.
 const REDIRECT_WAIT: Duration = Duration::from_millis(5);
@@ -93,6 +93,7 @@ const REDIRECT_WAIT: Duration = Duration::from_millis(5);
 async fn cluster_command(conn: &mut ClusterConnection, cmd: &Cmd) -> Result<Value, RedisError> {
     use ::redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo};
     let mut answer = conn.req_packed_command(cmd).await;
+    let mut moved = 0;
     for _ in 0..MAX_REDIRECTS {
         let err = match answer {
             Ok(value) => return Ok(value),
@@ -106,7 +107,11 @@ async fn cluster_command(conn: &mut ClusterConnection, cmd: &Cmd) -> Result<Valu
             })
         };
         answer = match err.kind() {
-            ErrorKind::Server(ServerErrorKind::Moved) => {
+            // The slot has moved (a reshard, a failover): the first time, straight to the node
+            // named; after that (a node the connection does not know yet sends it back), by
+            // slot again once the slot map the MOVED set refreshing has caught up.
+            ErrorKind::Server(ServerErrorKind::Moved) if moved == 0 => {
+                moved += 1;
                 let Some(route) = err.redirect_node().and_then(|(node, _)| to(node)) else {
                     return Err(err);
                 };
@@ -124,7 +129,8 @@ async fn cluster_command(conn: &mut ClusterConnection, cmd: &Cmd) -> Result<Valu
                     .await
                     .and_then(|mut values| values.pop().ok_or_else(err_reply))
             }
-            ErrorKind::Server(ServerErrorKind::TryAgain) | ErrorKind::ClusterConnectionNotFound => {
+            ErrorKind::Server(ServerErrorKind::Moved | ServerErrorKind::TryAgain)
+            | ErrorKind::ClusterConnectionNotFound => {
                 tokio::time::sleep(REDIRECT_WAIT).await;
                 conn.req_packed_command(cmd).await
             }
@@ -271,7 +277,11 @@ fn classify(e: &RedisError) -> Class {
                 | ServerErrorKind::ClusterDown
                 | ServerErrorKind::MasterDown
                 | ServerErrorKind::ReadOnly
-        )
+                // A cluster mid-change that `cluster_command` could not follow in time (the
+                // slot map not yet refreshed after a failover): not run, and not an answer.
+                | ServerErrorKind::Moved
+                | ServerErrorKind::Ask
+        ) | ErrorKind::ClusterConnectionNotFound
     ) {
         Class::Unavailable
     } else {
@@ -493,6 +503,12 @@ async fn probe(inner: Weak<Inner>) {
             }
             // The next probe goes over a new connection (see `fresh_connection`).
             Err(_) => inner.fresh_connection(generation),
+            // On a cluster, from the seeds again: a node that died (a primary failed over) may
+            // be all the old connection knows for its slots, and only a new one asks the
+            // cluster who serves them now.
+            Ok(Err(_)) if matches!(inner.maker, Maker::Cluster(_)) => {
+                inner.fresh_connection(generation);
+            }
             Ok(Err(_)) => {}
         }
     }

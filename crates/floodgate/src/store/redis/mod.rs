@@ -189,7 +189,7 @@ impl RedisStore {
     /// way every decision goes: while the breaker is open it fails at once, and a Redis that
     /// answers `PING` but cannot run or write a script (a read-only replica, `MASTERDOWN`, no
     /// scripting) is not ready. A success after an outage ends it (see the breaker). It counts
-    /// in [`RedisStats`] as an admission.
+    /// in [`RedisStats`] as an admission. On a cluster every node must also answer `PING`.
     pub async fn ready(&self) -> Result<(), Error> {
         static PROBE: LazyLock<[ChainLimit; 1]> = LazyLock::new(|| {
             [ChainLimit::new(
@@ -203,7 +203,12 @@ impl RedisStore {
         self.admit_inner(&*PROBE, 1.into(), None)
             .await
             .map(|_| ())
-            .map_err(Error::from)
+            .map_err(Error::from)?;
+        // On a cluster the probe's slot is one primary's: every node must answer too.
+        if self.is_cluster() {
+            self.ping().await?;
+        }
+        Ok(())
     }
 
     /// Whether Redis answers `PING` within the timeout now (it may still fail every script: see
