@@ -20,7 +20,8 @@
 //! response headers (`X-RateLimit-*`, the IETF `RateLimit` fields, OpenAI's
 //! `x-ratelimit-*`, `Retry-After`), as the floodgate gateway sends them; with the `tower`
 //! feature, `floodgate::tower::RateLimitLayer` limits any tower service
-//! (axum, tonic, hyper) per name or per chain of names, and answers refusals with 429.
+//! (axum, tonic, hyper) per name or per chain of names, and answers refusals with 429 (a gRPC
+//! call's with `RESOURCE_EXHAUSTED`).
 //!
 //! ```
 //! use floodgate::{Admission, Rate, TokenBucket};

@@ -13,8 +13,12 @@
 //! to the inner service and its response gets the rate-limit headers; a refused one is answered
 //! at once with `429 Too Many Requests` and the same headers, `Retry-After` and
 //! `retry-after-ms` included ([`crate::http`]: the gateway's own implementation). A gRPC request
-//! (`content-type: application/grpc...`) is refused with `grpc-status: 8` (`RESOURCE_EXHAUSTED`)
-//! as well, which gRPC clients read before the HTTP status.
+//! (`content-type: application/grpc...`) is refused the way gRPC answers an error: a
+//! "Trailers-Only" response, HTTP `200` with `content-type: application/grpc`, `grpc-status: 8`
+//! (`RESOURCE_EXHAUSTED`), a percent-encoded `grpc-message` and the same rate-limit headers
+//! (which a gRPC client reads as the status's metadata), as tonic's `Status::into_http` makes
+//! it. gRPC clients read a status only from an HTTP 200: grpc-go, for one, maps a 429 to
+//! `UNAVAILABLE` and ignores its `grpc-status`.
 //!
 //! Two settings decide the rest: a request the function cannot name ([`Unnamed`]: passed
 //! through, the default, or refused with a status), and a store that fails ([`OnError`]: the
@@ -451,6 +455,9 @@ pub type ResponseFuture<R, E> = Pin<Box<dyn Future<Output = Result<R, E>> + Send
 
 const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+const RETRY_AFTER_MS: HeaderName = HeaderName::from_static("retry-after-ms");
+/// gRPC's `RESOURCE_EXHAUSTED`, as `grpc-status` writes it.
+const RESOURCE_EXHAUSTED: &str = "8";
 
 impl<S, St, L, F, C, K, ReqBody, ResBody> Service<Request<ReqBody>> for RateLimit<S, St, L, F, C>
 where
@@ -506,14 +513,25 @@ where
                 }
             };
             if !verdict.admitted() {
-                let mut resp = answer(StatusCode::TOO_MANY_REQUESTS);
-                verdict.apply(resp.headers_mut());
                 if grpc {
+                    // gRPC's own answer: HTTP 200, the status in the headers, no messages.
+                    let mut resp = answer(StatusCode::OK);
+                    verdict.apply(resp.headers_mut());
+                    let message = match resp.headers().get(RETRY_AFTER_MS) {
+                        Some(ms) => format!(
+                            "rate limited, retry after {} ms",
+                            ms.to_str().unwrap_or("?")
+                        ),
+                        None => "rate limited".to_owned(),
+                    };
                     let h = resp.headers_mut();
                     h.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-                    h.insert(GRPC_STATUS, HeaderValue::from_static("8"));
-                    h.insert(GRPC_MESSAGE, HeaderValue::from_static("rate%20limited"));
+                    h.insert(GRPC_STATUS, HeaderValue::from_static(RESOURCE_EXHAUSTED));
+                    h.insert(GRPC_MESSAGE, grpc_message(&message));
+                    return Ok(resp);
                 }
+                let mut resp = answer(StatusCode::TOO_MANY_REQUESTS);
+                verdict.apply(resp.headers_mut());
                 return Ok(resp);
             }
             let mut resp = inner.call(req).await?;
@@ -535,4 +553,39 @@ fn is_grpc<B>(req: &Request<B>) -> bool {
     req.headers()
         .get(CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// `message` as a `grpc-message` value: percent-encoded as gRPC requires (every byte outside
+/// printable ASCII, and `%`), plus the bytes tonic also encodes (space, `"`, `#`, `<`, `>`, `` ` ``,
+/// `?`, `{`, `}`), so that it reads back the same in every client.
+fn grpc_message(message: &str) -> HeaderValue {
+    let mut out = String::with_capacity(message.len());
+    for &b in message.as_bytes() {
+        match b {
+            b' ' | b'"' | b'#' | b'%' | b'<' | b'>' | b'`' | b'?' | b'{' | b'}' => {
+                out.push_str(&format!("%{b:02X}"))
+            }
+            0x21..=0x7e => out.push(char::from(b)),
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    // Only printable ASCII is left.
+    HeaderValue::try_from(out).unwrap_or_else(|_| HeaderValue::from_static(""))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::grpc_message;
+
+    #[test]
+    fn grpc_messages_are_percent_encoded() {
+        assert_eq!(
+            grpc_message("rate limited, retry after 12 ms"),
+            "rate%20limited,%20retry%20after%2012%20ms"
+        );
+        assert_eq!(
+            grpc_message("100% {x}?\n\u{e9}"),
+            "100%25%20%7Bx%7D%3F%0A%C3%A9"
+        );
+    }
 }

@@ -1,8 +1,9 @@
 //! The tower layer, driven with `tower::ServiceExt::oneshot`: headers on admitted and refused
 //! requests, chains and buckets, cost, unnamed requests, store failures, gRPC refusals, axum's
-//! `Router::layer` and tonic's server, and exactly N of M concurrent requests admitted, on the memory store and,
+//! `Router::layer`, and exactly N of M concurrent requests admitted, on the memory store and,
 //! when `FLOODGATE_TEST_REDIS_URL` is set, on Redis (a skip is a failure with
-//! `FLOODGATE_REQUIRE_REDIS=1`).
+//! `FLOODGATE_REQUIRE_REDIS=1`). And tonic's server with the layer on a loopback port, called by
+//! tonic's client.
 
 use std::convert::Infallible;
 use std::time::Duration;
@@ -183,11 +184,23 @@ async fn a_grpc_call_is_refused_with_resource_exhausted() {
         r
     };
     assert_eq!(call!(layer, grpc()).status(), 200);
+    // gRPC's "Trailers-Only" answer: HTTP 200 (a client reads grpc-status from nothing else),
+    // the status in the headers, no body.
     let refused = call!(layer, grpc());
-    assert_eq!(refused.status(), 429);
-    assert_eq!(h(&refused, "grpc-status"), Some("8"));
+    assert_eq!(refused.status(), 200);
+    assert_eq!(h(&refused, "x-served"), None);
     assert_eq!(h(&refused, "content-type"), Some("application/grpc"));
-    assert!(h(&refused, "retry-after-ms").is_some());
+    assert_eq!(h(&refused, "grpc-status"), Some("8"));
+    let wait = h(&refused, "retry-after-ms").unwrap().to_owned();
+    assert_eq!(
+        h(&refused, "grpc-message"),
+        Some(format!("rate%20limited,%20retry%20after%20{wait}%20ms").as_str())
+    );
+    assert_eq!(h(&refused, "x-ratelimit-remaining"), Some("0"));
+    let body = axum::body::to_bytes(refused.into_body(), 1024)
+        .await
+        .unwrap();
+    assert!(body.is_empty());
 }
 
 #[tokio::test]
@@ -218,37 +231,139 @@ async fn axum_routers_take_the_layer() {
     assert_eq!(second.status(), 429);
 }
 
+/// A gRPC service of one method, `/floodgate.Test/Ping`, taking and answering an empty
+/// message, written as tonic's generated servers are.
+mod ping {
+    use std::convert::Infallible;
+    use std::future::{Ready, ready};
+    use std::task::{Context, Poll};
+
+    use axum::http::{Request, Response};
+    use tonic::body::Body;
+    use tonic::server::{Grpc, NamedService, UnaryService};
+    use tonic_prost::ProstCodec;
+
+    pub const PATH: &str = "/floodgate.Test/Ping";
+
+    #[derive(Clone)]
+    pub struct Ping;
+
+    impl NamedService for Ping {
+        const NAME: &'static str = "floodgate.Test";
+    }
+
+    struct Unary;
+
+    impl UnaryService<()> for Unary {
+        type Response = ();
+        type Future = Ready<Result<tonic::Response<()>, tonic::Status>>;
+
+        fn call(&mut self, _: tonic::Request<()>) -> Self::Future {
+            ready(Ok(tonic::Response::new(())))
+        }
+    }
+
+    impl tower::Service<Request<Body>> for Ping {
+        type Response = Response<Body>;
+        type Error = Infallible;
+        type Future = std::pin::Pin<
+            Box<dyn Future<Output = Result<Response<Body>, Infallible>> + Send + 'static>,
+        >;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, req: Request<Body>) -> Self::Future {
+            Box::pin(async move {
+                if req.uri().path() != PATH {
+                    return Ok(tonic::Status::unimplemented("no such method").into_http());
+                }
+                let mut grpc = Grpc::new(ProstCodec::<(), ()>::default());
+                Ok(grpc.unary(Unary, req).await)
+            })
+        }
+    }
+}
+
 #[tokio::test]
-async fn tonics_server_takes_the_layer() {
+async fn tonics_server_takes_the_layer_and_its_client_reads_resource_exhausted() {
+    use axum::http::uri::PathAndQuery;
     use tonic::body::Body as GrpcBody;
-    use tonic::service::Routes;
+    use tonic::transport::{Channel, Server};
+    use tonic_prost::ProstCodec;
 
     const ONE: TokenBucket<str> = TokenBucket::new("grpc", 1, Rate::per_second(1));
     let key = |r: &Request<GrpcBody>| Some(r.headers().get("x-api-key")?.to_str().ok()?.to_owned());
-    let layer = RateLimitLayer::new(MemoryStore::new(), ONE, key);
-    // The server takes it as a layer around its routes (built, never run).
-    let server = tonic::transport::Server::builder()
-        .layer(layer.clone())
-        .add_routes(Routes::default())
-        .serve("127.0.0.1:0".parse().unwrap());
-    drop(server);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(
+        Server::builder()
+            .layer(RateLimitLayer::new(MemoryStore::new(), ONE, key))
+            .add_service(ping::Ping)
+            .serve_with_incoming_shutdown(
+                tonic::transport::server::TcpIncoming::from(listener),
+                async {
+                    let _ = stopped.await;
+                },
+            ),
+    );
 
-    let call = || {
-        Request::builder()
-            .uri("/floodgate.Test/Call")
-            .header("content-type", "application/grpc")
-            .header("x-api-key", "alice")
-            .body(GrpcBody::empty())
-            .unwrap()
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect()
+        .await
+        .unwrap();
+    // The client's channel, noting each answer's HTTP status: tonic's client would read a
+    // grpc-status under any of them, grpc-go only under a 200.
+    let statuses = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = std::sync::Arc::clone(&statuses);
+    let channel = channel.map_response(move |resp: Response<GrpcBody>| {
+        seen.lock().unwrap().push(resp.status());
+        resp
+    });
+    let mut client = tonic::client::Grpc::new(channel);
+    let mut ping = async |api_key: &str| {
+        let mut req = tonic::Request::new(());
+        req.metadata_mut()
+            .insert("x-api-key", api_key.parse().unwrap());
+        client.ready().await.unwrap();
+        client
+            .unary(
+                req,
+                PathAndQuery::from_static(ping::PATH),
+                ProstCodec::<(), ()>::default(),
+            )
+            .await
     };
-    let routes = layer.layer(Routes::default());
-    let first = routes.clone().oneshot(call()).await.unwrap();
-    // Admitted, and answered by the routes: no such method.
-    assert_eq!(first.headers()["grpc-status"], "12");
-    assert_eq!(first.headers()["x-ratelimit-remaining"], "0");
-    let refused = routes.oneshot(call()).await.unwrap();
-    assert_eq!(refused.status(), 429);
-    assert_eq!(refused.headers()["grpc-status"], "8");
+    let first = ping("alice").await.unwrap();
+    assert_eq!(first.metadata().get("x-ratelimit-remaining").unwrap(), "0");
+    let refused = ping("alice").await.unwrap_err();
+    assert_eq!(
+        refused.code(),
+        tonic::Code::ResourceExhausted,
+        "{refused:?}"
+    );
+    let wait = refused
+        .metadata()
+        .get("retry-after-ms")
+        .unwrap()
+        .to_str()
+        .unwrap();
+    assert_eq!(
+        refused.message(),
+        format!("rate limited, retry after {wait} ms")
+    );
+    assert_eq!(
+        refused.metadata().get("ratelimit-policy").unwrap(),
+        "\"grpc\";q=1;w=1"
+    );
+    // Another key has its own bucket.
+    ping("bob").await.unwrap();
+    assert_eq!(*statuses.lock().unwrap(), [StatusCode::OK; 3]);
+    drop(stop);
+    server.await.unwrap().unwrap();
 }
 
 /// Exactly `n` of `m` concurrent requests for one name are admitted on `store`.
