@@ -1,7 +1,8 @@
 //! `floodgate rls`: the generated tonic client against the service, in process on the memory
-//! store and as three processes on one Redis; envoyproxy/ratelimit's README examples as
-//! fixtures (`tests/rls-configs/`) and one bad config per refusal (`tests/rls-bad-configs/`,
-//! each naming its expected error on its first line).
+//! store, as three processes on one Redis and as a process whose Redis is down (failing open and
+//! closed); envoyproxy/ratelimit's README examples as fixtures (`tests/rls-configs/`) and one bad
+//! config per refusal (`tests/rls-bad-configs/`, each naming its expected error on its first
+//! line).
 #![cfg(feature = "rls")]
 #![allow(missing_docs)]
 
@@ -941,6 +942,77 @@ async fn sighup_reloads_the_binary_on_redis() {
     // A domain of this run only: counters of earlier runs cannot count.
     let domain = format!("sighup-{}-{}", std::process::id(), free_port());
     sighup_reloads_the_binary(&domain, &["--redis-url", url.as_str()]).await;
+}
+
+/// The binary with its Redis down (a port nothing listens on): `--on-store-error open` answers
+/// `OK` unchecked, past the limit, and counts the calls as `unenforced`; `closed` answers a gRPC
+/// `UNAVAILABLE`, for Envoy's `failure_mode_deny` to decide. Both count the store's failures.
+#[tokio::test]
+async fn the_binary_with_its_store_down_fails_open_or_closed_by_the_flag() {
+    let dir = tempdir::Dir::new();
+    let file = dir.path().join("limits.yaml");
+    std::fs::write(
+        &file,
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 1}\n",
+    )
+    .unwrap();
+    let down = format!("redis://127.0.0.1:{}", free_port());
+    let req = request("d", &[&[("k", "a")]]);
+    for mode in ["open", "closed"] {
+        let (addr, admin): (SocketAddr, SocketAddr) = (
+            format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+            format!("127.0.0.1:{}", free_port()).parse().unwrap(),
+        );
+        let admin_flag = admin.to_string();
+        let args = [
+            "--redis-url",
+            down.as_str(),
+            "--on-store-error",
+            mode,
+            "--admin-listen",
+            admin_flag.as_str(),
+        ];
+        let process = spawn_rls(&file, addr, &args);
+        let mut client = connect(addr).await;
+        // Three calls of a limit of one: none of them decided.
+        for _ in 0..3 {
+            let answer = client.should_rate_limit(req.clone()).await;
+            if mode == "open" {
+                let r = answer.unwrap().into_inner();
+                assert_eq!((r.overall_code, r.statuses[0].code), (OK, OK));
+                let limit = r.statuses[0].current_limit.as_ref().unwrap();
+                assert_eq!(limit.requests_per_unit, 1, "the rule is named");
+                assert!(
+                    r.response_headers_to_add.is_empty(),
+                    "no state to report: {:?}",
+                    r.response_headers_to_add
+                );
+            } else {
+                let e = answer.unwrap_err();
+                assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+                assert_eq!(e.message(), "the rate limit store is unavailable");
+            }
+        }
+        let (unenforced, error) = if mode == "open" {
+            (3.0, 0.0)
+        } else {
+            (0.0, 3.0)
+        };
+        let requests = |code: &str| format!("floodgate_rls_requests_total{{code=\"{code}\"}}");
+        assert_eq!(
+            metric(admin, &requests("unenforced")).await,
+            unenforced,
+            "{mode}"
+        );
+        assert_eq!(metric(admin, &requests("error")).await, error, "{mode}");
+        assert_eq!(metric(admin, &requests("ok")).await, 0.0, "{mode}");
+        assert_eq!(
+            metric(admin, "floodgate_store_errors_total{op=\"admit\"}").await,
+            3.0,
+            "{mode}"
+        );
+        drop(process);
+    }
 }
 
 #[tokio::test]
