@@ -376,6 +376,44 @@ async fn hits_addend_is_the_cost() {
 }
 
 #[tokio::test]
+async fn the_headers_name_the_policy_as_a_structured_string_and_a_call_no_wait_cures_no_time() {
+    // The library's rendering (floodgate::http), as the gateway's and the tower layer's.
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: k\n    rate_limit:\n      name: 'per \"k\"'\n      unit: minute\n      requests_per_unit: 2\n",
+    )
+    .unwrap();
+    let mut s = start(config).await;
+    let header = |r: &RateLimitResponse, name: &str| {
+        r.response_headers_to_add
+            .iter()
+            .find(|h| h.key == name)
+            .map(|h| h.value.clone())
+    };
+    let r = s.call(request("d", &[&[("k", "a")]])).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(
+        header(&r, "ratelimit-policy").as_deref(),
+        Some(r#""per \"k\"";q=2;w=60"#)
+    );
+    let state = header(&r, "ratelimit").unwrap();
+    assert!(state.starts_with(r#""per \"k\"";r=1;t="#), "{state}");
+    // A cost above the limit: refused, and no wait cures it, so no time to retry at.
+    let mut huge = request("d", &[&[("k", "a")]]);
+    huge.hits_addend = 3;
+    let r = s.call(huge).await;
+    assert_eq!(r.overall_code, OVER);
+    let state = header(&r, "ratelimit").unwrap();
+    assert!(
+        state.starts_with(r#""per \"k\"";r="#) && !state.contains(";t="),
+        "{state}"
+    );
+    assert_eq!(header(&r, "retry-after"), None);
+    assert_eq!(header(&r, "retry-after-ms"), None);
+    assert_eq!(header(&r, "x-ratelimit-limit").as_deref(), Some("2"));
+}
+
+#[tokio::test]
 async fn descriptors_of_different_costs_are_one_atomic_decision() {
     let (mut s, _dir) = service(&["readme-example05-8.yaml"]).await;
     // Two counters of 100 a minute (`azure` matches any value), each descriptor its own cost.

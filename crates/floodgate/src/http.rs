@@ -4,8 +4,10 @@
 //! (docs/design.md §6). The gateway and the [tower layer](crate::tower) write them alike.
 //!
 //! A chain's decision is written by [`apply`], with the chain's fixed values formatted once
-//! ([`ChainHeaders`]); a token bucket's answer by [`apply_bucket`]. Both only insert: a caller
-//! that must not pass on another limiter's headers (a proxy's upstream) removes those first.
+//! ([`ChainHeaders`]); a token bucket's answer by [`apply_bucket`]; one limit's state under a
+//! policy name of the caller's (the rate limit service's rules) by [`apply_named`]. All only
+//! insert: a caller that must not pass on another limiter's headers (a proxy's upstream) removes
+//! those first.
 //!
 //! ```
 //! use floodgate::http::{ChainHeaders, apply};
@@ -278,22 +280,20 @@ pub fn apply_bucket<N: ?Sized + BucketName>(
     admission: &Admission,
 ) {
     let limit = bucket.limit();
-    let name = sf_string(bucket.name());
     let (remaining, reset) = match *admission {
         Admission::Allowed { remaining } => (remaining, Some(time_to_full(limit, remaining))),
         Admission::Denied { retry_after } => (0, retry_after),
     };
     let _ = headers.try_reserve(ALL.len() + 2);
-    let full = ceil_secs(time_to_full(limit, 0));
-    let policy = format!("{name};q={};w={full}", limit.capacity);
-    let state = match reset {
-        Some(t) => format!("{name};r={remaining};t={}", ceil_secs(t)),
-        None => format!("{name};r={remaining}"),
-    };
-    headers.insert(X_LIMIT, limit.capacity.into());
-    headers.insert(X_REMAINING, remaining.into());
-    insert_text(headers, POLICY, policy);
-    insert_text(headers, RATELIMIT, state);
+    let full = time_to_full(limit, 0);
+    named(
+        headers,
+        bucket.name(),
+        limit.capacity,
+        full,
+        remaining,
+        reset,
+    );
     headers.insert(LIMIT_REQ, limit.capacity.into());
     headers.insert(REMAINING_REQ, remaining.into());
     let Some(reset) = reset else { return };
@@ -303,6 +303,59 @@ pub fn apply_bucket<N: ?Sized + BucketName>(
     if !admission.is_allowed() {
         apply_retry_after(headers, reset);
     }
+}
+
+/// Writes one limit's state in the classic (`X-RateLimit-Limit`, `X-RateLimit-Remaining`) and
+/// IETF (`RateLimit-Policy`, `RateLimit`) dialects, the policy named `name` (quoted and escaped
+/// as a structured-field string, as a bucket's) rather than by a scope: for limits that a
+/// config of the caller's names (the gateway's rate limit service names each by its rule).
+/// `remaining` is the whole units left; `reset` the time until the limit is whole again, or the
+/// exact wait on a refusal, and `None` for a refusal that no wait cures (`RateLimit` then
+/// announces no time, as [`apply`] does). `Retry-After` is [`apply_retry_after`]'s to write.
+///
+/// ```
+/// use floodgate::http::apply_named;
+/// use floodgate::WindowLimit;
+/// use std::time::Duration;
+///
+/// let mut headers = ::http::HeaderMap::new();
+/// let limit = WindowLimit::per_second(10);
+/// apply_named(&mut headers, "per \"ip\"", limit, 0, Some(Duration::from_millis(640)));
+/// assert_eq!(headers["ratelimit-policy"], r#""per \"ip\"";q=10;w=1"#);
+/// assert_eq!(headers["ratelimit"], r#""per \"ip\"";r=0;t=1"#);
+/// apply_named(&mut headers, "ip", limit, 0, None);
+/// assert_eq!(headers["ratelimit"], r#""ip";r=0"#);
+/// ```
+pub fn apply_named(
+    headers: &mut HeaderMap,
+    name: &str,
+    limit: WindowLimit,
+    remaining: u64,
+    reset: Option<Duration>,
+) {
+    named(headers, name, limit.max(), limit.window(), remaining, reset);
+}
+
+/// [`apply_named`]'s four headers, for a limit of `max` units that is whole again after
+/// `window`.
+fn named(
+    headers: &mut HeaderMap,
+    name: &str,
+    max: u64,
+    window: Duration,
+    remaining: u64,
+    reset: Option<Duration>,
+) {
+    let name = sf_string(name);
+    let policy = format!("{name};q={max};w={}", ceil_secs(window));
+    let state = match reset {
+        Some(t) => format!("{name};r={remaining};t={}", ceil_secs(t)),
+        None => format!("{name};r={remaining}"),
+    };
+    headers.insert(X_LIMIT, max.into());
+    headers.insert(X_REMAINING, remaining.into());
+    insert_text(headers, POLICY, policy);
+    insert_text(headers, RATELIMIT, state);
 }
 
 /// The time a bucket holding `tokens` whole tokens takes to be full.

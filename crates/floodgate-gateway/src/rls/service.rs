@@ -21,6 +21,7 @@ use std::collections::HashSet;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
+use axum::http::HeaderMap;
 use envoy_types::pb::envoy::config::core::v3::HeaderValue;
 use envoy_types::pb::envoy::extensions::common::ratelimit::v3::RateLimitDescriptor;
 use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_response::{
@@ -30,6 +31,7 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_server::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::Duration as ProtoDuration;
+use floodgate::http;
 use floodgate::store::AnyStore;
 use floodgate::{Chain, ChainLimit, Charge, LimitStatus, ScopeKind};
 use tonic::{Request, Response, Status};
@@ -208,6 +210,8 @@ impl Rls {
         // units left (the first of equals); never a shadow one.
         let mut primary: Option<(&Rule, &LimitStatus, bool)> = None;
         let mut retry_after = None;
+        // The primary limit refuses and no wait cures it: no time to announce.
+        let mut never = false;
         for slot in &slots {
             let status = match slot {
                 Slot::Free(outcome) => {
@@ -260,6 +264,7 @@ impl Rls {
                             };
                             if !st.shadow && better {
                                 primary = Some((rule, st, refusing));
+                                never = refusing && decision.retry_after.is_none();
                                 if refusing {
                                     retry_after = decision.retry_after;
                                 }
@@ -296,7 +301,7 @@ impl Rls {
             _ => Answer::OverLimit,
         };
         if let Some((rule, st, _)) = primary {
-            response.response_headers_to_add = headers(rule, st, retry_after);
+            response.response_headers_to_add = headers(rule, st, never, retry_after);
         }
         Ok((response, answer))
     }
@@ -408,45 +413,42 @@ fn proto_duration(d: Duration) -> ProtoDuration {
     }
 }
 
-fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
-}
-
 /// The headers Envoy adds to its response: the primary limit's state in the IETF draft's
-/// `RateLimit-Policy`/`RateLimit` fields (as the gateway sends them, the policy named by the
-/// rule's `name` or its descriptor keys, never a value) and the classic `X-RateLimit-*`, and on
-/// a refusal `Retry-After` and `retry-after-ms`, exact (docs/design.md §1).
-fn headers(rule: &Rule, st: &LimitStatus, retry_after: Option<Duration>) -> Vec<HeaderValue> {
+/// `RateLimit-Policy`/`RateLimit` fields and the classic `X-RateLimit-*`, written by the
+/// library as the gateway's are ([`floodgate::http::apply_named`]: the policy named by the
+/// rule's `name` or its descriptor keys, never a value, as a structured-field string; no `t` for
+/// a refusal that no wait cures), and on a refusal `Retry-After` and `retry-after-ms`, exact
+/// (docs/design.md §1).
+fn headers(
+    rule: &Rule,
+    st: &LimitStatus,
+    never: bool,
+    retry_after: Option<Duration>,
+) -> Vec<HeaderValue> {
     let policy = if rule.name.is_empty() {
         &rule.keys
     } else {
         &rule.name
     };
-    let policy = policy.replace(['"', '\\'], "_");
-    let header = |key: &str, value: String| HeaderValue {
-        key: key.to_owned(),
-        value,
-        ..HeaderValue::default()
-    };
-    let max = st.limit.max();
-    let mut out = vec![
-        header("x-ratelimit-limit", max.to_string()),
-        header("x-ratelimit-remaining", st.remaining.to_string()),
-        header(
-            "ratelimit-policy",
-            format!("\"{policy}\";q={max};w={}", ceil_secs(st.limit.window())),
-        ),
-        header(
-            "ratelimit",
-            format!("\"{policy}\";r={};t={}", st.remaining, ceil_secs(st.reset)),
-        ),
-    ];
+    let mut map = HeaderMap::new();
+    http::apply_named(
+        &mut map,
+        policy,
+        st.limit,
+        st.remaining,
+        (!never).then_some(st.reset),
+    );
     if let Some(wait) = retry_after {
-        out.push(header("retry-after", ceil_secs(wait).to_string()));
-        let ms = wait.as_millis() + u128::from(wait.subsec_nanos() % 1_000_000 > 0);
-        out.push(header("retry-after-ms", ms.to_string()));
+        http::apply_retry_after(&mut map, wait);
     }
-    out
+    map.iter()
+        .map(|(key, value)| HeaderValue {
+            key: key.as_str().to_owned(),
+            // Made from text: UTF-8.
+            value: String::from_utf8_lossy(value.as_bytes()).into_owned(),
+            ..HeaderValue::default()
+        })
+        .collect()
 }
 
 #[cfg(test)]
