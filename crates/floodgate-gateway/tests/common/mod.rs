@@ -445,6 +445,16 @@ pub async fn send_and_leave_at(
     extra: &str,
     until: &str,
 ) {
+    drop(send_and_read_until(addr, body, extra, until).await);
+}
+
+/// As [`send_and_leave_at`], but keeps the connection open: returns it and what was read.
+pub async fn send_and_read_until(
+    addr: impl tokio::net::ToSocketAddrs,
+    body: &str,
+    extra: &str,
+    until: &str,
+) -> (tokio::net::TcpStream, Vec<u8>) {
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
@@ -456,16 +466,22 @@ pub async fn send_and_leave_at(
         .await
         .unwrap();
     let mut seen = Vec::new();
+    read_until(&mut conn, &mut seen, until).await;
+    (conn, seen)
+}
+
+/// Reads from `conn` into `seen` until `seen` holds `until` (within 5 s of each read).
+pub async fn read_until(conn: &mut tokio::net::TcpStream, seen: &mut Vec<u8>, until: &str) {
     let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains(until) {
+    while !String::from_utf8_lossy(seen).contains(until) {
         let n = tokio::time::timeout(
             Duration::from_secs(5),
-            tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+            tokio::io::AsyncReadExt::read(conn, &mut buf),
         )
         .await
         .expect("the answer went on")
         .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(seen));
         seen.extend_from_slice(&buf[..n]);
     }
 }
