@@ -74,11 +74,39 @@ fn rss(pid: u32) -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// An answer read off a raw connection.
+struct Answer {
+    /// Its status (0 if the connection ended without one).
+    status: u16,
+    /// Its head and body as far as they were read: whole for a refusal, which is read to its
+    /// end; the status line only for others.
+    text: String,
+}
+
+impl Answer {
+    /// The value of header `name` (lowercase, as hyper sends it).
+    fn header(&self, name: &str) -> Option<&str> {
+        let head = self.text.split("\r\n\r\n").next()?;
+        head.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    }
+
+    /// Its body as JSON, if it was read whole.
+    fn json(&self) -> Option<serde_json::Value> {
+        let (_, body) = self.text.split_once("\r\n\r\n")?;
+        serde_json::from_str(body).ok()
+    }
+}
+
 /// Sends `body` as a chat completion for `key` on a connection of its own, reading the answer
-/// while it writes; the answer's status (0 if the connection ended without one).
-async fn post(addr: &str, key: &str, body: Bytes) -> u16 {
+/// while it writes.
+async fn post(addr: &str, key: &str, body: Bytes) -> Answer {
     let Ok(tcp) = TcpStream::connect(addr).await else {
-        return 0;
+        return Answer {
+            status: 0,
+            text: String::new(),
+        };
     };
     let (mut rd, mut wr) = tcp.into_split();
     let head = format!(
@@ -94,26 +122,44 @@ async fn post(addr: &str, key: &str, body: Bytes) -> u16 {
     });
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
-    let status = loop {
+    let mut status = 0;
+    loop {
         match rd.read(&mut buf).await {
-            Ok(0) | Err(_) => break 0,
+            Ok(0) | Err(_) => break,
             Ok(n) => seen.extend_from_slice(&buf[..n]),
         }
-        if let Some(line) = seen
-            .split(|&b| b == b'\n')
-            .next()
-            .filter(|_| seen.contains(&b'\n'))
-        {
-            let line = String::from_utf8_lossy(line);
-            break line
+        let text = String::from_utf8_lossy(&seen);
+        if status == 0 {
+            let Some((line, _)) = text.split_once('\n') else {
+                continue;
+            };
+            status = line
                 .split_whitespace()
                 .nth(1)
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
         }
-    };
+        // A refusal is read whole (its length announced, as the gateway's error bodies are).
+        let whole = status == 200
+            || text.split_once("\r\n\r\n").is_some_and(|(head, body)| {
+                let answer = Answer {
+                    status,
+                    text: format!("{head}\r\n\r\n"),
+                };
+                answer
+                    .header("content-length")
+                    .and_then(|n| n.parse().ok())
+                    .is_some_and(|n: usize| body.len() >= n)
+            });
+        if whole {
+            break;
+        }
+    }
     writer.abort();
-    status
+    Answer {
+        status,
+        text: String::from_utf8_lossy(&seen).into_owned(),
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -158,7 +204,9 @@ tpm = 100000000
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await,
+        post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes()))
+            .await
+            .status,
         200
     );
     let own = rss(pid);
@@ -195,12 +243,15 @@ tpm = 100000000
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let started = Instant::now();
-    let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await;
+    let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes()))
+        .await
+        .status;
     let small_took = started.elapsed();
-    let mut statuses = Vec::new();
+    let mut answers = Vec::new();
     for f in flood {
-        statuses.push(f.await.unwrap());
+        answers.push(f.await.unwrap());
     }
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
     sampler.abort();
     let peak = peak.load(Ordering::SeqCst);
 
@@ -216,6 +267,22 @@ tpm = 100000000
         "every body is answered: {statuses:?}"
     );
     assert!(busy > 0, "the bound refused some: {statuses:?}");
+    // Each refusal says why and when to come back: `server_busy`, with a `Retry-After`.
+    let busy_read: Vec<&Answer> = answers
+        .iter()
+        .filter(|a| a.status == 503 && a.json().is_some())
+        .collect();
+    assert!(!busy_read.is_empty(), "no refusal was read whole");
+    for a in busy_read {
+        assert_eq!(
+            a.json().unwrap()["error"]["code"],
+            "server_busy",
+            "{}",
+            a.text
+        );
+        assert_eq!(a.header("retry-after"), Some("5"), "{}", a.text);
+        assert_eq!(a.header("retry-after-ms"), Some("5000"), "{}", a.text);
+    }
     eprintln!(
         "{admitted} admitted, {busy} busy, {late} late; peak {} MiB over the gateway's own {} MiB",
         (peak - own) >> 20,
@@ -234,7 +301,7 @@ tpm = 100000000
     let _ = std::fs::remove_file(path);
 }
 
-async fn post_owned(addr: String, key: &'static str, body: Bytes) -> u16 {
+async fn post_owned(addr: String, key: &'static str, body: Bytes) -> Answer {
     post(&addr, key, body).await
 }
 
