@@ -1,9 +1,9 @@
 //! The bounds on what callers can make the process hold.
 //!
 //! - `[server] max_buffered_mib`: the bodies a process holds before admission are bounded all
-//!   together, one key holds at most half of the bound, and a body with no room in time is 503
-//!   `server_busy`, charged nothing. Measured on the binary: its resident memory under a flood
-//!   of large bodies from one key.
+//!   together, one key holds at most half of the bound (a key a reload adds too), and a body
+//!   with no room in time is 503 `server_busy`, charged nothing. Measured on the binary: its
+//!   resident memory under a flood of large bodies from one key.
 //! - `[server] max_connections`: past it, a new connection waits until one closes.
 
 mod common;
@@ -162,8 +162,13 @@ async fn post(addr: &str, key: &str, body: Bytes) -> Answer {
     }
 }
 
+/// Taken by the tests that push large bodies, so that they run one at a time: the flood measures
+/// how soon another key is served, which a neighbour's uploads on the same cores would slow.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_of_large_bodies_stays_within_the_bound_and_others_are_served() {
+    let _alone = ALONE.lock().await;
     let upstream = reading_upstream().await;
     let port = free_port();
     let config = format!(
@@ -376,4 +381,108 @@ async fn past_max_connections_a_new_connection_waits_until_one_closes() {
         health(&mut b, answered).await.as_deref(),
         Some("HTTP/1.1 200 OK")
     );
+}
+
+/// An upstream that counts the requests that arrive and reads none of their bodies until `gate`
+/// gives it a permit for each: the gateway's forwarding of a large body stalls, and the body
+/// keeps its room meanwhile.
+async fn stalling_upstream() -> (String, Arc<AtomicU64>, Arc<tokio::sync::Semaphore>) {
+    use axum::extract::{Request, State};
+    type Shared = (Arc<AtomicU64>, Arc<tokio::sync::Semaphore>);
+    let shared: Shared = (Arc::default(), Arc::new(tokio::sync::Semaphore::new(0)));
+    let app = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(
+                |State((arrived, gate)): State<Shared>, req: Request| async move {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    gate.acquire().await.unwrap().forget();
+                    let _ = req.into_body().collect().await;
+                    axum::Json(serde_json::json!({
+                        "id": "x", "object": "chat.completion", "model": "m", "choices": [],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+                    }))
+                },
+            ),
+        )
+        .with_state(shared.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, shared.0, shared.1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_a_reload_adds_holds_at_most_half_of_the_bound() {
+    let _alone = ALONE.lock().await;
+    use floodgate_gateway::Config;
+    use floodgate_gateway::reload::Reloader;
+
+    let (url, arrived, gate) = stalling_upstream().await;
+    // 16 MiB in all, 8 a key: two bodies of 4 MiB fill a key's share.
+    let text = |keys: &[&str]| {
+        let mut t = format!(
+            "[server]\nmax_body_mib = 4\nmax_buffered_mib = 16\nheader_timeout_sec = 2\n\
+             [upstream]\nbase_url = \"{url}\"\ntimeout_sec = 60\n"
+        );
+        for k in keys {
+            t.push_str(&format!(
+                "[[keys]]\nid = \"{k}\"\nsecret = \"sk-{k}\"\n\
+                 [[rate_limits]]\nscope = \"key\"\nid = \"{k}\"\ntpm = 100000000\n"
+            ));
+        }
+        t
+    };
+    let file = std::env::temp_dir().join(format!(
+        "floodgate-bound-reload-{}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&file, text(&["old"])).unwrap();
+    let running = Config::load(&file).unwrap();
+    let (process, state) = process_and_worker(&running).await;
+    let gw = gateway_with(state.clone()).await;
+    let reloader = Reloader::new(running, vec![state], process.clone());
+    std::fs::write(&file, text(&["old", "new"])).unwrap();
+    reloader.reload().unwrap();
+
+    let content = "x".repeat(4 * 1024 * 1024 - 100);
+    let large = Bytes::from(format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#
+    ));
+    let addr = gw.addr.to_string();
+    let send = |key: &'static str| tokio::spawn(post_owned(addr.clone(), key, large.clone()));
+    // The new key's two bodies are admitted and held while the upstream does not read them:
+    // its share is full.
+    let holding = [send("sk-new"), send("sk-new")];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while arrived.load(Ordering::SeqCst) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the new key's bodies never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let total = 16 << 20;
+    assert_eq!(process.buffers.available(), total - 2 * large.len(), "held");
+    // A third finds no room in its share, though the total has half left: 503 at its deadline.
+    let third = tokio::time::timeout(Duration::from_secs(10), send("sk-new"))
+        .await
+        .expect("the third body of the new key was refused in time, not let through")
+        .unwrap();
+    assert_eq!(third.status, 503, "{}", third.text);
+    assert_eq!(third.json().unwrap()["error"]["code"], "server_busy");
+    // Another key still has room: its body is admitted beside the held ones.
+    let old = send("sk-old");
+    while arrived.load(Ordering::SeqCst) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the old key's body never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.add_permits(3);
+    for s in holding.into_iter().chain([old]) {
+        assert_eq!(s.await.unwrap().status, 200);
+    }
+    let _ = std::fs::remove_file(file);
 }

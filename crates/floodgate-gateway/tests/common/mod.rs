@@ -317,6 +317,19 @@ pub async fn gateway_on(c: &Config, store: GatewayStore) -> Gateway {
     gateway_with(AppState::new(c, store).unwrap()).await
 }
 
+/// A process for `running`, on the store it names, with a refusal tally in memory, and the state
+/// of its one worker: what a `Reloader` reloads.
+pub async fn process_and_worker(running: &Config) -> (floodgate_gateway::Process, AppState) {
+    let store = floodgate_gateway::store::open(&running.store)
+        .await
+        .unwrap()
+        .0;
+    let tally = floodgate_gateway::tally::Tally::in_memory(running);
+    let process = floodgate_gateway::Process::new(running, Arc::new(tally));
+    let state = AppState::for_worker(running, store, &process).unwrap();
+    (process, state)
+}
+
 pub async fn gateway_with(state: AppState) -> Gateway {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
