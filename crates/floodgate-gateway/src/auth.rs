@@ -27,7 +27,8 @@ pub const PROTOCOL_KEY_PREFIX: &str = "openai-insecure-api-key.";
 pub struct KeyEntry {
     /// The key's public id (for logs; never the secret).
     pub id: Arc<str>,
-    /// Its position in the config's `[[keys]]` (its slot in the refusal tally).
+    /// Its slot in the refusal tally (at start, its position in the config's `[[keys]]`): a key
+    /// keeps it across reloads, and its share of `[server] max_buffered_mib` goes by it.
     pub index: usize,
     /// The key's limits without customer and gateway: key, project, team, business unit, org.
     own: Vec<ChainLimit>,

@@ -6,13 +6,15 @@
 //! A body takes room for its bytes before they are read: all of it at once when its length is
 //! announced, frame by frame (twice over, for the copy that joins its frames) when it is
 //! chunked. Room is taken in the key's own share first, at most half of the total, so that one
-//! tenant cannot starve the rest, then in the total. A body waits for room until its read's
+//! tenant cannot starve the rest, then in the total. A key's share is made when it first takes
+//! room, by its index (its tally slot, which a key keeps across reloads and no other key takes):
+//! a key a reload adds has its share as the keys of the start do. A body waits for room until its read's
 //! deadline (`[server] header_timeout_sec` from the request's start), then is refused with 503
 //! `server_busy`, charged nothing. The room is given back when the body has been forwarded (or
 //! dropped).
 
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
@@ -28,8 +30,9 @@ pub struct Buffers(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     total: Arc<Semaphore>,
-    /// One share a key, by the key's index.
-    per_key: Vec<Arc<Semaphore>>,
+    /// One share a key, by the key's index; grown as keys take room. A std lock: held only to
+    /// clone a share out, never across an `.await`.
+    per_key: RwLock<Vec<Arc<Semaphore>>>,
     /// How many bytes the total holds.
     total_bytes: usize,
 }
@@ -45,16 +48,36 @@ pub struct Room {
 pub struct Busy;
 
 impl Buffers {
-    /// Room for `total_bytes` of bodies at once, `keys` keys each holding at most half of it.
-    pub fn new(total_bytes: usize, keys: usize) -> Buffers {
-        let share = (total_bytes / 2).max(1);
+    /// Room for `total_bytes` of bodies at once, each key holding at most half of it.
+    pub fn new(total_bytes: usize) -> Buffers {
         Buffers(Arc::new(Inner {
             total: Arc::new(Semaphore::new(total_bytes.min(Semaphore::MAX_PERMITS))),
-            per_key: (0..keys)
-                .map(|_| Arc::new(Semaphore::new(share.min(Semaphore::MAX_PERMITS))))
-                .collect(),
+            per_key: RwLock::new(Vec::new()),
             total_bytes,
         }))
+    }
+
+    /// The share of the key of index `key`, made if it has none yet.
+    fn share_of(&self, key: usize) -> Arc<Semaphore> {
+        let shares = self
+            .0
+            .per_key
+            .read()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = shares.get(key) {
+            return Arc::clone(s);
+        }
+        drop(shares);
+        let mut shares = self
+            .0
+            .per_key
+            .write()
+            .unwrap_or_else(PoisonError::into_inner);
+        let room = self.share().clamp(1, Semaphore::MAX_PERMITS);
+        while shares.len() <= key {
+            shares.push(Arc::new(Semaphore::new(room)));
+        }
+        Arc::clone(&shares[key])
     }
 
     /// The most one body can ever take: a key's share.
@@ -92,11 +115,7 @@ impl Buffers {
             return Err(Busy);
         }
         let n = u32::try_from(bytes).map_err(|_| Busy)?;
-        let share = match self.0.per_key.get(key) {
-            Some(s) => Arc::clone(s),
-            // A key the state does not know (a config change): only the total holds it.
-            None => Arc::new(Semaphore::new(bytes)),
-        };
+        let share = self.share_of(key);
         let both = async {
             let mine = share.acquire_many_owned(n).await.map_err(|_| Busy)?;
             let all = Arc::clone(&self.0.total)
@@ -176,7 +195,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_key_holds_at_most_half_and_the_rest_is_left_to_others() {
-        let buffers = Buffers::new(1000, 2);
+        let buffers = Buffers::new(1000);
         let mut a = buffers.room();
         buffers.take(&mut a, 0, 500, soon()).await.unwrap();
         let mut more = buffers.room();
@@ -191,8 +210,23 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_key_new_to_the_process_holds_at_most_half_too() {
+        // Index 7: a key no body has come from yet (one a reload added, say).
+        let buffers = Buffers::new(1000);
+        let mut a = buffers.room();
+        buffers.take(&mut a, 7, 500, soon()).await.unwrap();
+        let mut more = buffers.room();
+        assert_eq!(buffers.take(&mut more, 7, 1, soon()).await, Err(Busy));
+        // Its share is its own: the keys below it in index have theirs whole.
+        let mut b = buffers.room();
+        buffers.take(&mut b, 3, 500, soon()).await.unwrap();
+        drop((a, b));
+        buffers.take(&mut more, 7, 500, soon()).await.unwrap();
+    }
+
+    #[tokio::test]
     async fn a_body_waits_for_room_until_its_deadline() {
-        let buffers = Buffers::new(100, 3);
+        let buffers = Buffers::new(100);
         let mut a = buffers.room();
         let mut b = buffers.room();
         buffers.take(&mut a, 0, 50, soon()).await.unwrap();
@@ -216,7 +250,7 @@ mod tests {
     #[tokio::test]
     async fn a_held_body_gives_its_room_back_when_sent() {
         use http_body_util::BodyExt;
-        let buffers = Buffers::new(100, 1);
+        let buffers = Buffers::new(100);
         let mut room = buffers.room();
         buffers.take(&mut room, 0, 10, soon()).await.unwrap();
         let body = HeldBody::new(Bytes::from_static(b"0123456789"), room);

@@ -1,9 +1,9 @@
 //! The bounds on what callers can make the process hold.
 //!
 //! - `[server] max_buffered_mib`: the bodies a process holds before admission are bounded all
-//!   together, one key holds at most half of the bound, and a body with no room in time is 503
-//!   `server_busy`, charged nothing. Measured on the binary: its resident memory under a flood
-//!   of large bodies from one key.
+//!   together, one key holds at most half of the bound (a key a reload adds too), and a body
+//!   with no room in time is 503 `server_busy`, charged nothing. Measured on the binary: its
+//!   resident memory under a flood of large bodies from one key.
 //! - `[server] max_connections`: past it, a new connection waits until one closes.
 
 mod common;
@@ -74,11 +74,39 @@ fn rss(pid: u32) -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// An answer read off a raw connection.
+struct Answer {
+    /// Its status (0 if the connection ended without one).
+    status: u16,
+    /// Its head and body as far as they were read: whole for a refusal, which is read to its
+    /// end; the status line only for others.
+    text: String,
+}
+
+impl Answer {
+    /// The value of header `name` (lowercase, as hyper sends it).
+    fn header(&self, name: &str) -> Option<&str> {
+        let head = self.text.split("\r\n\r\n").next()?;
+        head.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    }
+
+    /// Its body as JSON, if it was read whole.
+    fn json(&self) -> Option<serde_json::Value> {
+        let (_, body) = self.text.split_once("\r\n\r\n")?;
+        serde_json::from_str(body).ok()
+    }
+}
+
 /// Sends `body` as a chat completion for `key` on a connection of its own, reading the answer
-/// while it writes; the answer's status (0 if the connection ended without one).
-async fn post(addr: &str, key: &str, body: Bytes) -> u16 {
+/// while it writes.
+async fn post(addr: &str, key: &str, body: Bytes) -> Answer {
     let Ok(tcp) = TcpStream::connect(addr).await else {
-        return 0;
+        return Answer {
+            status: 0,
+            text: String::new(),
+        };
     };
     let (mut rd, mut wr) = tcp.into_split();
     let head = format!(
@@ -94,30 +122,53 @@ async fn post(addr: &str, key: &str, body: Bytes) -> u16 {
     });
     let mut seen = Vec::new();
     let mut buf = [0u8; 4096];
-    let status = loop {
+    let mut status = 0;
+    loop {
         match rd.read(&mut buf).await {
-            Ok(0) | Err(_) => break 0,
+            Ok(0) | Err(_) => break,
             Ok(n) => seen.extend_from_slice(&buf[..n]),
         }
-        if let Some(line) = seen
-            .split(|&b| b == b'\n')
-            .next()
-            .filter(|_| seen.contains(&b'\n'))
-        {
-            let line = String::from_utf8_lossy(line);
-            break line
+        let text = String::from_utf8_lossy(&seen);
+        if status == 0 {
+            let Some((line, _)) = text.split_once('\n') else {
+                continue;
+            };
+            status = line
                 .split_whitespace()
                 .nth(1)
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
         }
-    };
+        // A refusal is read whole (its length announced, as the gateway's error bodies are).
+        let whole = status == 200
+            || text.split_once("\r\n\r\n").is_some_and(|(head, body)| {
+                let answer = Answer {
+                    status,
+                    text: format!("{head}\r\n\r\n"),
+                };
+                answer
+                    .header("content-length")
+                    .and_then(|n| n.parse().ok())
+                    .is_some_and(|n: usize| body.len() >= n)
+            });
+        if whole {
+            break;
+        }
+    }
     writer.abort();
-    status
+    Answer {
+        status,
+        text: String::from_utf8_lossy(&seen).into_owned(),
+    }
 }
+
+/// Taken by the tests that push large bodies, so that they run one at a time: the flood measures
+/// how soon another key is served, which a neighbour's uploads on the same cores would slow.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_of_large_bodies_stays_within_the_bound_and_others_are_served() {
+    let _alone = ALONE.lock().await;
     let upstream = reading_upstream().await;
     let port = free_port();
     let config = format!(
@@ -158,7 +209,9 @@ tpm = 100000000
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await,
+        post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes()))
+            .await
+            .status,
         200
     );
     let own = rss(pid);
@@ -195,12 +248,15 @@ tpm = 100000000
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let started = Instant::now();
-    let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes())).await;
+    let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes()))
+        .await
+        .status;
     let small_took = started.elapsed();
-    let mut statuses = Vec::new();
+    let mut answers = Vec::new();
     for f in flood {
-        statuses.push(f.await.unwrap());
+        answers.push(f.await.unwrap());
     }
+    let statuses: Vec<u16> = answers.iter().map(|a| a.status).collect();
     sampler.abort();
     let peak = peak.load(Ordering::SeqCst);
 
@@ -216,6 +272,22 @@ tpm = 100000000
         "every body is answered: {statuses:?}"
     );
     assert!(busy > 0, "the bound refused some: {statuses:?}");
+    // Each refusal says why and when to come back: `server_busy`, with a `Retry-After`.
+    let busy_read: Vec<&Answer> = answers
+        .iter()
+        .filter(|a| a.status == 503 && a.json().is_some())
+        .collect();
+    assert!(!busy_read.is_empty(), "no refusal was read whole");
+    for a in busy_read {
+        assert_eq!(
+            a.json().unwrap()["error"]["code"],
+            "server_busy",
+            "{}",
+            a.text
+        );
+        assert_eq!(a.header("retry-after"), Some("5"), "{}", a.text);
+        assert_eq!(a.header("retry-after-ms"), Some("5000"), "{}", a.text);
+    }
     eprintln!(
         "{admitted} admitted, {busy} busy, {late} late; peak {} MiB over the gateway's own {} MiB",
         (peak - own) >> 20,
@@ -234,7 +306,7 @@ tpm = 100000000
     let _ = std::fs::remove_file(path);
 }
 
-async fn post_owned(addr: String, key: &'static str, body: Bytes) -> u16 {
+async fn post_owned(addr: String, key: &'static str, body: Bytes) -> Answer {
     post(&addr, key, body).await
 }
 
@@ -309,4 +381,108 @@ async fn past_max_connections_a_new_connection_waits_until_one_closes() {
         health(&mut b, answered).await.as_deref(),
         Some("HTTP/1.1 200 OK")
     );
+}
+
+/// An upstream that counts the requests that arrive and reads none of their bodies until `gate`
+/// gives it a permit for each: the gateway's forwarding of a large body stalls, and the body
+/// keeps its room meanwhile.
+async fn stalling_upstream() -> (String, Arc<AtomicU64>, Arc<tokio::sync::Semaphore>) {
+    use axum::extract::{Request, State};
+    type Shared = (Arc<AtomicU64>, Arc<tokio::sync::Semaphore>);
+    let shared: Shared = (Arc::default(), Arc::new(tokio::sync::Semaphore::new(0)));
+    let app = axum::Router::new()
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(
+                |State((arrived, gate)): State<Shared>, req: Request| async move {
+                    arrived.fetch_add(1, Ordering::SeqCst);
+                    gate.acquire().await.unwrap().forget();
+                    let _ = req.into_body().collect().await;
+                    axum::Json(serde_json::json!({
+                        "id": "x", "object": "chat.completion", "model": "m", "choices": [],
+                        "usage": {"prompt_tokens": 5, "completion_tokens": 5, "total_tokens": 10}
+                    }))
+                },
+            ),
+        )
+        .with_state(shared.clone());
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (url, shared.0, shared.1)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_a_reload_adds_holds_at_most_half_of_the_bound() {
+    let _alone = ALONE.lock().await;
+    use floodgate_gateway::Config;
+    use floodgate_gateway::reload::Reloader;
+
+    let (url, arrived, gate) = stalling_upstream().await;
+    // 16 MiB in all, 8 a key: two bodies of 4 MiB fill a key's share.
+    let text = |keys: &[&str]| {
+        let mut t = format!(
+            "[server]\nmax_body_mib = 4\nmax_buffered_mib = 16\nheader_timeout_sec = 2\n\
+             [upstream]\nbase_url = \"{url}\"\ntimeout_sec = 60\n"
+        );
+        for k in keys {
+            t.push_str(&format!(
+                "[[keys]]\nid = \"{k}\"\nsecret = \"sk-{k}\"\n\
+                 [[rate_limits]]\nscope = \"key\"\nid = \"{k}\"\ntpm = 100000000\n"
+            ));
+        }
+        t
+    };
+    let file = std::env::temp_dir().join(format!(
+        "floodgate-bound-reload-{}.toml",
+        std::process::id()
+    ));
+    std::fs::write(&file, text(&["old"])).unwrap();
+    let running = Config::load(&file).unwrap();
+    let (process, state) = process_and_worker(&running).await;
+    let gw = gateway_with(state.clone()).await;
+    let reloader = Reloader::new(running, vec![state], process.clone());
+    std::fs::write(&file, text(&["old", "new"])).unwrap();
+    reloader.reload().unwrap();
+
+    let content = "x".repeat(4 * 1024 * 1024 - 100);
+    let large = Bytes::from(format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#
+    ));
+    let addr = gw.addr.to_string();
+    let send = |key: &'static str| tokio::spawn(post_owned(addr.clone(), key, large.clone()));
+    // The new key's two bodies are admitted and held while the upstream does not read them:
+    // its share is full.
+    let holding = [send("sk-new"), send("sk-new")];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while arrived.load(Ordering::SeqCst) < 2 {
+        assert!(
+            Instant::now() < deadline,
+            "the new key's bodies never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let total = 16 << 20;
+    assert_eq!(process.buffers.available(), total - 2 * large.len(), "held");
+    // A third finds no room in its share, though the total has half left: 503 at its deadline.
+    let third = tokio::time::timeout(Duration::from_secs(10), send("sk-new"))
+        .await
+        .expect("the third body of the new key was refused in time, not let through")
+        .unwrap();
+    assert_eq!(third.status, 503, "{}", third.text);
+    assert_eq!(third.json().unwrap()["error"]["code"], "server_busy");
+    // Another key still has room: its body is admitted beside the held ones.
+    let old = send("sk-old");
+    while arrived.load(Ordering::SeqCst) < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "the old key's body never arrived"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    gate.add_permits(3);
+    for s in holding.into_iter().chain([old]) {
+        assert_eq!(s.await.unwrap().status, 200);
+    }
+    let _ = std::fs::remove_file(file);
 }

@@ -9,14 +9,19 @@
 
 mod common;
 
+use std::convert::Infallible;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use axum::Router;
+use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::routing::post;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
 use common::*;
+use futures_util::StreamExt;
 use tokio::net::TcpListener;
 use tokio::sync::{Notify, Semaphore};
 
@@ -49,6 +54,11 @@ impl Gate {
         };
         let app = Router::new()
             .route("/v1/chat/completions", post(held))
+            // Answered at once: a probe of whether a request is admitted, never held.
+            .route(
+                "/v1/models",
+                get(|| async { axum::Json(serde_json::json!({"object": "list", "data": []})) }),
+            )
             .with_state(gate.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -63,6 +73,11 @@ impl Gate {
 
     fn most(&self) -> usize {
         self.inner.most.load(Ordering::SeqCst)
+    }
+
+    /// Requests held now (a body held mid-way counts until it is sent or dropped).
+    fn held(&self) -> usize {
+        self.inner.held.load(Ordering::SeqCst)
     }
 
     /// Waits until `n` requests have arrived in all (bounded, so a test fails, not hangs).
@@ -82,26 +97,75 @@ impl Gate {
     }
 }
 
-async fn held(State(gate): State<Gate>) -> axum::Json<serde_json::Value> {
+/// Holds a request at the gate: before its answer, or, for a stream (and for a JSON answer
+/// with `x-test-mid-body`), in the middle of its body: the first part goes at once, the rest
+/// once the gate lets it through.
+async fn held(State(gate): State<Gate>, headers: HeaderMap, body: Bytes) -> Response {
     let g = &gate.inner;
     let now = g.held.fetch_add(1, Ordering::SeqCst) + 1;
     g.most.fetch_max(now, Ordering::SeqCst);
     g.arrived.fetch_add(1, Ordering::SeqCst);
     g.changed.notify_waiters();
-    // Dropped with the request (a caller gone), the counter still comes down.
-    struct Leaving<'a>(&'a GateInner);
-    impl Drop for Leaving<'_> {
-        fn drop(&mut self) {
-            self.0.held.fetch_sub(1, Ordering::SeqCst);
-        }
-    }
-    let _leaving = Leaving(g);
-    g.permits.acquire().await.unwrap().forget();
-    axum::Json(serde_json::json!({
+    // Dropped with the request (a caller gone, a body cut), the counter still comes down.
+    let leaving = Leaving(Arc::clone(&gate.inner));
+    let usage = serde_json::json!({"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2});
+    let completion = serde_json::json!({
         "id": "x", "object": "chat.completion", "model": "fake",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
-    }))
+        "usage": usage,
+    });
+    let stream = serde_json::from_slice::<serde_json::Value>(&body)
+        .is_ok_and(|v| v["stream"] == serde_json::json!(true));
+    let (first, rest, ctype) = if stream {
+        let chunk = |content: &str, finish: serde_json::Value| {
+            let c = serde_json::json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
+                "choices": [{"index": 0, "delta": {"content": content}, "finish_reason": finish}]});
+            format!("data: {c}\n\n")
+        };
+        let last = serde_json::json!({"id": "x", "object": "chat.completion.chunk", "model": "fake",
+            "choices": [], "usage": usage});
+        let rest = format!(
+            "{}data: {last}\n\ndata: [DONE]\n\n",
+            chunk("lo", serde_json::json!("stop"))
+        );
+        (
+            chunk("Hel", serde_json::Value::Null),
+            rest,
+            "text/event-stream",
+        )
+    } else if headers.contains_key("x-test-mid-body") {
+        // The usage is in the rest.
+        let whole = completion.to_string();
+        let at = whole.find("\"usage\"").unwrap();
+        (
+            whole[..at].to_owned(),
+            whole[at..].to_owned(),
+            "application/json",
+        )
+    } else {
+        g.permits.acquire().await.unwrap().forget();
+        drop(leaving);
+        return axum::Json(completion).into_response();
+    };
+    let after_the_gate = futures_util::stream::once(async move {
+        let leaving = leaving;
+        leaving.0.permits.acquire().await.unwrap().forget();
+        Ok::<_, Infallible>(Bytes::from(rest))
+    });
+    let parts = futures_util::stream::iter([Ok(Bytes::from(first))]).chain(after_the_gate);
+    Response::builder()
+        .header("content-type", ctype)
+        .body(Body::from_stream(parts))
+        .unwrap()
+}
+
+/// Counts a held request out when dropped.
+struct Leaving(Arc<GateInner>);
+
+impl Drop for Leaving {
+    fn drop(&mut self) {
+        self.0.held.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 const BODY: &str = r#"{"model":"m","messages":[]}"#;
@@ -239,6 +303,191 @@ async fn a_caller_that_leaves_gives_its_slot_back() {
             "the slot never came back"
         );
         gw.settled().await;
+    }
+}
+
+/// One key, `sk-k` (the key of the raw-connection helpers), with one slot and a token limit:
+/// its answers are metered, so that the paths where the gateway reads on without its caller
+/// are the ones tested.
+fn one_at_once(store: &str) -> String {
+    format!(
+        r#"
+[upstream]
+base_url = "{{upstream}}"
+{store}
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = {{ requests = 100, max_in_flight = 1 }}
+[[rate_limits]]
+scope = "key"
+id = "k"
+tpm = 100000
+"#
+    )
+}
+
+/// The stores to run a test on: memory, and Redis when a test server is set (a fresh prefix).
+fn stores(test: &str) -> Vec<String> {
+    let mut out = vec![String::new()];
+    if let Some(url) = test_redis_url(test) {
+        out.push(format!(
+            "[store]\nbackend = \"redis\"\nurl = \"{url}\"\nprefix = \"{}\"\n",
+            fresh_prefix()
+        ));
+    }
+    out
+}
+
+/// `GET /v1/models` for `sk-k`: the gate answers it at once, so it shows whether a request is
+/// admitted without holding a slot for long.
+async fn probe(gw: &Gateway) -> Reply {
+    gw.send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await
+}
+
+fn refused_for_slots(r: &Reply) -> bool {
+    r.status == 429 && r.json()["error"]["code"] == "concurrency_limit_exceeded"
+}
+
+/// Sends until a request is admitted (any answer but a concurrency refusal), and returns that
+/// answer: a slot is given back in a task of its own, a moment after the answer that held it
+/// ended, so the first tries may still find it taken. Fails if it is not back within `within`.
+async fn until_admitted(within: Duration, mut send: impl AsyncFnMut() -> Reply) -> Reply {
+    let deadline = Instant::now() + within;
+    loop {
+        let r = send().await;
+        if !refused_for_slots(&r) {
+            return r;
+        }
+        assert!(Instant::now() < deadline, "the slot never came back");
+        // The interval of the polling, not a wait standing for the release.
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Probes until the probe is admitted, within [`BACK`].
+async fn probe_until_admitted(gw: &Gateway) {
+    let next = until_admitted(BACK, async || probe(gw).await).await;
+    assert_eq!(next.status, 200, "{}", next.text());
+}
+
+/// Within this a slot given back is seen back (well under the 5 s a metered body may be read
+/// on after its caller left, which must not hold the slot).
+const BACK: Duration = Duration::from_secs(3);
+
+/// The end of a chunked body.
+const END_OF_BODY: &str = "0\r\n\r\n";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_holds_its_slot_until_it_ends_then_gives_it_back() {
+    let (gate, url) = Gate::serve().await;
+    for store in stores("a_stream_holds_its_slot_until_it_ends_then_gives_it_back") {
+        let gw = gateway(&one_at_once(&store), &url).await;
+        let (mut conn, mut seen) = send_and_read_until(gw.addr, CHAT_STREAM, "", "Hel").await;
+        // Mid-stream, the slot is held.
+        assert!(refused_for_slots(&probe(&gw).await));
+        gate.open(1);
+        read_until(&mut conn, &mut seen, END_OF_BODY).await;
+        let text = String::from_utf8_lossy(&seen).into_owned();
+        assert!(text.contains("[DONE]"), "{text}");
+        probe_until_admitted(&gw).await;
+        gw.settled().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_its_caller_cuts_gives_its_slot_back() {
+    let (gate, url) = Gate::serve().await;
+    for store in stores("a_stream_its_caller_cuts_gives_its_slot_back") {
+        let gw = gateway(&one_at_once(&store), &url).await;
+        let (conn, _) = send_and_read_until(gw.addr, CHAT_STREAM, "", "Hel").await;
+        assert!(refused_for_slots(&probe(&gw).await));
+        // The caller hangs up mid-answer: the stream is cut (the upstream too) and the slot
+        // given back, the gate never opened.
+        drop(conn);
+        probe_until_admitted(&gw).await;
+        assert_eq!(gate.held(), 0, "the upstream's stream was cut");
+        gw.settled().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_caller_gone_mid_body_gives_its_slot_back_while_the_rest_is_read_on() {
+    let (gate, url) = Gate::serve().await;
+    for store in stores("a_caller_gone_mid_body_gives_its_slot_back_while_the_rest_is_read_on") {
+        let gw = gateway(&one_at_once(&store), &url).await;
+        // The completion's first part arrives; its usage is in the rest, held upstream.
+        let (conn, _) =
+            send_and_read_until(gw.addr, CHAT, "x-test-mid-body: 1\r\n", "\"choices\"").await;
+        assert!(refused_for_slots(&probe(&gw).await));
+        drop(conn);
+        // The gateway reads the rest on, for its usage, without the caller: the slot is back
+        // before that ends (the upstream still holds the rest).
+        probe_until_admitted(&gw).await;
+        assert_eq!(gate.held(), 1, "the rest is still being read");
+        gate.open(1);
+        gw.settled().await;
+    }
+}
+
+/// An upstream that reads a request and closes the connection without an answer.
+async fn broken_upstream() -> String {
+    use tokio::io::AsyncReadExt;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut buf = [0u8; 4096];
+                let _ = tcp.read(&mut buf).await;
+            });
+        }
+    });
+    url
+}
+
+/// An upstream that answers every completion with a 500 and an error body.
+async fn failing_upstream() -> String {
+    let app = Router::new().route(
+        "/v1/chat/completions",
+        post(|| async {
+            let error = serde_json::json!({"error": {"message": "boom", "type": "server_error"}});
+            (
+                axum::http::StatusCode::INTERNAL_SERVER_ERROR,
+                axum::Json(error),
+            )
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_fails_gives_the_slot_back() {
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let upstreams = [
+        (dead, 502),
+        (broken_upstream().await, 502),
+        (failing_upstream().await, 500),
+    ];
+    for store in stores("an_upstream_that_fails_gives_the_slot_back") {
+        for (url, status) in &upstreams {
+            let gw = gateway(&one_at_once(&store), url).await;
+            // With one slot, each request after the first is admitted only if the one before
+            // gave its slot back.
+            for _ in 0..3 {
+                let r = until_admitted(BACK, async || gw.chat("sk-k", CHAT).await).await;
+                assert_eq!(r.status, *status, "{url}: {}", r.text());
+                if *status == 502 {
+                    assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
+                }
+            }
+            gw.settled().await;
+        }
     }
 }
 

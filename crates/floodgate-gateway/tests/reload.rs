@@ -252,10 +252,7 @@ async fn a_stream_in_flight_finishes_across_a_reload() {
 #[tokio::test]
 async fn an_edit_before_the_watchers_first_look_is_not_missed() {
     use floodgate_gateway::config::Config;
-    use floodgate_gateway::http::{AppState, Process};
     use floodgate_gateway::reload::{Reloader, watch};
-    use floodgate_gateway::tally::Tally;
-    use std::sync::Arc;
 
     let up = fake_upstream().await;
     let file = std::env::temp_dir().join(format!(
@@ -267,12 +264,7 @@ async fn an_edit_before_the_watchers_first_look_is_not_missed() {
     std::fs::write(&file, text(ALICE)).unwrap();
     let running = Config::load(&file).unwrap();
     replace(&file, &text(&format!("{ALICE}{BOB}")));
-    let store = floodgate_gateway::store::open(&running.store)
-        .await
-        .unwrap()
-        .0;
-    let process = Process::new(&running, Arc::new(Tally::in_memory(&running)));
-    let state = AppState::for_worker(&running, store, &process).unwrap();
+    let (process, state) = process_and_worker(&running).await;
     let reloader = Reloader::new(running, vec![state], process.clone());
     let watching = tokio::spawn(async move { watch(&reloader).await });
     let deadline = Instant::now() + Duration::from_secs(30);

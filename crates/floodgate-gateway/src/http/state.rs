@@ -144,7 +144,7 @@ impl Process {
         Process {
             tally,
             live_sessions: LiveSessions::new(),
-            buffers: Buffers::new(mib_to_bytes(config.max_buffered_mib), config.keys.len()),
+            buffers: Buffers::new(mib_to_bytes(config.max_buffered_mib)),
             connections: Arc::new(Semaphore::new(config.max_connections)),
             metrics: Metrics::new(),
             running: Arc::new(RwLock::new(Arc::new(config.clone()))),

@@ -317,6 +317,19 @@ pub async fn gateway_on(c: &Config, store: GatewayStore) -> Gateway {
     gateway_with(AppState::new(c, store).unwrap()).await
 }
 
+/// A process for `running`, on the store it names, with a refusal tally in memory, and the state
+/// of its one worker: what a `Reloader` reloads.
+pub async fn process_and_worker(running: &Config) -> (floodgate_gateway::Process, AppState) {
+    let store = floodgate_gateway::store::open(&running.store)
+        .await
+        .unwrap()
+        .0;
+    let tally = floodgate_gateway::tally::Tally::in_memory(running);
+    let process = floodgate_gateway::Process::new(running, Arc::new(tally));
+    let state = AppState::for_worker(running, store, &process).unwrap();
+    (process, state)
+}
+
 pub async fn gateway_with(state: AppState) -> Gateway {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
@@ -445,6 +458,16 @@ pub async fn send_and_leave_at(
     extra: &str,
     until: &str,
 ) {
+    drop(send_and_read_until(addr, body, extra, until).await);
+}
+
+/// As [`send_and_leave_at`], but keeps the connection open: returns it and what was read.
+pub async fn send_and_read_until(
+    addr: impl tokio::net::ToSocketAddrs,
+    body: &str,
+    extra: &str,
+    until: &str,
+) -> (tokio::net::TcpStream, Vec<u8>) {
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
         "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
@@ -456,16 +479,22 @@ pub async fn send_and_leave_at(
         .await
         .unwrap();
     let mut seen = Vec::new();
+    read_until(&mut conn, &mut seen, until).await;
+    (conn, seen)
+}
+
+/// Reads from `conn` into `seen` until `seen` holds `until` (within 5 s of each read).
+pub async fn read_until(conn: &mut tokio::net::TcpStream, seen: &mut Vec<u8>, until: &str) {
     let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(&seen).contains(until) {
+    while !String::from_utf8_lossy(seen).contains(until) {
         let n = tokio::time::timeout(
             Duration::from_secs(5),
-            tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+            tokio::io::AsyncReadExt::read(conn, &mut buf),
         )
         .await
         .expect("the answer went on")
         .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(&seen));
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(seen));
         seen.extend_from_slice(&buf[..n]);
     }
 }
