@@ -2,7 +2,8 @@
 //! known sequence on the memory store and on Redis (when `FLOODGATE_TEST_REDIS_URL` is set;
 //! a skip fails with `FLOODGATE_REQUIRE_REDIS=1`), a reset that clears and lets the next
 //! request pass, no secret in any answer, 401 without the bearer and for a caller's key, and
-//! sessions: a wrong secret answered slowly, the cookie's attributes, CSRF on a reset.
+//! sessions: a wrong secret answered slowly, the cookie's attributes, CSRF on a reset; and the
+//! binary's logs, at every level, with no secret in them.
 
 mod common;
 
@@ -455,4 +456,123 @@ async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
     // A forged cookie neither.
     let forged = [("cookie", "floodgate_session=99999999999.00.00")];
     assert_eq!(s.call("GET", "/admin/usage", &forged, "").await.status, 401);
+}
+
+/// One call over a fresh connection from `client`: its status and body.
+async fn send(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, String) {
+    let mut b = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = client
+        .request(b.body(Body::from(body.to_owned())).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn no_secret_reaches_the_logs() {
+    let BinaryConfig {
+        dir,
+        file,
+        port,
+        admin_port,
+    } = binary_config(
+        "admin-logs",
+        r#"
+secret = "sk-ops-logged-never"
+metrics_auth = true
+[upstream]
+demo = true
+[[keys]]
+id = "alice"
+secret = "sk-alice-logged-never"
+rate_limit = { requests = 1 }
+"#,
+    );
+    let (stdout, stderr) = (dir.join("stdout.log"), dir.join("stderr.log"));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&file)
+        .env_remove("FLOODGATE_REDIS_URL")
+        // Every level of every crate: whatever a dependency traces is read too.
+        .env("RUST_LOG", "trace")
+        .stdout(std::fs::File::create(&stdout).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for_port(port, &mut child);
+    wait_for_port(admin_port, &mut child);
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let gateway = format!("http://127.0.0.1:{port}");
+    let json = ("content-type", "application/json");
+    let form = |secret: &str| json!({ "secret": secret }).to_string();
+    let sign_in = format!("{admin}/console/sign-in");
+    // The form: a wrong secret (a near miss of the right one), then the right one.
+    for (secret, status) in [("sk-ops-logged-nevex", 401), ("sk-ops-logged-never", 200)] {
+        let (got, _) = send(&client, "POST", &sign_in, &[json], &form(secret)).await;
+        assert_eq!(got, status);
+    }
+    // The bearer: the key's secret (not the admin's), then the admin's, on the API and /metrics.
+    let usage = format!("{admin}/admin/usage");
+    let as_key = [("authorization", "Bearer sk-alice-logged-never")];
+    assert_eq!(send(&client, "GET", &usage, &as_key, "").await.0, 401);
+    let as_admin = [("authorization", "Bearer sk-ops-logged-never")];
+    assert_eq!(send(&client, "GET", &usage, &as_admin, "").await.0, 200);
+    let metrics = format!("{admin}/metrics");
+    assert_eq!(send(&client, "GET", &metrics, &as_admin, "").await.0, 200);
+    // A caller with its key: passed, then refused; and the admin secret sent as a key.
+    let chat = format!("{gateway}/v1/chat/completions");
+    let key = [("authorization", "Bearer sk-alice-logged-never"), json];
+    assert_eq!(send(&client, "POST", &chat, &key, CHAT).await.0, 200);
+    assert_eq!(send(&client, "POST", &chat, &key, CHAT).await.0, 429);
+    let admin_as_key = [("authorization", "Bearer sk-ops-logged-never"), json];
+    assert_eq!(
+        send(&client, "POST", &chat, &admin_as_key, CHAT).await.0,
+        401
+    );
+
+    // Stopped gracefully, so that every line is written.
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "floodgate did not stop");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+    let logs =
+        std::fs::read_to_string(&stdout).unwrap() + &std::fs::read_to_string(&stderr).unwrap();
+    // The logs were on: the refused sign-in, the sign-in and the caller's requests are there.
+    for line in ["console sign-in refused", "console sign-in", "alice"] {
+        assert!(logs.contains(line), "no `{line}` in the logs:\n{logs}");
+    }
+    for secret in [
+        "sk-ops-logged-never",
+        "sk-ops-logged-nevex",
+        "sk-alice-logged-never",
+    ] {
+        assert!(!logs.contains(secret), "the logs show {secret}:\n{logs}");
+    }
+    // Nor the part of a secret a log might cut it to.
+    assert!(!logs.contains("logged-nev"), "{logs}");
 }

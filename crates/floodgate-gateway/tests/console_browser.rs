@@ -9,12 +9,10 @@
 
 mod common;
 
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
-use common::{free_port, serve_binary};
+use common::{BinaryConfig, binary_config, serve_binary, wait_for_port};
 
 /// The exit status of browser.py when it cannot run at all.
 const CANNOT_RUN: i32 = 77;
@@ -23,35 +21,17 @@ fn required() -> bool {
     std::env::var("FLOODGATE_REQUIRE_BROWSER").is_ok_and(|v| v == "1")
 }
 
-/// Waits until something accepts connections on `port` (the binary is up), for at most 30 s.
-fn wait_for_port(port: u16, child: &mut std::process::Child) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "floodgate exited before listening"
-        );
-        assert!(Instant::now() < deadline, "nothing listens on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn the_console_in_headless_chromium() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-browser");
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (port, admin_port) = (free_port(), free_port());
-    let file = dir.join("floodgate.toml");
-    std::fs::write(
-        &file,
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:{port}"
-workers = 1
-[admin]
-listen = "127.0.0.1:{admin_port}"
+    let BinaryConfig {
+        file,
+        port,
+        admin_port,
+        ..
+    } = binary_config(
+        "console-browser",
+        r#"
 secret = "sk-ops-browser"
 [upstream]
 demo = true
@@ -59,7 +39,7 @@ demo = true
 id = "alice"
 secret = "sk-alice-browser"
 org = "acme"
-rate_limit = {{ requests = 3 }}
+rate_limit = { requests = 3 }
 [[keys]]
 id = "bob"
 secret = "sk-bob-browser"
@@ -69,10 +49,8 @@ scope = "org"
 id = "acme"
 rpm = 100
 tpm = 100000
-"#
-        ),
-    )
-    .unwrap();
+"#,
+    );
     let mut gateway = serve_binary(&file);
     wait_for_port(port, &mut gateway);
     wait_for_port(admin_port, &mut gateway);
