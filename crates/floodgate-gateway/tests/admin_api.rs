@@ -576,3 +576,134 @@ rate_limit = { requests = 1 }
     // Nor the part of a secret a log might cut it to.
     assert!(!logs.contains("logged-nev"), "{logs}");
 }
+
+#[tokio::test]
+async fn alerts_by_pages_at_ten_thousand_keys() {
+    const KEYS: usize = 10_000;
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-alert-pages");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tally = dir.join("tally.json");
+    let _ = std::fs::remove_file(&tally);
+    let id = |i: usize| format!("k{i:05}");
+    let today = chrono::Local::now().date_naive();
+    let day = |back: u64| (today - chrono::Days::new(back)).to_string();
+    // Refused yesterday (in the tally file): a key in four and the gateway; twenty days ago (on
+    // no chart): a key in a thousand; today (counted, not flushed): a key in three.
+    let mut want: std::collections::BTreeMap<(String, String), u64> = Default::default();
+    for i in (0..KEYS).step_by(4) {
+        want.insert((day(1), format!("key:{}", id(i))), 1 + (i % 7) as u64);
+    }
+    want.insert((day(1), "gateway".into()), 7);
+    for i in (0..KEYS).step_by(1000) {
+        want.insert((day(20), format!("key:{}", id(i))), 3);
+    }
+    let mut days = serde_json::Map::new();
+    for ((d, subject), n) in &want {
+        let on = days.entry(d.clone()).or_insert_with(|| json!({}));
+        on[subject] = json!(n);
+    }
+    std::fs::write(&tally, json!({ "version": 1, "days": days }).to_string()).unwrap();
+    let mut text = format!(
+        "[admin]\nlisten = \"127.0.0.1:0\"\nsecret = \"sk-ops-secret\"\n[upstream]\ndemo = true\n\
+         [alerts]\npath = \"{}\"\n",
+        tally.display()
+    );
+    for i in 0..KEYS {
+        text += &format!("[[keys]]\nid = \"{}\"\nsecret = \"sk-{}\"\n", id(i), id(i));
+    }
+    let c = config(&text, "");
+    let tally = Arc::new(Tally::open(&c).unwrap());
+    let counters = tally.worker();
+    for i in (0..KEYS).step_by(3) {
+        let n = 1 + i % 5;
+        for _ in 0..n {
+            counters.refused(floodgate_gateway::tally::Subject::Key(i));
+        }
+        want.insert((day(0), format!("key:{}", id(i))), n as u64);
+    }
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = listener.local_addr().unwrap();
+    let process = Process::new(&c, tally);
+    let admin_listener = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
+    tokio::spawn(admin::run(listener, admin_listener, std::future::pending()));
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let bearer = [("authorization", "Bearer sk-ops-secret")];
+    let get = |path: String| {
+        let client = &client;
+        async move {
+            let url = format!("http://{admin}{path}");
+            let (status, body) = send(client, "GET", &url, &bearer, "").await;
+            assert_eq!(status, 200, "{path}: {body}");
+            serde_json::from_str::<Value>(&body).unwrap()
+        }
+    };
+
+    // Page by page, with the cursor: every alert once, in the order of the whole list.
+    let whole = get("/admin/alerts".into()).await;
+    assert_eq!(
+        whole.as_object().unwrap().len(),
+        1,
+        "without a page, as /alerts answers"
+    );
+    let whole = whole["alerts"].as_array().unwrap().clone();
+    assert_eq!(whole.len(), want.len());
+    let mut walked = Vec::new();
+    let mut cursor = None::<String>;
+    let chart_days: Vec<String> = (0..14).rev().map(day).collect();
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/admin/alerts?limit=500&cursor={c}"),
+            None => "/admin/alerts?limit=500".into(),
+        };
+        let page = get(path).await;
+        assert_eq!(page["total"], want.len());
+        assert_eq!(page["chart"]["days"], json!(chart_days));
+        let alerts = page["alerts"].as_array().unwrap();
+        assert!(!alerts.is_empty() && alerts.len() <= 500);
+        // Each subject of the page charted, from every day of the list.
+        let charted = page["chart"]["subjects"].as_object().unwrap();
+        for a in alerts {
+            let subject = match a["key"].as_str() {
+                Some(k) => format!("key:{k}"),
+                None => "gateway".into(),
+            };
+            let series: Vec<u64> = chart_days
+                .iter()
+                .map(|d| *want.get(&(d.clone(), subject.clone())).unwrap_or(&0))
+                .collect();
+            assert_eq!(charted[&subject], json!(series), "{subject}");
+        }
+        walked.extend(alerts.iter().cloned());
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(walked, whole);
+    let mut seen = std::collections::BTreeMap::new();
+    for a in &walked {
+        let subject = match a["key"].as_str() {
+            Some(k) => format!("key:{k}"),
+            None => "gateway".into(),
+        };
+        let day = a["day"].as_str().unwrap().to_owned();
+        assert!(
+            seen.insert((day, subject), a["count"].as_u64().unwrap())
+                .is_none(),
+            "listed twice: {a}"
+        );
+    }
+    assert_eq!(seen, want, "every alert, with its count");
+    // Newest day first.
+    let days_listed: Vec<&str> = walked.iter().map(|a| a["day"].as_str().unwrap()).collect();
+    assert!(days_listed.windows(2).all(|w| w[0] >= w[1]));
+    let bad = |q: &'static str| {
+        let url = format!("http://{admin}/admin/alerts?{q}");
+        let client = &client;
+        async move { send(client, "GET", &url, &bearer, "").await.0 }
+    };
+    for q in ["limit=0", "limit=1001", "limit=x", "cursor=99999", "page=2"] {
+        assert_eq!(bad(q).await, 400, "{q}");
+    }
+}

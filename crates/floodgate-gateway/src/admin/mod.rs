@@ -2,7 +2,8 @@
 //! callers' port (docs/design.md §9). It serves
 //!
 //! - `GET /metrics` (Prometheus, [`crate::metrics`]);
-//! - the admin API under `/admin/` (`api.rs`): usage, reset, alerts, config;
+//! - the admin API under `/admin/` (`api.rs`): usage, reset, alerts, config (usage and alerts
+//!   by pages, with `limit` and `cursor`);
 //! - the console at `/` (`console.rs`): a page and its assets, embedded in the binary, that
 //!   signs in with the secret once and then reads the admin API with a session cookie.
 //!
@@ -17,7 +18,9 @@ mod scopes;
 mod session;
 mod wire;
 
-pub use api::{BudgetUsage, InFlight, LimitUsage, Reset, ScopeUsage, Usage};
+pub use api::{
+    AlertsPage, BudgetUsage, CHART_DAYS, Chart, InFlight, LimitUsage, Reset, ScopeUsage, Usage,
+};
 pub use scopes::{Catalogue, Scope};
 pub use session::{COOKIE, SESSION_TTL, Sessions, WRONG_SECRET_DELAY};
 
@@ -187,7 +190,11 @@ impl Admin {
                     Err(e) => e.into_response(),
                 }
             }
-            "/admin/alerts" if method == Method::GET => api::alerts(&self.inner.process).await,
+            "/admin/alerts" if method == Method::GET => match parse_alerts_query(req.uri().query())
+            {
+                Ok(query) => api::alerts(&self.inner.process, query).await,
+                Err(e) => e.into_response(),
+            },
             "/admin/config" if method == Method::GET => api::config(&self.inner.process),
             "/admin/usage" | "/admin/alerts" | "/admin/config" => wrong_method("GET"),
             "/admin/reset" => wrong_method("POST"),
@@ -277,11 +284,7 @@ fn parse_query(query: Option<&str>) -> Result<api::UsageQuery, api::ApiError> {
             "scope" => q.scope = Some(value),
             "id" => q.id = Some(value),
             "q" => q.q = Some(value).filter(|v| !v.is_empty()),
-            "limit" => {
-                q.limit = Some(value.parse().map_err(|_| {
-                    api::ApiError::BadRequest(format!("`limit` {value} is not a number"))
-                })?)
-            }
+            "limit" => q.limit = Some(parse_limit(&value)?),
             "cursor" => q.cursor = Some(value),
             other => {
                 return Err(api::ApiError::BadRequest(format!(
@@ -291,6 +294,33 @@ fn parse_query(query: Option<&str>) -> Result<api::UsageQuery, api::ApiError> {
         }
     }
     Ok(q)
+}
+
+/// The query of `GET /admin/alerts`: `None` without `limit` or `cursor` (every alert).
+fn parse_alerts_query(query: Option<&str>) -> Result<Option<api::AlertsQuery>, api::ApiError> {
+    let pairs = form_urlencoded(query.unwrap_or(""));
+    if pairs.is_empty() {
+        return Ok(None);
+    }
+    let mut q = api::AlertsQuery::default();
+    for (name, value) in pairs {
+        match name.as_str() {
+            "limit" => q.limit = Some(parse_limit(&value)?),
+            "cursor" => q.cursor = Some(value),
+            other => {
+                return Err(api::ApiError::BadRequest(format!(
+                    "unknown parameter `{other}`: limit, cursor"
+                )));
+            }
+        }
+    }
+    Ok(Some(q))
+}
+
+fn parse_limit(value: &str) -> Result<usize, api::ApiError> {
+    value
+        .parse()
+        .map_err(|_| api::ApiError::BadRequest(format!("`limit` {value} is not a number")))
 }
 
 /// `a=1&b=x%20y` as pairs, `+` and `%XX` decoded.
