@@ -1,6 +1,7 @@
 //! The console in a real browser: `floodgate serve` with an admin listener, and
 //! `tests/console/browser.py` driving headless Chromium through Playwright against it (sign
-//! in, a usage bar moving, an alert with its count, a reset and the next request passing).
+//! in, a usage bar moving, an alert with its count, the alerts of more keys than a page holds
+//! read a page at a time, a reset and the next request passing).
 //! Screenshots of each page land in `<target>/tmp/console-screenshots/`.
 //!
 //! Needs `python3` with the `playwright` package and Debian's `chromium` (`scripts/test`
@@ -16,6 +17,8 @@ use common::{BinaryConfig, binary_config, serve_binary, wait_for_port};
 
 /// The exit status of browser.py when it cannot run at all.
 const CANNOT_RUN: i32 = 77;
+/// Keys refused beside alice: more than the console's page of 50 alerts.
+const MANY: usize = 60;
 
 fn required() -> bool {
     std::env::var("FLOODGATE_REQUIRE_BROWSER").is_ok_and(|v| v == "1")
@@ -24,6 +27,14 @@ fn required() -> bool {
 #[test]
 fn the_console_in_headless_chromium() {
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
+    let many: String = (0..MANY)
+        .map(|i| {
+            format!(
+                "[[keys]]\nid = \"many-{i:02}\"\nsecret = \"sk-many-{i:02}-browser\"\n\
+                 rate_limit = {{ requests = 1 }}\n"
+            )
+        })
+        .collect();
     let BinaryConfig {
         file,
         port,
@@ -31,7 +42,7 @@ fn the_console_in_headless_chromium() {
         ..
     } = binary_config(
         "console-browser",
-        r#"
+        &(r#"
 secret = "sk-ops-browser"
 [upstream]
 demo = true
@@ -49,7 +60,9 @@ scope = "org"
 id = "acme"
 rpm = 100
 tpm = 100000
-"#,
+"#
+        .to_owned()
+            + &many),
     );
     let mut gateway = serve_binary(&file);
     wait_for_port(port, &mut gateway);
@@ -61,6 +74,7 @@ tpm = 100000
         .args(["--gateway", &format!("http://127.0.0.1:{port}")])
         .args(["--secret", "sk-ops-browser"])
         .args(["--key", "sk-alice-browser", "--key-id", "alice"])
+        .args(["--many", &MANY.to_string()])
         .arg("--out")
         .arg(&out)
         .status();
@@ -86,7 +100,12 @@ tpm = 100000
         return;
     }
     assert!(status.success(), "the browser test failed: {status}");
-    for page in ["signin.png", "usage.png", "notifications.png"] {
+    for page in [
+        "signin.png",
+        "usage.png",
+        "notifications.png",
+        "notifications-page-2.png",
+    ] {
         assert!(out.join(page).is_file(), "no screenshot {page}");
     }
 }
