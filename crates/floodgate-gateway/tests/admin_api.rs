@@ -707,3 +707,46 @@ async fn alerts_by_pages_at_ten_thousand_keys() {
         assert_eq!(bad(q).await, 400, "{q}");
     }
 }
+
+#[tokio::test]
+async fn a_right_bearer_is_answered_at_once_while_another_peer_guesses() {
+    let up = fake_upstream().await;
+    let s = setup("", &up.url()).await;
+    let from = |ip: [u8; 4]| {
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.set_local_address(Some(std::net::IpAddr::from(ip)));
+        Client::builder(TokioExecutor::new()).build::<_, Body>(connector)
+    };
+    let (guesser, scraper) = (from([127, 0, 0, 2]), from([127, 0, 0, 1]));
+    let usage = format!("http://{}/admin/usage", s.admin);
+    // More guesses at once than one peer may have waiting: the first refused unchecked (429)
+    // says the guesser's turn is taken and its queue full.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..admin::MAX_WAITING + 8 {
+        let (guesser, usage, tx) = (guesser.clone(), usage.clone(), tx.clone());
+        tokio::spawn(async move {
+            let bearer = format!("Bearer guess-{i}");
+            let got = send(&guesser, "GET", &usage, &[("authorization", &bearer)], "").await;
+            let _ = tx.send(got.0);
+        });
+    }
+    loop {
+        let status = rx.recv().await.unwrap();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            break;
+        }
+        assert_eq!(status, 401);
+    }
+    let right = [("authorization", "Bearer sk-ops-secret")];
+    let start = Instant::now();
+    let (status, body) = send(&scraper, "GET", &usage, &right, "").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        start.elapsed() < WRONG_SECRET_DELAY,
+        "waited {:?} behind another peer's guesses",
+        start.elapsed()
+    );
+    // From the guesser's own address, the right secret is one more attempt in its queue.
+    let (status, _) = send(&guesser, "GET", &usage, &right, "").await;
+    assert_eq!(status, 429);
+}

@@ -22,10 +22,13 @@ pub use api::{
     AlertsPage, BudgetUsage, CHART_DAYS, Chart, InFlight, LimitUsage, Reset, ScopeUsage, Usage,
 };
 pub use scopes::{Catalogue, Scope};
-pub use session::{COOKIE, SESSION_TTL, Sessions, WRONG_SECRET_DELAY};
+pub use session::{
+    COOKIE, MAX_WAITING, MAX_WAITING_ALL, SESSION_TTL, Sessions, Source, WRONG_SECRET_DELAY,
+};
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Json;
@@ -103,7 +106,10 @@ impl Admin {
     async fn route(&self, req: Request<Body>) -> Response {
         let path = req.uri().path().to_owned();
         match path.as_str() {
-            "/metrics" => self.metrics(req.method(), req.headers()).await,
+            "/metrics" => {
+                self.metrics(req.method(), req.headers(), peer_ip(&req))
+                    .await
+            }
             "/admin" => AppError::NotFound.into_response(),
             p if p.starts_with("/admin/") => self.api(req).await,
             p => match console::route(
@@ -120,12 +126,17 @@ impl Admin {
         }
     }
 
-    async fn metrics(&self, method: &Method, headers: &HeaderMap) -> Response {
+    async fn metrics(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+    ) -> Response {
         if method != Method::GET && method != Method::HEAD {
             return StatusCode::METHOD_NOT_ALLOWED.into_response();
         }
         if self.inner.config.metrics_auth
-            && let Err(refused) = self.caller(headers).await
+            && let Err(refused) = self.caller(headers, peer).await
         {
             return refused.into_response();
         }
@@ -137,7 +148,7 @@ impl Admin {
     /// The admin API: the caller is checked first (so an unknown path tells a stranger
     /// nothing), then a session's CSRF token for a call that changes state.
     async fn api(&self, req: Request<Body>) -> Response {
-        let caller = match self.caller(req.headers()).await {
+        let caller = match self.caller(req.headers(), peer_ip(&req)).await {
             Ok(c) => c,
             Err(refused) => return refused.into_response(),
         };
@@ -220,11 +231,11 @@ impl Admin {
         }
     }
 
-    /// Who `req` comes from: the bearer secret (checked in its turn: see `session.rs`), else a
-    /// console session's cookie. A refusal is the answer to send.
-    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    /// Who a request with `headers` from a peer at `peer` comes from: the bearer secret
+    /// (checked in its peer's turn: see `session.rs`), else a console session's cookie. A refusal is the answer to send.
+    async fn caller(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Caller, Refusal> {
         if let Some(token) = bearer(headers) {
-            return match self.check_secret(token).await {
+            return match self.check_secret(token, peer).await {
                 Verdict::Right => Ok(Caller::Bearer),
                 Verdict::Wrong => Err(Refusal::Unauthorized),
                 Verdict::Busy => Err(Refusal::Busy),
@@ -235,10 +246,10 @@ impl Admin {
             .ok_or(Refusal::Unauthorized)
     }
 
-    /// Checks a presented secret against `[admin] secret` in its turn.
-    async fn check_secret(&self, presented: &str) -> Verdict {
+    /// Checks a secret presented by a peer at `peer` against `[admin] secret` in its turn.
+    async fn check_secret(&self, presented: &str, peer: Option<IpAddr>) -> Verdict {
         let want = self.inner.config.secret_sha256.as_ref();
-        self.inner.sessions.check(presented, want).await
+        self.inner.sessions.check(presented, want, peer).await
     }
 
     /// The console session of a request's cookie, if valid.
@@ -264,6 +275,11 @@ impl Caller {
             Caller::Console(s) => format!("console session {}", s.short_id()),
         }
     }
+}
+
+/// The address of `req`'s peer, if [`run`] put it there.
+fn peer_ip(req: &Request<Body>) -> Option<IpAddr> {
+    req.extensions().get::<Peer>().map(|p| p.0.ip())
 }
 
 /// The bearer token of `headers`, if any.
