@@ -2,7 +2,8 @@
 //! known sequence on the memory store and on Redis (when `FLOODGATE_TEST_REDIS_URL` is set;
 //! a skip fails with `FLOODGATE_REQUIRE_REDIS=1`), a reset that clears and lets the next
 //! request pass, no secret in any answer, 401 without the bearer and for a caller's key, and
-//! sessions: a wrong secret answered slowly, the cookie's attributes, CSRF on a reset.
+//! sessions: a wrong secret answered slowly, the cookie's attributes, CSRF on a reset; and the
+//! binary's logs, at every level, with no secret in them.
 
 mod common;
 
@@ -455,4 +456,297 @@ async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
     // A forged cookie neither.
     let forged = [("cookie", "floodgate_session=99999999999.00.00")];
     assert_eq!(s.call("GET", "/admin/usage", &forged, "").await.status, 401);
+}
+
+/// One call over a fresh connection from `client`: its status and body.
+async fn send(
+    client: &Client<hyper_util::client::legacy::connect::HttpConnector, Body>,
+    method: &str,
+    url: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> (StatusCode, String) {
+    let mut b = Request::builder().method(method).uri(url);
+    for (k, v) in headers {
+        b = b.header(*k, *v);
+    }
+    let resp = client
+        .request(b.body(Body::from(body.to_owned())).unwrap())
+        .await
+        .unwrap();
+    let status = resp.status();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, String::from_utf8_lossy(&body).into_owned())
+}
+
+#[tokio::test]
+async fn no_secret_reaches_the_logs() {
+    let BinaryConfig {
+        dir,
+        file,
+        port,
+        admin_port,
+    } = binary_config(
+        "admin-logs",
+        r#"
+secret = "sk-ops-logged-never"
+metrics_auth = true
+[upstream]
+demo = true
+[[keys]]
+id = "alice"
+secret = "sk-alice-logged-never"
+rate_limit = { requests = 1 }
+"#,
+    );
+    let (stdout, stderr) = (dir.join("stdout.log"), dir.join("stderr.log"));
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&file)
+        .env_remove("FLOODGATE_REDIS_URL")
+        // Every level of every crate: whatever a dependency traces is read too.
+        .env("RUST_LOG", "trace")
+        .stdout(std::fs::File::create(&stdout).unwrap())
+        .stderr(std::fs::File::create(&stderr).unwrap())
+        .spawn()
+        .unwrap();
+    wait_for_port(port, &mut child);
+    wait_for_port(admin_port, &mut child);
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let admin = format!("http://127.0.0.1:{admin_port}");
+    let gateway = format!("http://127.0.0.1:{port}");
+    let json = ("content-type", "application/json");
+    let form = |secret: &str| json!({ "secret": secret }).to_string();
+    let sign_in = format!("{admin}/console/sign-in");
+    // The form: a wrong secret (a near miss of the right one), then the right one.
+    for (secret, status) in [("sk-ops-logged-nevex", 401), ("sk-ops-logged-never", 200)] {
+        let (got, _) = send(&client, "POST", &sign_in, &[json], &form(secret)).await;
+        assert_eq!(got, status);
+    }
+    // The bearer: the key's secret (not the admin's), then the admin's, on the API and /metrics.
+    let usage = format!("{admin}/admin/usage");
+    let as_key = [("authorization", "Bearer sk-alice-logged-never")];
+    assert_eq!(send(&client, "GET", &usage, &as_key, "").await.0, 401);
+    let as_admin = [("authorization", "Bearer sk-ops-logged-never")];
+    assert_eq!(send(&client, "GET", &usage, &as_admin, "").await.0, 200);
+    let metrics = format!("{admin}/metrics");
+    assert_eq!(send(&client, "GET", &metrics, &as_admin, "").await.0, 200);
+    // A caller with its key: passed, then refused; and the admin secret sent as a key.
+    let chat = format!("{gateway}/v1/chat/completions");
+    let key = [("authorization", "Bearer sk-alice-logged-never"), json];
+    assert_eq!(send(&client, "POST", &chat, &key, CHAT).await.0, 200);
+    assert_eq!(send(&client, "POST", &chat, &key, CHAT).await.0, 429);
+    let admin_as_key = [("authorization", "Bearer sk-ops-logged-never"), json];
+    assert_eq!(
+        send(&client, "POST", &chat, &admin_as_key, CHAT).await.0,
+        401
+    );
+
+    // Stopped gracefully, so that every line is written.
+    let pid = child.id().to_string();
+    assert!(
+        std::process::Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let deadline = Instant::now() + std::time::Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < deadline, "floodgate did not stop");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
+    assert!(status.success(), "{status}");
+    let logs =
+        std::fs::read_to_string(&stdout).unwrap() + &std::fs::read_to_string(&stderr).unwrap();
+    // The logs were on: the refused sign-in, the sign-in and the caller's requests are there.
+    for line in ["console sign-in refused", "console sign-in", "alice"] {
+        assert!(logs.contains(line), "no `{line}` in the logs:\n{logs}");
+    }
+    for secret in [
+        "sk-ops-logged-never",
+        "sk-ops-logged-nevex",
+        "sk-alice-logged-never",
+    ] {
+        assert!(!logs.contains(secret), "the logs show {secret}:\n{logs}");
+    }
+    // Nor the part of a secret a log might cut it to.
+    assert!(!logs.contains("logged-nev"), "{logs}");
+}
+
+#[tokio::test]
+async fn alerts_by_pages_at_ten_thousand_keys() {
+    const KEYS: usize = 10_000;
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("admin-alert-pages");
+    std::fs::create_dir_all(&dir).unwrap();
+    let tally = dir.join("tally.json");
+    let _ = std::fs::remove_file(&tally);
+    let id = |i: usize| format!("k{i:05}");
+    let today = chrono::Local::now().date_naive();
+    let day = |back: u64| (today - chrono::Days::new(back)).to_string();
+    // Refused yesterday (in the tally file): a key in four and the gateway; twenty days ago (on
+    // no chart): a key in a thousand; today (counted, not flushed): a key in three.
+    let mut want: std::collections::BTreeMap<(String, String), u64> = Default::default();
+    for i in (0..KEYS).step_by(4) {
+        want.insert((day(1), format!("key:{}", id(i))), 1 + (i % 7) as u64);
+    }
+    want.insert((day(1), "gateway".into()), 7);
+    for i in (0..KEYS).step_by(1000) {
+        want.insert((day(20), format!("key:{}", id(i))), 3);
+    }
+    let mut days = serde_json::Map::new();
+    for ((d, subject), n) in &want {
+        let on = days.entry(d.clone()).or_insert_with(|| json!({}));
+        on[subject] = json!(n);
+    }
+    std::fs::write(&tally, json!({ "version": 1, "days": days }).to_string()).unwrap();
+    let mut text = format!(
+        "[admin]\nlisten = \"127.0.0.1:0\"\nsecret = \"sk-ops-secret\"\n[upstream]\ndemo = true\n\
+         [alerts]\npath = \"{}\"\n",
+        tally.display()
+    );
+    for i in 0..KEYS {
+        text += &format!("[[keys]]\nid = \"{}\"\nsecret = \"sk-{}\"\n", id(i), id(i));
+    }
+    let c = config(&text, "");
+    let tally = Arc::new(Tally::open(&c).unwrap());
+    let counters = tally.worker();
+    for i in (0..KEYS).step_by(3) {
+        let n = 1 + i % 5;
+        for _ in 0..n {
+            counters.refused(floodgate_gateway::tally::Subject::Key(i));
+        }
+        want.insert((day(0), format!("key:{}", id(i))), n as u64);
+    }
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let admin = listener.local_addr().unwrap();
+    let process = Process::new(&c, tally);
+    let admin_listener = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
+    tokio::spawn(admin::run(listener, admin_listener, std::future::pending()));
+    let client = Client::builder(TokioExecutor::new()).build_http();
+    let bearer = [("authorization", "Bearer sk-ops-secret")];
+    let get = |path: String| {
+        let client = &client;
+        async move {
+            let url = format!("http://{admin}{path}");
+            let (status, body) = send(client, "GET", &url, &bearer, "").await;
+            assert_eq!(status, 200, "{path}: {body}");
+            serde_json::from_str::<Value>(&body).unwrap()
+        }
+    };
+
+    // Page by page, with the cursor: every alert once, in the order of the whole list.
+    let whole = get("/admin/alerts".into()).await;
+    assert_eq!(
+        whole.as_object().unwrap().len(),
+        1,
+        "without a page, as /alerts answers"
+    );
+    let whole = whole["alerts"].as_array().unwrap().clone();
+    assert_eq!(whole.len(), want.len());
+    let mut walked = Vec::new();
+    let mut cursor = None::<String>;
+    let chart_days: Vec<String> = (0..14).rev().map(day).collect();
+    loop {
+        let path = match &cursor {
+            Some(c) => format!("/admin/alerts?limit=500&cursor={c}"),
+            None => "/admin/alerts?limit=500".into(),
+        };
+        let page = get(path).await;
+        assert_eq!(page["total"], want.len());
+        assert_eq!(page["chart"]["days"], json!(chart_days));
+        let alerts = page["alerts"].as_array().unwrap();
+        assert!(!alerts.is_empty() && alerts.len() <= 500);
+        // Each subject of the page charted, from every day of the list.
+        let charted = page["chart"]["subjects"].as_object().unwrap();
+        for a in alerts {
+            let subject = match a["key"].as_str() {
+                Some(k) => format!("key:{k}"),
+                None => "gateway".into(),
+            };
+            let series: Vec<u64> = chart_days
+                .iter()
+                .map(|d| *want.get(&(d.clone(), subject.clone())).unwrap_or(&0))
+                .collect();
+            assert_eq!(charted[&subject], json!(series), "{subject}");
+        }
+        walked.extend(alerts.iter().cloned());
+        match page["next_cursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => break,
+        }
+    }
+    assert_eq!(walked, whole);
+    let mut seen = std::collections::BTreeMap::new();
+    for a in &walked {
+        let subject = match a["key"].as_str() {
+            Some(k) => format!("key:{k}"),
+            None => "gateway".into(),
+        };
+        let day = a["day"].as_str().unwrap().to_owned();
+        assert!(
+            seen.insert((day, subject), a["count"].as_u64().unwrap())
+                .is_none(),
+            "listed twice: {a}"
+        );
+    }
+    assert_eq!(seen, want, "every alert, with its count");
+    // Newest day first.
+    let days_listed: Vec<&str> = walked.iter().map(|a| a["day"].as_str().unwrap()).collect();
+    assert!(days_listed.windows(2).all(|w| w[0] >= w[1]));
+    let bad = |q: &'static str| {
+        let url = format!("http://{admin}/admin/alerts?{q}");
+        let client = &client;
+        async move { send(client, "GET", &url, &bearer, "").await.0 }
+    };
+    for q in ["limit=0", "limit=1001", "limit=x", "cursor=99999", "page=2"] {
+        assert_eq!(bad(q).await, 400, "{q}");
+    }
+}
+
+#[tokio::test]
+async fn a_right_bearer_is_answered_at_once_while_another_peer_guesses() {
+    let up = fake_upstream().await;
+    let s = setup("", &up.url()).await;
+    let from = |ip: [u8; 4]| {
+        let mut connector = hyper_util::client::legacy::connect::HttpConnector::new();
+        connector.set_local_address(Some(std::net::IpAddr::from(ip)));
+        Client::builder(TokioExecutor::new()).build::<_, Body>(connector)
+    };
+    let (guesser, scraper) = (from([127, 0, 0, 2]), from([127, 0, 0, 1]));
+    let usage = format!("http://{}/admin/usage", s.admin);
+    // More guesses at once than one peer may have waiting: the first refused unchecked (429)
+    // says the guesser's turn is taken and its queue full.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    for i in 0..admin::MAX_WAITING + 8 {
+        let (guesser, usage, tx) = (guesser.clone(), usage.clone(), tx.clone());
+        tokio::spawn(async move {
+            let bearer = format!("Bearer guess-{i}");
+            let got = send(&guesser, "GET", &usage, &[("authorization", &bearer)], "").await;
+            let _ = tx.send(got.0);
+        });
+    }
+    loop {
+        let status = rx.recv().await.unwrap();
+        if status == StatusCode::TOO_MANY_REQUESTS {
+            break;
+        }
+        assert_eq!(status, 401);
+    }
+    let right = [("authorization", "Bearer sk-ops-secret")];
+    let start = Instant::now();
+    let (status, body) = send(&scraper, "GET", &usage, &right, "").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        start.elapsed() < WRONG_SECRET_DELAY,
+        "waited {:?} behind another peer's guesses",
+        start.elapsed()
+    );
+    // From the guesser's own address, the right secret is one more attempt in its queue.
+    let (status, _) = send(&guesser, "GET", &usage, &right, "").await;
+    assert_eq!(status, 429);
 }

@@ -12,6 +12,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("alerts-path-on-redis.toml", 9, "alerts.path"),
     ("alerts-secret-of-a-key.toml", 9, "alerts.secret"),
     ("alerts-zero-flush.toml", 5, "alerts.flush_sec"),
+    ("admin-secret-of-a-key.toml", 9, "admin.secret"),
     ("api-key-env-not-a-name.toml", 3, "upstream.api_key_env"),
     ("bad-backend.toml", 2, "backend"),
     ("tokens-unknown-mode.toml", 5, "gateway.tokens"),
@@ -145,6 +146,8 @@ fn errors_never_echo_what_may_be_a_secret() {
     for (file, secret) in [
         ("secret-not-a-string.toml", "8675309"),
         ("upstream-url-with-query.toml", "sk-live-123"),
+        ("admin-secret-of-a-key.toml", "sk-alice"),
+        ("alerts-secret-of-a-key.toml", "sk-alice"),
     ] {
         let path = fixtures().join(file);
         let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)

@@ -1,6 +1,7 @@
 //! The console in a real browser: `floodgate serve` with an admin listener, and
 //! `tests/console/browser.py` driving headless Chromium through Playwright against it (sign
-//! in, a usage bar moving, an alert with its count, a reset and the next request passing).
+//! in, a usage bar moving, an alert with its count, the alerts of more keys than a page holds
+//! read a page at a time, a reset and the next request passing).
 //! Screenshots of each page land in `<target>/tmp/console-screenshots/`.
 //!
 //! Needs `python3` with the `playwright` package and Debian's `chromium` (`scripts/test`
@@ -9,49 +10,39 @@
 
 mod common;
 
-use std::net::TcpStream;
 use std::path::PathBuf;
 use std::process::Command;
-use std::time::{Duration, Instant};
 
-use common::{free_port, serve_binary};
+use common::{BinaryConfig, binary_config, serve_binary, wait_for_port};
 
 /// The exit status of browser.py when it cannot run at all.
 const CANNOT_RUN: i32 = 77;
+/// Keys refused beside alice: more than the console's page of 50 alerts.
+const MANY: usize = 60;
 
 fn required() -> bool {
     std::env::var("FLOODGATE_REQUIRE_BROWSER").is_ok_and(|v| v == "1")
 }
 
-/// Waits until something accepts connections on `port` (the binary is up), for at most 30 s.
-fn wait_for_port(port: u16, child: &mut std::process::Child) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "floodgate exited before listening"
-        );
-        assert!(Instant::now() < deadline, "nothing listens on {port}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn the_console_in_headless_chromium() {
-    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-browser");
     let out = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("console-screenshots");
-    std::fs::create_dir_all(&dir).unwrap();
-    let (port, admin_port) = (free_port(), free_port());
-    let file = dir.join("floodgate.toml");
-    std::fs::write(
-        &file,
-        format!(
-            r#"
-[server]
-listen = "127.0.0.1:{port}"
-workers = 1
-[admin]
-listen = "127.0.0.1:{admin_port}"
+    let many: String = (0..MANY)
+        .map(|i| {
+            format!(
+                "[[keys]]\nid = \"many-{i:02}\"\nsecret = \"sk-many-{i:02}-browser\"\n\
+                 rate_limit = {{ requests = 1 }}\n"
+            )
+        })
+        .collect();
+    let BinaryConfig {
+        file,
+        port,
+        admin_port,
+        ..
+    } = binary_config(
+        "console-browser",
+        &(r#"
 secret = "sk-ops-browser"
 [upstream]
 demo = true
@@ -59,7 +50,7 @@ demo = true
 id = "alice"
 secret = "sk-alice-browser"
 org = "acme"
-rate_limit = {{ requests = 3 }}
+rate_limit = { requests = 3 }
 [[keys]]
 id = "bob"
 secret = "sk-bob-browser"
@@ -70,9 +61,9 @@ id = "acme"
 rpm = 100
 tpm = 100000
 "#
-        ),
-    )
-    .unwrap();
+        .to_owned()
+            + &many),
+    );
     let mut gateway = serve_binary(&file);
     wait_for_port(port, &mut gateway);
     wait_for_port(admin_port, &mut gateway);
@@ -83,6 +74,7 @@ tpm = 100000
         .args(["--gateway", &format!("http://127.0.0.1:{port}")])
         .args(["--secret", "sk-ops-browser"])
         .args(["--key", "sk-alice-browser", "--key-id", "alice"])
+        .args(["--many", &MANY.to_string()])
         .arg("--out")
         .arg(&out)
         .status();
@@ -108,7 +100,12 @@ tpm = 100000
         return;
     }
     assert!(status.success(), "the browser test failed: {status}");
-    for page in ["signin.png", "usage.png", "notifications.png"] {
+    for page in [
+        "signin.png",
+        "usage.png",
+        "notifications.png",
+        "notifications-page-2.png",
+    ] {
         assert!(out.join(page).is_file(), "no screenshot {page}");
     }
 }

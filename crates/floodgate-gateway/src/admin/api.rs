@@ -1,6 +1,8 @@
 //! The admin API's answers (docs/gateway.md, "The admin API"): usage, reset, alerts, config.
 //! Each reads the config in force ([`Process::running`]) and the store; none shows a secret.
 
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,11 +19,15 @@ use serde_json::json;
 use super::scopes::{Catalogue, Scope};
 use crate::http::Process;
 use crate::store::GatewayStore;
+use crate::tally::Alert;
 
 /// Scopes per usage page when the call names no `limit`.
 pub const DEFAULT_PAGE: usize = 100;
 /// The most scopes one usage page holds.
 pub const MAX_PAGE: usize = 1000;
+
+/// Days of each subject's chart on a page of alerts, up to the newest day listed.
+pub const CHART_DAYS: usize = 14;
 
 /// A failure of an admin call: a client's mistake with its status and message, or the store
 /// (503, its cause logged, never echoed).
@@ -265,6 +271,33 @@ fn slots_of<'a>(scopes: impl Iterator<Item = &'a Scope>) -> Vec<InFlightLimit> {
     scopes.filter_map(|s| s.in_flight.clone()).collect()
 }
 
+/// The part of a list of `len` that a page of `limit` (default [`DEFAULT_PAGE`], at most
+/// [`MAX_PAGE`]) from `cursor` (an offset this API gave as a `next_cursor`; none: the start)
+/// holds.
+fn page_of(
+    len: usize,
+    limit: Option<usize>,
+    cursor: Option<&str>,
+) -> Result<Range<usize>, ApiError> {
+    let per_page = limit.unwrap_or(DEFAULT_PAGE);
+    if per_page == 0 || per_page > MAX_PAGE {
+        return Err(ApiError::BadRequest(format!(
+            "`limit` must be 1 to {MAX_PAGE}"
+        )));
+    }
+    let start = match cursor {
+        None | Some("") => 0,
+        Some(c) => c
+            .parse::<usize>()
+            .ok()
+            .filter(|&at| at <= len)
+            .ok_or_else(|| {
+                ApiError::BadRequest(format!("`cursor` {c} is not one this API gave"))
+            })?,
+    };
+    Ok(start..(start + per_page).min(len))
+}
+
 fn parse_kind(name: &str) -> Result<ScopeKind, ApiError> {
     ScopeKind::parse(name).ok_or_else(|| {
         ApiError::BadRequest(format!(
@@ -299,24 +332,9 @@ pub async fn usage(
             id: id.clone(),
         });
     }
-    let per_page = query.limit.unwrap_or(DEFAULT_PAGE);
-    if per_page == 0 || per_page > MAX_PAGE {
-        return Err(ApiError::BadRequest(format!(
-            "`limit` must be 1 to {MAX_PAGE}"
-        )));
-    }
-    let start = match query.cursor.as_deref() {
-        None | Some("") => 0,
-        Some(c) => c
-            .parse::<usize>()
-            .ok()
-            .filter(|&at| at <= matching.len())
-            .ok_or_else(|| {
-                ApiError::BadRequest(format!("`cursor` {c} is not one this API gave"))
-            })?,
-    };
-    let end = (start + per_page).min(matching.len());
-    let page = &matching[start..end];
+    let range = page_of(matching.len(), query.limit, query.cursor.as_deref())?;
+    let end = range.end;
+    let page = &matching[range];
     let (limits, counters) = state_of(page.iter().copied());
     let seen = store.read_state(&limits, &counters, None).await?;
     let slots = slots_of(page.iter().copied());
@@ -384,12 +402,110 @@ pub async fn reset(
     })
 }
 
-/// `GET /admin/alerts`: the refusal tally's `rate_limit` alerts, as `GET /alerts` answers them.
-pub async fn alerts(process: &Process) -> Response {
-    match process.tally.alerts().await {
-        Ok(alerts) => Json(json!({ "alerts": alerts })).into_response(),
-        Err(e) => ApiError::Unavailable(e).into_response(),
+/// The query of `GET /admin/alerts`: with neither, every alert, as `GET /alerts` answers.
+#[derive(Debug, Default)]
+pub struct AlertsQuery {
+    /// Alerts per page: [`DEFAULT_PAGE`] by default, at most [`MAX_PAGE`].
+    pub limit: Option<usize>,
+    /// Where the page starts: the `next_cursor` of the page before.
+    pub cursor: Option<String>,
+}
+
+/// A page of `GET /admin/alerts`.
+#[derive(Debug, Serialize)]
+pub struct AlertsPage {
+    /// This page's alerts, in the order of the whole list (newest day first, then most
+    /// refusals first).
+    pub alerts: Vec<Alert>,
+    /// Alerts over every page.
+    pub total: usize,
+    /// The `cursor` of the next page; `null` on the last.
+    pub next_cursor: Option<String>,
+    /// The refusals of each subject of this page over the last [`CHART_DAYS`] days.
+    pub chart: Chart,
+}
+
+/// The refusals of some subjects, day by day.
+#[derive(Debug, Serialize)]
+pub struct Chart {
+    /// The [`CHART_DAYS`] days up to the newest day with an alert (of any page), oldest first;
+    /// empty when there is no alert.
+    pub days: Vec<String>,
+    /// Each subject (`gateway`, `key:<id>`): its refusals on each of `days`.
+    pub subjects: BTreeMap<String, Vec<u64>>,
+}
+
+/// `GET /admin/alerts`: the refusal tally's `rate_limit` alerts. Without `query`, all of them,
+/// as `GET /alerts` answers them; with it, one page and its subjects' charts.
+pub async fn alerts(process: &Process, query: Option<AlertsQuery>) -> Response {
+    let all = match process.tally.alerts().await {
+        Ok(all) => all,
+        Err(e) => return ApiError::Unavailable(e).into_response(),
+    };
+    let Some(query) = query else {
+        return Json(json!({ "alerts": all })).into_response();
+    };
+    match alerts_page(all, &query) {
+        Ok(page) => Json(page).into_response(),
+        Err(e) => e.into_response(),
     }
+}
+
+/// One page of `all` (as [`crate::tally::Tally::alerts`] orders them) and its chart.
+fn alerts_page(mut all: Vec<Alert>, query: &AlertsQuery) -> Result<AlertsPage, ApiError> {
+    let total = all.len();
+    let range = page_of(total, query.limit, query.cursor.as_deref())?;
+    let next_cursor = (range.end < total).then(|| range.end.to_string());
+    let chart = chart(&all, &all[range.clone()]);
+    let alerts = all.drain(range).collect();
+    Ok(AlertsPage {
+        alerts,
+        total,
+        next_cursor,
+        chart,
+    })
+}
+
+/// The chart of `page`'s subjects, read from `all` in one pass, whatever the
+/// number of subjects (with 10 000 keys refused, a rescan per alert would be 10^8 steps).
+fn chart(all: &[Alert], page: &[Alert]) -> Chart {
+    let newest = all
+        .first()
+        .and_then(|a| a.day.parse::<chrono::NaiveDate>().ok());
+    let days: Vec<String> = newest
+        .map(|last| {
+            (0..CHART_DAYS as u64)
+                .rev()
+                .filter_map(|back| last.checked_sub_days(chrono::Days::new(back)))
+                .map(|d| d.to_string())
+                .collect()
+        })
+        .unwrap_or_default();
+    let day_at: HashMap<&str, usize> = days
+        .iter()
+        .enumerate()
+        .map(|(i, d)| (d.as_str(), i))
+        .collect();
+    let mut series: HashMap<(&str, Option<&str>), Vec<u64>> = page
+        .iter()
+        .map(|a| ((a.subject, a.key.as_deref()), vec![0; days.len()]))
+        .collect();
+    for a in all {
+        if let (Some(&at), Some(counts)) = (
+            day_at.get(a.day.as_str()),
+            series.get_mut(&(a.subject, a.key.as_deref())),
+        ) {
+            counts[at] = a.count;
+        }
+    }
+    let subjects = series
+        .into_iter()
+        .map(|((subject, key), counts)| match key {
+            Some(id) => (format!("{subject}:{id}"), counts),
+            None => (subject.to_owned(), counts),
+        })
+        .collect();
+    Chart { days, subjects }
 }
 
 /// `GET /admin/config`: the config in force as `floodgate check-config` prints it (no secret).

@@ -96,7 +96,10 @@ async fn sign_in(sessions: &Sessions, secret: Option<&[u8; 32]>, req: Request<Bo
         Ok(b) => b,
         Err(e) => return e.into_response(),
     };
-    match sessions.check(&body.secret, secret).await {
+    match sessions
+        .check(&body.secret, secret, peer.map(|p| p.ip()))
+        .await
+    {
         Verdict::Right => {}
         Verdict::Wrong => {
             // The attempt is logged, never what was typed.

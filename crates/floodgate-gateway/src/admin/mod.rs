@@ -2,7 +2,8 @@
 //! callers' port (docs/design.md §9). It serves
 //!
 //! - `GET /metrics` (Prometheus, [`crate::metrics`]);
-//! - the admin API under `/admin/` (`api.rs`): usage, reset, alerts, config;
+//! - the admin API under `/admin/` (`api.rs`): usage, reset, alerts, config (usage and alerts
+//!   by pages, with `limit` and `cursor`);
 //! - the console at `/` (`console.rs`): a page and its assets, embedded in the binary, that
 //!   signs in with the secret once and then reads the admin API with a session cookie.
 //!
@@ -17,12 +18,17 @@ mod scopes;
 mod session;
 mod wire;
 
-pub use api::{BudgetUsage, InFlight, LimitUsage, Reset, ScopeUsage, Usage};
+pub use api::{
+    AlertsPage, BudgetUsage, CHART_DAYS, Chart, InFlight, LimitUsage, Reset, ScopeUsage, Usage,
+};
 pub use scopes::{Catalogue, Scope};
-pub use session::{COOKIE, SESSION_TTL, Sessions, WRONG_SECRET_DELAY};
+pub use session::{
+    COOKIE, MAX_WAITING, MAX_WAITING_ALL, SESSION_TTL, Sessions, Source, WRONG_SECRET_DELAY,
+};
 
 use std::convert::Infallible;
 use std::future::Future;
+use std::net::IpAddr;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::Json;
@@ -100,7 +106,10 @@ impl Admin {
     async fn route(&self, req: Request<Body>) -> Response {
         let path = req.uri().path().to_owned();
         match path.as_str() {
-            "/metrics" => self.metrics(req.method(), req.headers()).await,
+            "/metrics" => {
+                self.metrics(req.method(), req.headers(), peer_ip(&req))
+                    .await
+            }
             "/admin" => AppError::NotFound.into_response(),
             p if p.starts_with("/admin/") => self.api(req).await,
             p => match console::route(
@@ -117,12 +126,17 @@ impl Admin {
         }
     }
 
-    async fn metrics(&self, method: &Method, headers: &HeaderMap) -> Response {
+    async fn metrics(
+        &self,
+        method: &Method,
+        headers: &HeaderMap,
+        peer: Option<IpAddr>,
+    ) -> Response {
         if method != Method::GET && method != Method::HEAD {
             return StatusCode::METHOD_NOT_ALLOWED.into_response();
         }
         if self.inner.config.metrics_auth
-            && let Err(refused) = self.caller(headers).await
+            && let Err(refused) = self.caller(headers, peer).await
         {
             return refused.into_response();
         }
@@ -134,7 +148,7 @@ impl Admin {
     /// The admin API: the caller is checked first (so an unknown path tells a stranger
     /// nothing), then a session's CSRF token for a call that changes state.
     async fn api(&self, req: Request<Body>) -> Response {
-        let caller = match self.caller(req.headers()).await {
+        let caller = match self.caller(req.headers(), peer_ip(&req)).await {
             Ok(c) => c,
             Err(refused) => return refused.into_response(),
         };
@@ -187,7 +201,11 @@ impl Admin {
                     Err(e) => e.into_response(),
                 }
             }
-            "/admin/alerts" if method == Method::GET => api::alerts(&self.inner.process).await,
+            "/admin/alerts" if method == Method::GET => match parse_alerts_query(req.uri().query())
+            {
+                Ok(query) => api::alerts(&self.inner.process, query).await,
+                Err(e) => e.into_response(),
+            },
             "/admin/config" if method == Method::GET => api::config(&self.inner.process),
             "/admin/usage" | "/admin/alerts" | "/admin/config" => wrong_method("GET"),
             "/admin/reset" => wrong_method("POST"),
@@ -213,11 +231,11 @@ impl Admin {
         }
     }
 
-    /// Who `req` comes from: the bearer secret (checked in its turn: see `session.rs`), else a
-    /// console session's cookie. A refusal is the answer to send.
-    async fn caller(&self, headers: &HeaderMap) -> Result<Caller, Refusal> {
+    /// Who a request with `headers` from a peer at `peer` comes from: the bearer secret
+    /// (checked in its peer's turn: see `session.rs`), else a console session's cookie. A refusal is the answer to send.
+    async fn caller(&self, headers: &HeaderMap, peer: Option<IpAddr>) -> Result<Caller, Refusal> {
         if let Some(token) = bearer(headers) {
-            return match self.check_secret(token).await {
+            return match self.check_secret(token, peer).await {
                 Verdict::Right => Ok(Caller::Bearer),
                 Verdict::Wrong => Err(Refusal::Unauthorized),
                 Verdict::Busy => Err(Refusal::Busy),
@@ -228,10 +246,10 @@ impl Admin {
             .ok_or(Refusal::Unauthorized)
     }
 
-    /// Checks a presented secret against `[admin] secret` in its turn.
-    async fn check_secret(&self, presented: &str) -> Verdict {
+    /// Checks a secret presented by a peer at `peer` against `[admin] secret` in its turn.
+    async fn check_secret(&self, presented: &str, peer: Option<IpAddr>) -> Verdict {
         let want = self.inner.config.secret_sha256.as_ref();
-        self.inner.sessions.check(presented, want).await
+        self.inner.sessions.check(presented, want, peer).await
     }
 
     /// The console session of a request's cookie, if valid.
@@ -259,6 +277,11 @@ impl Caller {
     }
 }
 
+/// The address of `req`'s peer, if [`run`] put it there.
+fn peer_ip(req: &Request<Body>) -> Option<IpAddr> {
+    req.extensions().get::<Peer>().map(|p| p.0.ip())
+}
+
 /// The bearer token of `headers`, if any.
 fn bearer(headers: &HeaderMap) -> Option<&str> {
     headers
@@ -277,11 +300,7 @@ fn parse_query(query: Option<&str>) -> Result<api::UsageQuery, api::ApiError> {
             "scope" => q.scope = Some(value),
             "id" => q.id = Some(value),
             "q" => q.q = Some(value).filter(|v| !v.is_empty()),
-            "limit" => {
-                q.limit = Some(value.parse().map_err(|_| {
-                    api::ApiError::BadRequest(format!("`limit` {value} is not a number"))
-                })?)
-            }
+            "limit" => q.limit = Some(parse_limit(&value)?),
             "cursor" => q.cursor = Some(value),
             other => {
                 return Err(api::ApiError::BadRequest(format!(
@@ -291,6 +310,33 @@ fn parse_query(query: Option<&str>) -> Result<api::UsageQuery, api::ApiError> {
         }
     }
     Ok(q)
+}
+
+/// The query of `GET /admin/alerts`: `None` without `limit` or `cursor` (every alert).
+fn parse_alerts_query(query: Option<&str>) -> Result<Option<api::AlertsQuery>, api::ApiError> {
+    let pairs = form_urlencoded(query.unwrap_or(""));
+    if pairs.is_empty() {
+        return Ok(None);
+    }
+    let mut q = api::AlertsQuery::default();
+    for (name, value) in pairs {
+        match name.as_str() {
+            "limit" => q.limit = Some(parse_limit(&value)?),
+            "cursor" => q.cursor = Some(value),
+            other => {
+                return Err(api::ApiError::BadRequest(format!(
+                    "unknown parameter `{other}`: limit, cursor"
+                )));
+            }
+        }
+    }
+    Ok(Some(q))
+}
+
+fn parse_limit(value: &str) -> Result<usize, api::ApiError> {
+    value
+        .parse()
+        .map_err(|_| api::ApiError::BadRequest(format!("`limit` {value} is not a number")))
 }
 
 /// `a=1&b=x%20y` as pairs, `+` and `%XX` decoded.

@@ -7,16 +7,26 @@
 //!   and so signs everyone out.
 //! - Its CSRF token is the HMAC of its nonce under the same key: derived, not stored, and of no
 //!   use without the cookie (which only the console's own pages get: `SameSite=Strict`).
-//! - Every check of a presented secret (a sign-in or a bearer) takes one process-wide turn: a
-//!   wrong secret keeps the turn for [`WRONG_SECRET_DELAY`], so that at most one guess a
-//!   second is checked however many are sent at once, and the answer to a guess is known only
-//!   once its turn came. Past [`MAX_WAITING`] waiting, an attempt is refused at once (429)
-//!   without being checked. A session's cookie is checked without a turn (an HMAC cannot be
-//!   guessed), so the console stays usable while someone guesses.
+//! - Every check of a presented secret (a sign-in or a bearer) takes the turn of where it comes
+//!   from (its peer's IPv4 address, or IPv6 /64: a [`Source`]): a wrong secret keeps the turn
+//!   for [`WRONG_SECRET_DELAY`], so that at most one guess a second per source is checked
+//!   however many are sent at once, and the answer to a guess is known only once its turn
+//!   came. Past [`MAX_WAITING`] attempts of one source, or [`MAX_WAITING_ALL`] of all, an
+//!   attempt is refused at once (429) without being checked.
+//! - Why a turn per source and not one for the process: with one, a guesser makes everyone
+//!   else's right secret (a script, the `/metrics` scraper) wait up to [`MAX_WAITING`] seconds
+//!   or be refused. Why not "a right secret passes at once, a wrong one waits": the answer to a
+//!   guess would then come the moment it is checked (fast: right), so sending many at once
+//!   would check them all at once, and the delay would bound nothing. A turn per source keeps
+//!   the bound per source and tells a guesser nothing new: its own attempts are answered as
+//!   before, and others' answers it never sees. What it does not bound is a guesser with many
+//!   sources (docs/design.md §9): the secret's length is what makes guessing useless then.
+//! - A session's cookie is checked without a turn (an HMAC cannot be guessed), so the console
+//!   stays usable while someone guesses.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::net::IpAddr;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
@@ -29,10 +39,72 @@ use sha2::{Digest, Sha256};
 pub const COOKIE: &str = "floodgate_session";
 /// How long a session lasts after its sign-in.
 pub const SESSION_TTL: Duration = Duration::from_secs(8 * 3600);
-/// How long a wrong secret keeps the turn: one guess a second, process-wide.
+/// How long a wrong secret keeps its source's turn: one guess a second per source.
 pub const WRONG_SECRET_DELAY: Duration = Duration::from_secs(1);
-/// How many secret checks may wait for their turn; more are refused unchecked.
+/// How many secret checks of one source may be waiting or checked at once; more are refused
+/// unchecked.
 pub const MAX_WAITING: usize = 32;
+/// How many secret checks of all sources may be waiting or checked at once: what bounds the
+/// memory many sources can hold.
+pub const MAX_WAITING_ALL: usize = 256;
+
+/// Where a secret check comes from: its peer's IPv4 address, or its IPv6 address's /64 (a
+/// host's addresses share it, one host holds as many of them as it likes), or an unknown
+/// peer. An IPv4-mapped IPv6 address is its IPv4 one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Source {
+    /// An IPv4 address.
+    V4([u8; 4]),
+    /// The first 64 bits of an IPv6 address.
+    V6([u8; 8]),
+    /// No peer known (a request answered without a listener).
+    Unknown,
+}
+
+impl Source {
+    /// The source of a peer at `ip`.
+    pub fn of(ip: Option<IpAddr>) -> Source {
+        match ip.map(|ip| ip.to_canonical()) {
+            Some(IpAddr::V4(v4)) => Source::V4(v4.octets()),
+            Some(IpAddr::V6(v6)) => {
+                let mut prefix = [0u8; 8];
+                prefix.copy_from_slice(&v6.octets()[..8]);
+                Source::V6(prefix)
+            }
+            None => Source::Unknown,
+        }
+    }
+}
+
+/// The turns of the sources with a check waiting or under way.
+#[derive(Debug, Default)]
+struct Turns {
+    /// Each source's turn and how many of its checks hold a place.
+    by_source: HashMap<Source, (Arc<tokio::sync::Mutex<()>>, usize)>,
+    /// Places held over every source.
+    all: usize,
+}
+
+/// A place among the checks of `source`, given back when dropped: a check ended, or abandoned
+/// while it waited (its caller went away).
+struct Place<'a> {
+    sessions: &'a Sessions,
+    source: Source,
+    turn: Arc<tokio::sync::Mutex<()>>,
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        let mut turns = self.sessions.lock_turns();
+        turns.all -= 1;
+        if let Some((_, held)) = turns.by_source.get_mut(&self.source) {
+            *held -= 1;
+            if *held == 0 {
+                turns.by_source.remove(&self.source);
+            }
+        }
+    }
+}
 
 /// A verified session.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,15 +132,15 @@ pub enum Verdict {
     Busy,
 }
 
-/// The process's session key, its sign-outs and the turn secret checks take.
+/// The process's session key, its sign-outs and the turns secret checks take.
 #[derive(Debug)]
 pub struct Sessions {
     key: hmac::Key,
     rng: SystemRandom,
     /// Sessions signed out before they expire: nonce -> expiry.
     revoked: Mutex<HashMap<[u8; 16], u64>>,
-    turn: tokio::sync::Mutex<()>,
-    waiting: AtomicUsize,
+    /// A std mutex: held only to count places, never across an `.await`.
+    turns: Mutex<Turns>,
 }
 
 impl Sessions {
@@ -81,20 +153,23 @@ impl Sessions {
             key,
             rng,
             revoked: Mutex::new(HashMap::new()),
-            turn: tokio::sync::Mutex::new(()),
-            waiting: AtomicUsize::new(0),
+            turns: Mutex::new(Turns::default()),
         })
     }
 
-    /// Checks `presented` against the digest `want` in its turn (see the module's doc); with
-    /// no secret set (`None`), nothing is right, and the turn is taken all the same.
-    pub async fn check(&self, presented: &str, want: Option<&[u8; 32]>) -> Verdict {
-        if self.waiting.fetch_add(1, Ordering::AcqRel) >= MAX_WAITING {
-            self.waiting.fetch_sub(1, Ordering::AcqRel);
+    /// Checks `presented`, sent by a peer at `peer`, against the digest `want` in the turn of
+    /// its [`Source`] (see the module's doc); with no secret set (`None`), nothing is right,
+    /// and the turn is taken all the same.
+    pub async fn check(
+        &self,
+        presented: &str,
+        want: Option<&[u8; 32]>,
+        peer: Option<IpAddr>,
+    ) -> Verdict {
+        let Some(place) = self.place(Source::of(peer)) else {
             return Verdict::Busy;
-        }
-        let _turn = self.turn.lock().await;
-        self.waiting.fetch_sub(1, Ordering::AcqRel);
+        };
+        let _turn = place.turn.lock().await;
         // Digests compared: equal length always, and a digest's bytes tell nothing of the
         // secret's.
         let digest = <[u8; 32]>::from(Sha256::digest(presented.as_bytes()));
@@ -103,6 +178,28 @@ impl Sessions {
         }
         tokio::time::sleep(WRONG_SECRET_DELAY).await;
         Verdict::Wrong
+    }
+
+    /// A place among `source`'s checks, if neither it nor all sources have too many.
+    fn place(&self, source: Source) -> Option<Place<'_>> {
+        let mut turns = self.lock_turns();
+        let held = turns.by_source.get(&source).map_or(0, |(_, held)| *held);
+        if held >= MAX_WAITING || turns.all >= MAX_WAITING_ALL {
+            return None;
+        }
+        turns.all += 1;
+        let (turn, held) = turns.by_source.entry(source).or_default();
+        *held += 1;
+        Some(Place {
+            sessions: self,
+            source,
+            turn: Arc::clone(turn),
+        })
+    }
+
+    fn lock_turns(&self) -> std::sync::MutexGuard<'_, Turns> {
+        // Each change is a few counts and one insert or remove, never unwinding halfway.
+        self.turns.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// A new session expiring [`SESSION_TTL`] after `now` (Unix seconds): its cookie value.
@@ -217,22 +314,123 @@ mod tests {
         assert_eq!(sessions.verify(&cookie, 1_003), None);
     }
 
+    const GUESSER: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1)));
+    const SCRAPER: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 2)));
+
+    fn digest(secret: &str) -> [u8; 32] {
+        Sha256::digest(secret.as_bytes()).into()
+    }
+
+    /// Yields until `source`'s turn is taken (a check of it is under way).
+    async fn taken(sessions: &Sessions, source: Source) {
+        loop {
+            let held = sessions
+                .lock_turns()
+                .by_source
+                .get(&source)
+                .is_some_and(|(turn, _)| turn.try_lock().is_err());
+            if held {
+                return;
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+
     #[tokio::test]
     async fn wrong_secrets_take_their_turn_one_a_second() {
-        let sessions = std::sync::Arc::new(Sessions::new().unwrap());
-        let want: [u8; 32] = Sha256::digest(b"right").into();
+        let sessions = Arc::new(Sessions::new().unwrap());
+        let want = digest("right");
         let start = tokio::time::Instant::now();
         let guesses: Vec<_> = (0..3)
             .map(|i| {
                 let s = sessions.clone();
-                tokio::spawn(async move { s.check(&format!("guess{i}"), Some(&want)).await })
+                tokio::spawn(
+                    async move { s.check(&format!("guess{i}"), Some(&want), GUESSER).await },
+                )
             })
             .collect();
         for g in guesses {
             assert_eq!(g.await.unwrap(), Verdict::Wrong);
         }
         assert!(start.elapsed() >= 3 * WRONG_SECRET_DELAY, "one at a time");
-        assert_eq!(sessions.check("right", Some(&want)).await, Verdict::Right);
-        assert_eq!(sessions.check("right", None).await, Verdict::Wrong);
+        assert_eq!(
+            sessions.check("right", Some(&want), GUESSER).await,
+            Verdict::Right
+        );
+        assert_eq!(sessions.check("right", None, GUESSER).await, Verdict::Wrong);
+        assert!(sessions.lock_turns().by_source.is_empty(), "no turn kept");
+    }
+
+    #[tokio::test]
+    async fn a_right_secret_from_elsewhere_waits_for_no_guesser() {
+        let sessions = Arc::new(Sessions::new().unwrap());
+        let want = digest("right");
+        let s = sessions.clone();
+        let guess = tokio::spawn(async move { s.check("guess", Some(&want), GUESSER).await });
+        taken(&sessions, Source::of(GUESSER)).await;
+        let start = tokio::time::Instant::now();
+        assert_eq!(
+            sessions.check("right", Some(&want), SCRAPER).await,
+            Verdict::Right
+        );
+        assert!(
+            start.elapsed() < WRONG_SECRET_DELAY,
+            "answered while the guess waits"
+        );
+        // From the guesser's own source a right secret waits its turn like any other attempt:
+        // how long an answer takes tells nothing of the secret.
+        assert_eq!(
+            sessions.check("right", Some(&want), GUESSER).await,
+            Verdict::Right
+        );
+        assert!(start.elapsed() >= WRONG_SECRET_DELAY);
+        assert_eq!(guess.await.unwrap(), Verdict::Wrong);
+        // An IPv4-mapped address is its IPv4 source; one /64 is one source.
+        let mapped: IpAddr = "::ffff:10.0.0.1".parse().unwrap();
+        assert_eq!(Source::of(Some(mapped)), Source::of(GUESSER));
+        let (a, b): (IpAddr, IpAddr) = (
+            "2001:db8::1".parse().unwrap(),
+            "2001:db8::2:1".parse().unwrap(),
+        );
+        assert_eq!(Source::of(Some(a)), Source::of(Some(b)));
+        let other: IpAddr = "2001:db8:0:1::1".parse().unwrap();
+        assert_ne!(Source::of(Some(a)), Source::of(Some(other)));
+    }
+
+    #[tokio::test]
+    async fn past_the_waiting_cap_a_source_is_refused_unchecked_and_abandoned_checks_leave() {
+        let sessions = Arc::new(Sessions::new().unwrap());
+        let want = digest("right");
+        let waiting: Vec<_> = (0..MAX_WAITING)
+            .map(|_| {
+                let s = sessions.clone();
+                tokio::spawn(async move { s.check("guess", Some(&want), GUESSER).await })
+            })
+            .collect();
+        taken(&sessions, Source::of(GUESSER)).await;
+        while sessions.lock_turns().all < MAX_WAITING {
+            tokio::task::yield_now().await;
+        }
+        assert_eq!(
+            sessions.check("right", Some(&want), GUESSER).await,
+            Verdict::Busy
+        );
+        assert_eq!(
+            sessions.check("right", Some(&want), SCRAPER).await,
+            Verdict::Right
+        );
+        // Callers gone (their connections closed): their places are given back.
+        for w in &waiting {
+            w.abort();
+        }
+        for w in waiting {
+            assert!(w.await.unwrap_err().is_cancelled());
+        }
+        assert_eq!(sessions.lock_turns().all, 0);
+        assert!(sessions.lock_turns().by_source.is_empty());
+        assert_eq!(
+            sessions.check("right", Some(&want), GUESSER).await,
+            Verdict::Right
+        );
     }
 }

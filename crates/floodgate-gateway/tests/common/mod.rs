@@ -508,6 +508,47 @@ pub fn free_port() -> u16 {
         .port()
 }
 
+/// A config file for the binary, in `<target>/tmp/<name>/floodgate.toml`: the callers' and the
+/// admin listener on free ports, one worker, then `admin_and_rest` (what follows `[admin]`'s
+/// `listen`: its secret, then any other section).
+pub struct BinaryConfig {
+    pub dir: std::path::PathBuf,
+    pub file: std::path::PathBuf,
+    pub port: u16,
+    pub admin_port: u16,
+}
+
+pub fn binary_config(name: &str, admin_and_rest: &str) -> BinaryConfig {
+    let dir = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(name);
+    std::fs::create_dir_all(&dir).unwrap();
+    let (port, admin_port) = (free_port(), free_port());
+    let file = dir.join("floodgate.toml");
+    let head = format!(
+        "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n\
+         [admin]\nlisten = \"127.0.0.1:{admin_port}\"\n"
+    );
+    std::fs::write(&file, head + admin_and_rest).unwrap();
+    BinaryConfig {
+        dir,
+        file,
+        port,
+        admin_port,
+    }
+}
+
+/// Waits until something accepts connections on `port` (the binary is up), for at most 30 s.
+pub fn wait_for_port(port: u16, child: &mut std::process::Child) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "floodgate exited before listening"
+        );
+        assert!(Instant::now() < deadline, "nothing listens on {port}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// `floodgate serve --config file`: the store the file names (never the environment's Redis
 /// URL), logging warnings only, its output dropped.
 pub fn serve_binary(file: &std::path::Path) -> std::process::Child {

@@ -3,11 +3,13 @@
 
 Run by tests/console_browser.rs against a running `floodgate serve`:
 
-    browser.py --admin URL --gateway URL --secret S --key K --out DIR [--chromium PATH]
+    browser.py --admin URL --gateway URL --secret S --key K --key-id ID --many N --out DIR
+        [--chromium PATH]
 
-Signs in, sees a usage bar move after requests, sees the refusal's alert with its count,
-resets the key with the confirmation and sees its next request pass; a screenshot of each page
-goes to DIR. The page must log no error (a CSP violation, a script error). Exits 0 when all
+Signs in, sees a usage bar move after requests, sees the refusal's alert with its count, sees
+the alerts of N more keys refused (`many-00`..., secret `sk-many-00-browser`...) a page at a
+time, resets the key with the confirmation and sees its next request pass; a screenshot of each
+page goes to DIR. The page must log no error (a CSP violation, a script error). Exits 0 when all
 holds, 1 on a failure, 77 when it cannot run (no Playwright, no Chromium).
 """
 
@@ -55,6 +57,7 @@ def main():
     p.add_argument("--secret", required=True)
     p.add_argument("--key", required=True)
     p.add_argument("--key-id", required=True)
+    p.add_argument("--many", type=int, required=True)
     p.add_argument("--out", required=True)
     p.add_argument("--chromium", default=shutil.which("chromium") or "/usr/bin/chromium")
     args = p.parse_args()
@@ -89,6 +92,7 @@ def main():
         # Sign in: the secret typed once.
         page.goto(args.admin + "/")
         expect(page.locator("#signin")).to_be_visible()
+        expect(page.locator("#tabs")).to_be_hidden()
         shot(page, "signin.png")
         page.fill("#secret", "not-the-secret")
         page.click("#signin-form button")
@@ -126,6 +130,30 @@ def main():
         alert.locator("button.mark").click()
         expect(alert).to_have_class("alert read")
         expect(page.locator("#unread")).to_be_hidden()
+
+        # More keys refused than a page holds: each twice, so all before the key's one refusal.
+        for i in range(args.many):
+            key = f"sk-many-{i:02}-browser"
+            assert chat(args.gateway, key) == 200
+            for _ in range(2):
+                assert chat(args.gateway, key) == 429
+        total = args.many + 1
+        pages = page.locator("#alerts-page-info")
+        expect(pages).to_have_text(f"1–50 of {total}")
+        expect(page.locator("li.alert")).to_have_count(50)
+        expect(page.locator("li.alert").first).to_have_attribute("data-subject", "key many-00")
+        expect(page.locator("#unread")).to_have_text("50+")
+        expect(page.locator("#alerts-prev-page")).to_be_disabled()
+        page.click("#alerts-next-page")
+        expect(pages).to_have_text(f"51–{total} of {total}")
+        expect(page.locator("li.alert")).to_have_count(total - 50)
+        expect(page.locator("#alerts-next-page")).to_be_disabled()
+        # The key's alert, on the last page, still read; the badge still counts the newest page.
+        expect(alert).to_have_class("alert read")
+        expect(page.locator("#unread")).to_have_text("50+")
+        shot(page, "notifications-page-2.png")
+        page.click("#alerts-prev-page")
+        expect(pages).to_have_text(f"1–50 of {total}")
 
         # Reset, confirmed: the bar back at 0, and the key passes again.
         page.click("#tab-usage")

@@ -5,16 +5,46 @@
 const REFRESH_MS = 3000;
 const PAGE_SIZE = 50;
 const READ_KEY = "floodgate.console.read";
-const CHART_DAYS = 14;
 
 let csrf = null;
 let view = "notifications";
 let timer = null;
-// Usage paging: the cursors of the pages before this one, and this one's.
-let cursors = [];
-let cursor = null;
-let nextCursor = null;
 let resetTarget = null;
+// The page of alerts shown, kept to draw it again when one is marked read.
+let shownAlerts = null;
+
+// A list read a page at a time: the cursors of the pages before this one, this one's and the
+// next one's, and the buttons and text under the list (`prefix` + "prev-page", ...); `empty`
+// says that nothing matches.
+function pager(prefix, load, empty) {
+  const p = { before: [], at: null, next: null };
+  const reload = () => load().catch(() => {});
+  p.back = () => { p.at = p.before.pop() || null; reload(); };
+  p.forward = () => {
+    if (!p.next) return;
+    p.before.push(p.at);
+    p.at = p.next;
+    reload();
+  };
+  p.first = () => { p.before = []; p.at = null; };
+  // A page of `shown` items of `total`, followed by the page at `next` (null: the last).
+  p.showing = (shown, total, next) => {
+    p.next = next;
+    const first = p.at ? Number(p.at) + 1 : 1;
+    $(prefix + "page-info").textContent = total === 0 ? empty
+      : first + "–" + (first + shown - 1) + " of " + total;
+    $(prefix + "prev-page").disabled = p.before.length === 0;
+    $(prefix + "next-page").disabled = !next;
+  };
+  p.wire = () => {
+    $(prefix + "prev-page").addEventListener("click", p.back);
+    $(prefix + "next-page").addEventListener("click", p.forward);
+  };
+  return p;
+}
+
+const usagePages = pager("", () => loadUsage(), "no scopes match");
+const alertPages = pager("alerts-", () => loadAlerts(), "");
 
 const $ = (id) => document.getElementById(id);
 
@@ -106,10 +136,14 @@ function show(name) {
   timer = setInterval(refresh, REFRESH_MS);
 }
 
+// Only the view shown is read again; elsewhere the badge reads the newest page alone.
 function refresh() {
-  // The badge counts unread alerts whichever view is open.
-  loadAlerts().catch(() => {});
-  if (view === "usage") loadUsage().catch((e) => { $("usage-error").textContent = e.message; });
+  if (view === "notifications") {
+    loadAlerts().catch((e) => { $("alerts-error").textContent = e.message; });
+  } else {
+    loadUsage().catch((e) => { $("usage-error").textContent = e.message; });
+  }
+  if (view !== "notifications" || alertPages.at) loadBadge().catch(() => {});
 }
 
 // ---- notifications ---------------------------------------------------------------------------
@@ -130,55 +164,66 @@ function subjectOf(a) {
   return a.subject === "key" ? "key " + a.key : "gateway";
 }
 
-/// The last CHART_DAYS days up to `lastDay` (YYYY-MM-DD), oldest first.
-function daysUpTo(lastDay) {
-  const days = [];
-  const end = new Date(lastDay + "T00:00:00Z");
-  for (let i = CHART_DAYS - 1; i >= 0; i--) {
-    const d = new Date(end.getTime() - i * 86400000);
-    days.push(d.toISOString().slice(0, 10));
-  }
-  return days;
+/// The subject's name in a page's chart: `gateway` or `key:<id>`.
+function chartName(a) {
+  return a.subject === "key" ? "key:" + a.key : "gateway";
 }
 
-function chart(alerts, subject, lastDay) {
-  const counts = new Map();
-  for (const a of alerts) if (subjectOf(a) === subject) counts.set(a.day, a.count);
-  const days = daysUpTo(lastDay);
-  const max = Math.max(1, ...days.map((d) => counts.get(d) || 0));
+/// A subject's refusals on each of `days` (oldest first), as bars.
+function chart(days, counts, subject) {
+  const max = Math.max(1, ...counts);
   const box = el("div", { class: "chart", role: "img",
-    "aria-label": subject + ": refusals over the last " + CHART_DAYS + " days" });
-  for (const d of days) {
-    const n = counts.get(d) || 0;
+    "aria-label": subject + ": refusals over the last " + days.length + " days" });
+  days.forEach((d, i) => {
+    const n = counts[i] || 0;
     const bar = el("span", { title: d + ": " + n, "data-day": d, "data-count": n });
     if (n === 0) bar.className = "zero";
     bar.style.height = Math.max(1, Math.round((n / max) * 32)) + "px";
     box.append(bar);
-  }
+  });
   return box;
 }
 
-async function loadAlerts() {
-  const { alerts } = await api("/admin/alerts");
+/// The badge: unread alerts of the newest page (with a "+" when all are and more pages follow).
+function showUnread(page) {
   const read = readSet();
-  const list = $("alerts");
+  const unread = page.alerts.filter((a) => !read.has(alertId(a))).length;
+  $("unread").hidden = unread === 0;
+  $("unread").textContent = unread + (page.next_cursor && unread === page.alerts.length ? "+" : "");
+}
+
+async function loadBadge() {
+  showUnread(await api("/admin/alerts?" + new URLSearchParams({ limit: PAGE_SIZE })));
+}
+
+async function loadAlerts() {
+  const params = new URLSearchParams({ limit: PAGE_SIZE });
+  if (alertPages.at) params.set("cursor", alertPages.at);
+  const page = await api("/admin/alerts?" + params);
+  $("alerts-error").textContent = "";
+  shownAlerts = page;
+  drawAlerts(page);
+  alertPages.showing(page.alerts.length, page.total, page.next_cursor);
+  if (!alertPages.at) showUnread(page);
+}
+
+function drawAlerts(page) {
+  const read = readSet();
   const items = [];
   let day = null;
-  let unread = 0;
-  for (const a of alerts) {
+  for (const a of page.alerts) {
     if (a.day !== day) {
       day = a.day;
       items.push(el("li", { class: "day-heading" }, a.day));
     }
     const id = alertId(a);
     const isRead = read.has(id);
-    if (!isRead) unread++;
     const mark = el("button", { type: "button", class: "mark" }, isRead ? "Mark unread" : "Mark read");
     mark.addEventListener("click", () => {
       const set = readSet();
       if (set.has(id)) set.delete(id); else set.add(id);
       saveRead(set);
-      loadAlerts().catch(() => {});
+      redrawAlerts();
     });
     const subject = subjectOf(a);
     items.push(el("li", {
@@ -189,22 +234,29 @@ async function loadAlerts() {
         el("div", {}, el("span", { class: "subject" }, subject), " ",
           el("span", { class: "count" }, a.count + (a.count === 1 ? " request" : " requests") + " refused (429)")),
         el("div", { class: "hint" }, a.message)),
-      chart(alerts, subject, alerts[0].day),
+      chart(page.chart.days, page.chart.subjects[chartName(a)] || [], subject),
       mark));
   }
-  list.replaceChildren(...items);
-  $("no-alerts").hidden = alerts.length > 0;
-  $("unread").hidden = unread === 0;
-  $("unread").textContent = unread;
+  $("alerts").replaceChildren(...items);
+  $("no-alerts").hidden = page.total > 0;
+  $("alerts-pager").hidden = page.total === 0;
 }
 
-function markAllRead() {
+/// The page shown drawn again with the read state as it is now; the badge too on the newest.
+function redrawAlerts() {
+  if (!shownAlerts) return;
+  drawAlerts(shownAlerts);
+  if (alertPages.at) loadBadge().catch(() => {});
+  else showUnread(shownAlerts);
+}
+
+function markPageRead() {
   const set = readSet();
   for (const li of document.querySelectorAll("#alerts .alert")) {
     set.add(li.dataset.alert);
   }
   saveRead(set);
-  loadAlerts().catch(() => {});
+  redrawAlerts();
 }
 
 // ---- usage -----------------------------------------------------------------------------------
@@ -260,7 +312,7 @@ async function loadUsage() {
   const q = $("filter-id").value.trim();
   if (kind) params.set("scope", kind);
   if (q) params.set("q", q);
-  if (cursor) params.set("cursor", cursor);
+  if (usagePages.at) params.set("cursor", usagePages.at);
   const usage = await api("/admin/usage?" + params);
   $("usage-error").textContent = "";
   const rows = usage.scopes.map((s) => {
@@ -275,12 +327,7 @@ async function loadUsage() {
       el("td", {}, reset));
   });
   $("usage-rows").replaceChildren(...rows);
-  nextCursor = usage.next_cursor;
-  const first = cursor ? Number(cursor) + 1 : 1;
-  $("page-info").textContent = usage.total === 0 ? "no scopes match"
-    : first + "–" + (first + usage.scopes.length - 1) + " of " + usage.total;
-  $("prev-page").disabled = cursors.length === 0;
-  $("next-page").disabled = !nextCursor;
+  usagePages.showing(usage.scopes.length, usage.total, usage.next_cursor);
   $("refreshed").textContent = "as of " + usage.now.slice(11, 19) + " UTC, " + usage.store + " store";
 }
 
@@ -308,8 +355,7 @@ async function onConfirmClose() {
 }
 
 function filterChanged() {
-  cursors = [];
-  cursor = null;
+  usagePages.first();
   loadUsage().catch((e) => { $("usage-error").textContent = e.message; });
 }
 
@@ -320,16 +366,11 @@ document.addEventListener("DOMContentLoaded", async () => {
   $("sign-out").addEventListener("click", signOut);
   $("tab-notifications").addEventListener("click", () => show("notifications"));
   $("tab-usage").addEventListener("click", () => show("usage"));
-  $("mark-all").addEventListener("click", markAllRead);
+  $("mark-page").addEventListener("click", markPageRead);
   $("filter-kind").addEventListener("change", filterChanged);
   $("filter-id").addEventListener("input", filterChanged);
-  $("prev-page").addEventListener("click", () => { cursor = cursors.pop() || null; loadUsage().catch(() => {}); });
-  $("next-page").addEventListener("click", () => {
-    if (!nextCursor) return;
-    cursors.push(cursor);
-    cursor = nextCursor;
-    loadUsage().catch(() => {});
-  });
+  usagePages.wire();
+  alertPages.wire();
   $("confirm").addEventListener("close", onConfirmClose);
   const response = await fetch("/console/session", { credentials: "same-origin" });
   if (response.ok) showApp(await response.json());
