@@ -180,6 +180,47 @@ async fn an_estimate_above_the_limit_is_a_400_naming_the_cap_charged_nothing() {
 }
 
 #[tokio::test]
+async fn an_estimate_above_the_limit_for_its_choices_is_a_400_dividing_the_cap_by_n() {
+    let up = fake_upstream().await;
+    let gw = gateway(&on("", "reserve"), &up.url()).await;
+    // 400 fits the limit once; reserved for each of 3 choices, it does not.
+    let three =
+        r#"{"model":"m","max_tokens":400,"n":3,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gw.chat("sk-k", three).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    let fits = (1000 - three.len() as u64) / 3;
+    assert!(
+        message.contains(&format!("to at most {fits}, or lower `n`")),
+        "{message}"
+    );
+    assert!(
+        message.contains("400 for each of its 3 choices"),
+        "{message}"
+    );
+    // No cap named: the default is assumed for each choice, not the default times n.
+    let gw = gateway(
+        &on("", "reserve").replace("[gateway]", "[gateway]\ndefault_max_output_tokens = 2000"),
+        &up.url(),
+    )
+    .await;
+    let two = r#"{"model":"m","n":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gw.chat("sk-k", two).await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.text()
+            .contains("default of 2000 is assumed for each choice"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(up.seen.hits(), 0, "never forwarded");
+    // Charged nothing.
+    let gws = [Arc::new(gw)];
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (200, Some(1000 - estimate())));
+}
+
+#[tokio::test]
 async fn a_limit_can_reserve_beside_a_reactive_one() {
     let up = fake_upstream().await;
     let text = on("", "reactive").replace(

@@ -382,28 +382,8 @@ impl Ctx {
         }
         let max = r.limit.max();
         let window = r.limit.window().as_secs();
-        let Estimate { prompt, output, .. } = estimate;
-        let lower = if prompt >= max {
-            "send a shorter prompt".to_owned()
-        } else if estimate.named_cap {
-            format!(
-                "lower `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}",
-                max - prompt
-            )
-        } else {
-            format!(
-                "set `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}: \
-                 the request names no cap, so the gateway's default of {output} is assumed",
-                max - prompt
-            )
-        };
-        Some(AppError::BadRequest(format!(
-            "This request can never fit the {} token limit of {max} tokens per {window}s: it \
-             reserves up to {} tokens ({prompt} for the prompt, bounded by its length in \
-             bytes, plus {output} of output). To fit, {lower}.",
-            r.scope,
-            estimate.total()
-        )))
+        let limit = format!("{} token limit of {max} tokens per {window}s", r.scope);
+        Some(AppError::BadRequest(estimate.cannot_fit(&limit, max)))
     }
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
