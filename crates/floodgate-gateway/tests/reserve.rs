@@ -356,6 +356,41 @@ async fn concurrent_requests_never_overrun_a_reserving_budget() {
     );
 }
 
+/// A price above the budget's cap itself can never fit, whatever the period's end: a 400 that
+/// names the budget and what to lower, charged nothing and not counted as a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_price_above_a_reserving_budget_is_a_400_charged_nothing() {
+    let up = fake_upstream().await;
+    let gws = replicas(&budget_config("reserve"), &up.url(), 1).await;
+    let big = r#"{"model":"m","max_tokens":2000,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gws[0].chat("sk-k", big).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("retry-after"), None);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("org's daily budget of $0.001000"),
+        "{message}"
+    );
+    assert!(message.contains("lower `max_tokens`"), "{message}");
+    assert!(
+        !message.contains("acme"),
+        "never the budget's id: {message}"
+    );
+    assert_eq!(up.seen.hits(), 0, "never forwarded");
+    let metrics = gws[0].state.metrics().encode();
+    let budget = r#"floodgate_requests_total{decision="budget",scope="org"} 0"#;
+    assert!(metrics.contains(budget), "{metrics}");
+    // Charged nothing: a burst then fits as many as on a fresh budget.
+    let e = estimate();
+    let statuses = burst(&gws, 20, e).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    assert_eq!(admitted, 1000 / e, "{statuses:?}");
+    settle(&gws).await;
+    // Reactive budgets cannot tell at admission: the same request is admitted.
+    let gws = replicas(&budget_config("reactive"), &up.url(), 1).await;
+    assert_eq!(gws[0].chat("sk-k", big).await.status, 200);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_redis_never_overrun_a_reserving_budget() {
     let Some(url) = test_redis_url("three_replicas_on_redis_never_overrun_a_reserving_budget")

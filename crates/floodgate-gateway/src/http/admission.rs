@@ -24,6 +24,7 @@ use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
 use crate::charge::{BudgetReservation, Reservation};
+use crate::config::usd;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
@@ -259,12 +260,22 @@ impl Ctx {
     /// With `price` (`[gateway] tokens = "reserve"`: the estimate priced), the enforced budgets
     /// are not read but reserved: admitted only if each one's spend plus the price fits its cap,
     /// the price then added, to be reconciled with the spend; a refusal later in the admission
-    /// takes it back.
+    /// takes it back. A price above a budget's cap itself, which no period's end would let
+    /// through, is a 400 that says which budget and what to lower, charged nothing.
     pub(super) async fn admit(
         &self,
         estimate: Estimate,
         price: Option<u64>,
     ) -> Result<Admitted, Response> {
+        let never_fits = self
+            .budgets
+            .as_deref()
+            .zip(price)
+            .and_then(|(budgets, price)| budget_never_fits(budgets, price, estimate));
+        if let Some(err) = never_fits {
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
+            return Err(self.answer(err, Decision::BadRequest));
+        }
         let mut budget_reservation = None;
         if let Some(budgets) = &self.budgets {
             let checked = match price {
@@ -570,4 +581,43 @@ fn outcome_of(decision: Decision) -> Outcome {
 /// How the metrics count an answer logged as `decision`, for the pipeline's other phases.
 pub(super) fn count(state: &AppState, decision: Decision) {
     state.metrics().request(outcome_of(decision));
+}
+
+/// The 400 for a request whose estimate's `price` (micro-USD) is above an enforced budget's cap
+/// itself, so that no period's end would let it through: the budget (its scope's kind and
+/// period, never its id) and what to lower. The budget named is the smallest one it exceeds.
+fn budget_never_fits(budgets: &Budgets, price: u64, estimate: Estimate) -> Option<AppError> {
+    let b = budgets
+        .budgets()
+        .iter()
+        .filter(|b| price > b.cap())
+        .min_by_key(|b| b.cap())?;
+    let Estimate {
+        prompt,
+        output,
+        named_cap,
+        choices,
+    } = estimate;
+    let caps = "`max_tokens` (`max_completion_tokens`, `max_output_tokens`)";
+    let n = if choices > 1 { " or `n`" } else { "" };
+    let assumed = if named_cap {
+        String::new()
+    } else {
+        let each = if choices > 1 { " for each choice" } else { "" };
+        format!(
+            " (the request names no cap, so the gateway's default of {} is assumed{each})",
+            output / choices.max(1)
+        )
+    };
+    Some(AppError::BadRequest(format!(
+        "This request can never fit the {}'s {} budget of {}: it reserves the price of its \
+         estimate, {} for up to {} tokens ({prompt} for the prompt, bounded by its length in \
+         bytes, plus {output} of output). To fit, lower {caps}{n}{assumed}, or send a shorter \
+         prompt.",
+        b.scope(),
+        crate::error::adjective(b.period()),
+        usd(b.cap()),
+        usd(price),
+        estimate.total(),
+    )))
 }
