@@ -221,15 +221,17 @@ impl Ctx {
         });
         // A refusal the chain still remembers is answered without the store, exactly as the
         // store would answer it (docs/design.md §11): no store call to time.
+        let store = self.state.store();
         let cached = match &costs {
-            Some(costs) => self.chain.cached_refusal(Costs::PerLimit(costs), None),
-            None => self.chain.cached_refusal(cost, None),
+            Some(costs) => self
+                .chain
+                .cached_refusal(store, Costs::PerLimit(costs), None),
+            None => self.chain.cached_refusal(store, cost, None),
         };
         if let Some(refused) = cached {
             return Ok(refused);
         }
         let start = Instant::now();
-        let store = self.state.store();
         let decided = match &costs {
             Some(costs) => self.chain.admit_costs(store, costs).await,
             None => self.chain.admit(store, cost).await,
