@@ -244,6 +244,53 @@ async fn a_limit_can_reserve_beside_a_reactive_one() {
     assert_eq!(org[0].charge, floodgate::Charge::Reserved);
 }
 
+/// A stream the caller cuts before its usage came keeps its reservation: its per-chunk count
+/// (a token for each of the one or two chunks it passed) is less, and the error is towards
+/// stricter.
+#[tokio::test]
+async fn a_stream_cut_before_its_usage_keeps_its_reservation() {
+    let up = fake_upstream().await;
+    let gw = gateway(&on("", "reserve"), &up.url()).await;
+    let stream = ASK.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
+    // Its last content chunk and then the usage come 1 s after the first; the caller leaves
+    // after the first.
+    let delays = "x-test-last-delay-ms: 1000\r\nx-test-usage-delay-ms: 0\r\n";
+    send_and_leave_at(gw.addr, &stream, delays, "Hel").await;
+    gw.settled().await;
+    let gws = [Arc::new(gw)];
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!(status, 200);
+    let reserved = stream.len() as u64 + 100;
+    assert_eq!(left, Some(1000 - reserved - estimate()));
+}
+
+/// An answer that failed upstream (500, no usage) keeps its reservation: the gateway cannot
+/// tell what the upstream used, and the error is towards stricter.
+#[tokio::test]
+async fn an_upstream_500_keeps_its_reservation() {
+    use axum::http::StatusCode;
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|| async {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [("content-type", "application/json")],
+                r#"{"error":{"message":"boom"}}"#,
+            )
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let gws = replicas(&on("", "reserve"), &format!("http://{addr}"), 1).await;
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (500, Some(1000 - estimate())));
+    settle(&gws).await;
+    // Kept: the next request finds the first's estimate still charged beside its own.
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (500, Some(1000 - 2 * estimate())));
+}
+
 /// The issue's load: 20 concurrent requests of `max_tokens = 4000` against `tpm = 10000`, each
 /// using `usage` tokens; answers how many were admitted and the tokens then left in the window
 /// (none, once past the limit: the window then holds `admitted * usage`).
