@@ -327,13 +327,16 @@ impl Chain {
         if !seen.enforced {
             return Ok(ChainDecision::unenforced(seen.now));
         }
-        let decision = ChainDecision::from_snapshots(
+        let mut decision = ChainDecision::from_snapshots(
             &self.limits,
             &seen.snapshots,
             seen.now,
             cost,
             seen.admitted,
         );
+        if seen.admitted {
+            decision.charged_at = seen.at;
+        }
         self.remember(&decision, &seen.snapshots, cost, lowered);
         Ok(decision)
     }
@@ -382,6 +385,9 @@ impl Chain {
             .map(|(l, &running)| InFlightStatus::of(l, running, seen.admitted))
             .collect();
         decision.lease = seen.admitted.then_some(lease);
+        if seen.admitted {
+            decision.charged_at = seen.at;
+        }
         self.remember(&decision, &seen.snapshots, cost, lowered);
         Ok(decision)
     }
@@ -459,10 +465,37 @@ impl Chain {
         self.reconcile_inner(store, reserved_at, delta, Some(now))
     }
 
-    async fn reconcile_inner<S: Store>(
+    /// Reconciles the reservation of an admitted request by its `decision` on the store's
+    /// clock: as [`reconcile`](Self::reconcile) at the decision's [`now`](ChainDecision::now),
+    /// or, for a decision whose limits were charged at instants of their own
+    /// ([`ChainDecision::charged_at`]: a chain decided slot by slot on a Redis Cluster), each
+    /// limit into the bucket its own instant names. `decision` may be any admission of this
+    /// chain: take its `now` and `charged_at`.
+    pub fn reconcile_charged<S: Store>(
+        &self,
+        store: &S,
+        now: Timestamp,
+        charged_at: &[Timestamp],
+        delta: i64,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_each(store, now, charged_at, delta, None)
+    }
+
+    fn reconcile_inner<S: Store>(
         &self,
         store: &S,
         reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_each(store, reserved_at, &[], delta, now)
+    }
+
+    async fn reconcile_each<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        charged_at: &[Timestamp],
         delta: i64,
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
@@ -475,7 +508,27 @@ impl Chain {
             // no refusal decided before it outlives it.
             self.forget_refusals();
         }
-        let done = store.reconcile(&self.limits, reserved_at, delta, now).await;
+        let done = if charged_at.len() != self.limits.len() {
+            store.reconcile(&self.limits, reserved_at, delta, now).await
+        } else {
+            // Each instant's limits into the buckets that instant names: one call per instant.
+            let mut done = Ok(());
+            let mut instants: Vec<Timestamp> = charged_at.to_vec();
+            instants.sort_unstable();
+            instants.dedup();
+            for t in instants {
+                let limits: Vec<ChainLimit> = self
+                    .limits
+                    .iter()
+                    .zip(charged_at)
+                    .filter(|(_, at)| **at == t)
+                    .map(|(l, _)| l.clone())
+                    .collect();
+                let one = store.reconcile(&limits, t, delta, now).await;
+                done = done.and(one);
+            }
+            done
+        };
         if delta < 0 {
             self.forget_refusals();
         }

@@ -444,3 +444,53 @@ fn a_refund_by_another_chain_sharing_the_limit_voids_a_cached_refusal() {
             .admitted
     );
 }
+
+#[test]
+fn a_reservation_charged_at_instants_of_its_own_is_reconciled_into_each_ones_bucket() {
+    // A chain decided slot by slot (a Redis Cluster) charges each slot at its step's instant:
+    // here the org's at 59.9 s, the gateway's at 60.1 s, across a bucket boundary of their
+    // 60 s windows. The refund goes into each one's own bucket: the gateway's into the current
+    // one, where its reservation is, not the previous one, the first step's.
+    let reserved = |tenant: &str, scope: ScopeKind| {
+        ChainLimit::new(
+            tenant,
+            scope,
+            tenant,
+            Charge::Reserved,
+            WindowLimit::per_minute(100),
+        )
+    };
+    let org = Chain::new(vec![reserved("org:acme", ScopeKind::Org)]);
+    let gateway = Chain::new(vec![reserved("gateway", ScopeKind::Gateway)]);
+    let both = Chain::new(vec![
+        reserved("org:acme", ScopeKind::Org),
+        reserved("gateway", ScopeKind::Gateway),
+    ]);
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let (t0, t1) = (at(59_900), at(60_100));
+    assert!(
+        ready(org.admit_costs_at(&store, &[80], t0))
+            .unwrap()
+            .admitted
+    );
+    assert!(
+        ready(gateway.admit_costs_at(&store, &[80], t1))
+            .unwrap()
+            .admitted
+    );
+    clock.set(at(60_200));
+    ready(both.reconcile_charged(&store, t0, &[t0, t1], 20 - 80)).unwrap();
+    let seen = store.read_state_sync(both.limits(), &[], Some(at(60_200)));
+    let (o, g) = (seen.snapshots[0], seen.snapshots[1]);
+    assert_eq!((o.prev, o.cur), (20, 0), "the org's, in the bucket before");
+    assert_eq!(
+        (g.prev, g.cur),
+        (0, 20),
+        "the gateway's, in the current bucket"
+    );
+    // Without instants of their own, one instant for all: the decision's `now`.
+    ready(both.reconcile_charged(&store, at(60_150), &[], -10)).unwrap();
+    let seen = store.read_state_sync(both.limits(), &[], Some(at(60_200)));
+    assert_eq!((seen.snapshots[0].cur, seen.snapshots[1].cur), (0, 10));
+}

@@ -375,6 +375,7 @@ impl Ctx {
             .filter(|_| decision.enforced)
             .map(|estimate| Reservation {
                 at: decision.now,
+                charged_at: decision.charged_at.clone(),
                 estimate,
             });
         Ok(Admitted {

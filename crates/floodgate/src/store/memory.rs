@@ -433,6 +433,7 @@ impl MemoryStore {
             enforced: true,
             snapshots,
             running,
+            at: Vec::new(),
         }
     }
 

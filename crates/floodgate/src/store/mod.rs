@@ -43,6 +43,10 @@ pub struct Observation {
     /// For an admission that holds slots ([`Store::admit_holding`]): each concurrency limit's
     /// running requests at `now`, before this one, in order (empty otherwise).
     pub running: Vec<u64>,
+    /// For an admission decided in steps at instants of their own (a chain across slots of a
+    /// Redis Cluster), each limit's step's instant, in chain order: the bucket its charge went
+    /// into. Empty when every limit was decided at `now`.
+    pub at: Vec<Timestamp>,
 }
 
 /// What a store saw and did for one token-bucket request.

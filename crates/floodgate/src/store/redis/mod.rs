@@ -686,6 +686,7 @@ fn unchecked(now: Option<Timestamp>) -> Observation {
         enforced: false,
         snapshots: Vec::new(),
         running: Vec::new(),
+        at: Vec::new(),
     }
 }
 
