@@ -309,7 +309,12 @@ impl Chain {
         }
         // Read before the store is asked: a refund that lands after this moves it, so that a
         // refusal decided before the refund is not remembered past it (docs/design.md §11).
-        let lowered = store.lowered();
+        // Only a chain with a cache needs it.
+        let lowered = if self.refusals.is_some() {
+            store.lowered()
+        } else {
+            0
+        };
         if let Some(cached) = self.cached_refusal_at(cost, now, lowered) {
             return Ok(cached);
         }
