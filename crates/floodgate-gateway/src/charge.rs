@@ -20,10 +20,13 @@ use crate::store::GatewayStore;
 
 /// What an admitted request reserved on its chain's reserving token limits: the estimate, at the
 /// decision's instant (which names the bucket it went into).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Reservation {
     /// The admission decision's instant.
     pub at: Timestamp,
+    /// Each limit's own instant, when the chain was decided slot by slot on a Redis Cluster
+    /// ([`floodgate::ChainDecision::charged_at`]); empty when all were charged at `at`.
+    pub charged_at: Vec<Timestamp>,
     /// The tokens reserved.
     pub estimate: u64,
 }
@@ -57,6 +60,7 @@ impl BudgetReservation {
     pub fn delta(&self, micro_usd: u64, exact: bool) -> i64 {
         Reservation {
             at: self.at,
+            charged_at: Vec::new(),
             estimate: self.micro_usd,
         }
         .delta(micro_usd, exact)
@@ -193,11 +197,15 @@ impl Charger {
         reconcile: Option<(Reservation, i64)>,
     ) {
         if chain.has_reserved() {
-            let (at, delta) = match reconcile {
-                Some((r, delta)) => (r.at, delta),
-                None => (Timestamp::now(), i64::try_from(tokens).unwrap_or(i64::MAX)),
+            let (at, charged_at, delta) = match reconcile {
+                Some((r, delta)) => (r.at, r.charged_at, delta),
+                None => (
+                    Timestamp::now(),
+                    Vec::new(),
+                    i64::try_from(tokens).unwrap_or(i64::MAX),
+                ),
             };
-            self.reconcile_now(chain, at, delta).await;
+            self.reconcile_now(chain, at, &charged_at, delta).await;
         }
         if tokens == 0 || !chain.has_reactive() {
             return;
@@ -218,14 +226,23 @@ impl Charger {
         }
     }
 
-    /// Reconciles `chain`'s reserving limits now, once: `delta` into the bucket of `at`.
-    async fn reconcile_now(&self, chain: &Chain, at: Timestamp, delta: i64) {
+    /// Reconciles `chain`'s reserving limits now, once: `delta` into the bucket of `at` (or of
+    /// each limit's own instant in `charged_at`, for a chain decided slot by slot).
+    async fn reconcile_now(
+        &self,
+        chain: &Chain,
+        at: Timestamp,
+        charged_at: &[Timestamp],
+        delta: i64,
+    ) {
         if delta == 0 {
             return;
         }
         let _held = self.hold();
         let start = std::time::Instant::now();
-        let done = chain.reconcile(&self.store, at, delta).await;
+        let done = chain
+            .reconcile_charged(&self.store, at, charged_at, delta)
+            .await;
         let metrics = &self.metrics;
         metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
         match done {
@@ -285,6 +302,7 @@ mod tests {
     fn a_reservation_is_reconciled_by_the_usage_and_kept_by_a_cut_streams_count() {
         let r = Reservation {
             at: Timestamp::ZERO,
+            charged_at: Vec::new(),
             estimate: 100,
         };
         // The usage: charged or refunded as it falls.

@@ -187,19 +187,15 @@ impl AppError {
                 later,
                 retry_after,
             } => {
-                let adjective = |period: &Period| match period {
-                    Period::Day => "daily",
-                    Period::Month => "monthly",
-                };
                 let too = match later {
                     Some((kind, period)) => {
-                        format!(", and so is the {kind}'s {} cap", adjective(period))
+                        format!(", and so is the {kind}'s {} cap", adjective(*period))
                     }
                     None => String::new(),
                 };
                 let message = format!(
                     "Budget exceeded for {scope}: its {} spend cap (UTC) is reached{too}. Please retry after {}s.",
-                    adjective(period),
+                    adjective(*period),
                     crate::headers::ceil_secs(*retry_after)
                 );
                 (message, "insufficient_quota", "budget_exceeded")
@@ -277,6 +273,14 @@ impl AppError {
                 "internal_error",
             ),
         }
+    }
+}
+
+/// How a budget's period reads in a message: "daily", "monthly".
+pub fn adjective(period: Period) -> &'static str {
+    match period {
+        Period::Day => "daily",
+        Period::Month => "monthly",
     }
 }
 

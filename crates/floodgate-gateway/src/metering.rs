@@ -279,7 +279,10 @@ impl Drop for MeteredBody {
             // A reservation is reconciled with the usage; with a cut stream's count only if that
             // is more. A response with no usage (an upstream error, a body cut before any
             // chunk) never gets here: its reservation stays whole, towards stricter.
-            let reconcile = self.reservation.map(|r| (r, r.delta(t, !self.counted)));
+            let reconcile = self.reservation.take().map(|r| {
+                let delta = r.delta(t, !self.counted);
+                (r, delta)
+            });
             self.charger.later(
                 (Some(&chain), reconcile),
                 t,

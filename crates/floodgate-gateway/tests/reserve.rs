@@ -180,6 +180,47 @@ async fn an_estimate_above_the_limit_is_a_400_naming_the_cap_charged_nothing() {
 }
 
 #[tokio::test]
+async fn an_estimate_above_the_limit_for_its_choices_is_a_400_dividing_the_cap_by_n() {
+    let up = fake_upstream().await;
+    let gw = gateway(&on("", "reserve"), &up.url()).await;
+    // 400 fits the limit once; reserved for each of 3 choices, it does not.
+    let three =
+        r#"{"model":"m","max_tokens":400,"n":3,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gw.chat("sk-k", three).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    let fits = (1000 - three.len() as u64) / 3;
+    assert!(
+        message.contains(&format!("to at most {fits}, or lower `n`")),
+        "{message}"
+    );
+    assert!(
+        message.contains("400 for each of its 3 choices"),
+        "{message}"
+    );
+    // No cap named: the default is assumed for each choice, not the default times n.
+    let gw = gateway(
+        &on("", "reserve").replace("[gateway]", "[gateway]\ndefault_max_output_tokens = 2000"),
+        &up.url(),
+    )
+    .await;
+    let two = r#"{"model":"m","n":2,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gw.chat("sk-k", two).await;
+    assert_eq!(r.status, 400);
+    assert!(
+        r.text()
+            .contains("default of 2000 is assumed for each choice"),
+        "{}",
+        r.text()
+    );
+    assert_eq!(up.seen.hits(), 0, "never forwarded");
+    // Charged nothing.
+    let gws = [Arc::new(gw)];
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (200, Some(1000 - estimate())));
+}
+
+#[tokio::test]
 async fn a_limit_can_reserve_beside_a_reactive_one() {
     let up = fake_upstream().await;
     let text = on("", "reactive").replace(
@@ -201,6 +242,53 @@ async fn a_limit_can_reserve_beside_a_reactive_one() {
         .get(&(floodgate::ScopeKind::Org, "acme".into()))
         .unwrap();
     assert_eq!(org[0].charge, floodgate::Charge::Reserved);
+}
+
+/// A stream the caller cuts before its usage came keeps its reservation: its per-chunk count
+/// (a token for each of the one or two chunks it passed) is less, and the error is towards
+/// stricter.
+#[tokio::test]
+async fn a_stream_cut_before_its_usage_keeps_its_reservation() {
+    let up = fake_upstream().await;
+    let gw = gateway(&on("", "reserve"), &up.url()).await;
+    let stream = ASK.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
+    // Its last content chunk and then the usage come 1 s after the first; the caller leaves
+    // after the first.
+    let delays = "x-test-last-delay-ms: 1000\r\nx-test-usage-delay-ms: 0\r\n";
+    send_and_leave_at(gw.addr, &stream, delays, "Hel").await;
+    gw.settled().await;
+    let gws = [Arc::new(gw)];
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!(status, 200);
+    let reserved = stream.len() as u64 + 100;
+    assert_eq!(left, Some(1000 - reserved - estimate()));
+}
+
+/// An answer that failed upstream (500, no usage) keeps its reservation: the gateway cannot
+/// tell what the upstream used, and the error is towards stricter.
+#[tokio::test]
+async fn an_upstream_500_keeps_its_reservation() {
+    use axum::http::StatusCode;
+    let app = axum::Router::new().route(
+        "/v1/chat/completions",
+        axum::routing::post(|| async {
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                [("content-type", "application/json")],
+                r#"{"error":{"message":"boom"}}"#,
+            )
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let gws = replicas(&on("", "reserve"), &format!("http://{addr}"), 1).await;
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (500, Some(1000 - estimate())));
+    settle(&gws).await;
+    // Kept: the next request finds the first's estimate still charged beside its own.
+    let (status, left) = next(&gws[0]).await;
+    assert_eq!((status, left), (500, Some(1000 - 2 * estimate())));
 }
 
 /// The issue's load: 20 concurrent requests of `max_tokens = 4000` against `tpm = 10000`, each
@@ -313,6 +401,41 @@ async fn concurrent_requests_never_overrun_a_reserving_budget() {
         "spent {} of 1000 after the refunds",
         30 * admitted
     );
+}
+
+/// A price above the budget's cap itself can never fit, whatever the period's end: a 400 that
+/// names the budget and what to lower, charged nothing and not counted as a refusal.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_price_above_a_reserving_budget_is_a_400_charged_nothing() {
+    let up = fake_upstream().await;
+    let gws = replicas(&budget_config("reserve"), &up.url(), 1).await;
+    let big = r#"{"model":"m","max_tokens":2000,"messages":[{"role":"user","content":"hi"}]}"#;
+    let r = gws[0].chat("sk-k", big).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("retry-after"), None);
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("org's daily budget of $0.001000"),
+        "{message}"
+    );
+    assert!(message.contains("lower `max_tokens`"), "{message}");
+    assert!(
+        !message.contains("acme"),
+        "never the budget's id: {message}"
+    );
+    assert_eq!(up.seen.hits(), 0, "never forwarded");
+    let metrics = gws[0].state.metrics().encode();
+    let budget = r#"floodgate_requests_total{decision="budget",scope="org"} 0"#;
+    assert!(metrics.contains(budget), "{metrics}");
+    // Charged nothing: a burst then fits as many as on a fresh budget.
+    let e = estimate();
+    let statuses = burst(&gws, 20, e).await;
+    let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
+    assert_eq!(admitted, 1000 / e, "{statuses:?}");
+    settle(&gws).await;
+    // Reactive budgets cannot tell at admission: the same request is admitted.
+    let gws = replicas(&budget_config("reactive"), &up.url(), 1).await;
+    assert_eq!(gws[0].chat("sk-k", big).await.status, 200);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -321,6 +321,12 @@ pub struct ChainDecision {
     /// under: give it back with [`Chain::release`](crate::Chain::release) when the request is
     /// done. `None` otherwise (nothing is held).
     pub lease: Option<Lease>,
+    /// For an admitted request whose limits were charged at instants of their own (a chain
+    /// decided slot by slot on a Redis Cluster: each slot's step on its node's clock), each
+    /// limit's instant, in chain order: what a reservation is reconciled into
+    /// ([`Chain::reconcile_charged`](crate::Chain::reconcile_charged)). Empty when every limit
+    /// was charged at [`now`](Self::now), or nothing was.
+    pub charged_at: Vec<Timestamp>,
 }
 
 impl ChainDecision {
@@ -399,6 +405,7 @@ impl ChainDecision {
             statuses,
             in_flight: Vec::new(),
             lease: None,
+            charged_at: Vec::new(),
         }
     }
 
@@ -414,6 +421,7 @@ impl ChainDecision {
             statuses: Vec::new(),
             in_flight: Vec::new(),
             lease: None,
+            charged_at: Vec::new(),
         }
     }
 
@@ -441,6 +449,7 @@ impl ChainDecision {
             statuses,
             in_flight: Vec::new(),
             lease: None,
+            charged_at: Vec::new(),
         }
     }
 

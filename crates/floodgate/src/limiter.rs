@@ -80,9 +80,12 @@ impl Chain {
     /// most the round trip). A flood from one over-limit caller then costs the store one call
     /// per retry time instead of one per request.
     ///
-    /// Whatever lowers a count under the chain (a reset of its state, a refund) must call
+    /// What lowers a count (a refund, [`Store::clear_state`]) made through the store moves its
+    /// count of lowerings ([`Store::lowered`]), and every cache on that store in the process,
+    /// whichever chain's, stops answering from a refusal asked for before it. Counts lowered
+    /// otherwise (another process, a store that keeps no count) call
     /// [`forget_refusals`](Self::forget_refusals), or the cache refuses until the remembered
-    /// refusal's retry time, as if the reset had not happened.
+    /// refusal's retry time, as if the lowering had not happened.
     ///
     /// ```
     /// use floodgate::{Chain, ChainLimit, Charge, ScopeKind, Timestamp, WindowLimit};
@@ -99,7 +102,7 @@ impl Chain {
     /// let refused = chain.admit_at(&store, 1, t).await?;
     /// assert!(!refused.admitted);
     /// // The next refusal comes from the cache, and is the one the store would give.
-    /// let cached = chain.cached_refusal(1, Some(t)).expect("remembered");
+    /// let cached = chain.cached_refusal(&store, 1, Some(t)).expect("remembered");
     /// assert_eq!(cached, refused);
     /// # Ok(()) }
     /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
@@ -120,20 +123,33 @@ impl Chain {
     }
 
     /// The refusal the cache would answer for a request of `costs` (one cost, or one per limit)
-    /// at `now` (`None`: the store's clock), without asking the store: `None` if the chain has
-    /// no cache, nothing is remembered, or the remembered counts would admit it (then the store
-    /// decides).
-    pub fn cached_refusal<'a>(
+    /// at `now` (`None`: the store's clock) on `store`, without asking it: `None` if the chain
+    /// has no cache, nothing is remembered, `store` has lowered counts since (a refund or reset
+    /// by any chain: [`Store::lowered`]), or the remembered counts would admit it (then the
+    /// store decides).
+    pub fn cached_refusal<'a, S: Store>(
         &self,
+        store: &S,
         costs: impl Into<Costs<'a>>,
         now: Option<Timestamp>,
     ) -> Option<ChainDecision> {
-        let costs = costs.into();
+        self.cached_refusal_at(costs.into(), now, store.lowered())
+    }
+
+    /// [`cached_refusal`](Self::cached_refusal) with the store's count of lowerings read.
+    fn cached_refusal_at(
+        &self,
+        costs: Costs<'_>,
+        now: Option<Timestamp>,
+        lowered: u64,
+    ) -> Option<ChainDecision> {
         // An admission of cost 0 is a read of the state: the store answers it.
         if costs.is_zero() {
             return None;
         }
-        self.refusals.as_ref()?.answer(&self.limits, costs, now)
+        self.refusals
+            .as_ref()?
+            .answer(&self.limits, costs, now, lowered)
     }
 
     /// This chain with concurrency limits, narrowest first, each with its own storage key: an
@@ -291,12 +307,20 @@ impl Chain {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
-        if let Some(cached) = self.cached_refusal(cost, now) {
+        // Read before the store is asked: a refund that lands after this moves it, so that a
+        // refusal decided before the refund is not remembered past it (docs/design.md §11).
+        // Only a chain with a cache needs it.
+        let lowered = if self.refusals.is_some() {
+            store.lowered()
+        } else {
+            0
+        };
+        if let Some(cached) = self.cached_refusal_at(cost, now, lowered) {
             return Ok(cached);
         }
         // An admission of cost 0 reads the rate limits and charges nothing: it takes no slot.
         if !self.in_flight.is_empty() && !cost.is_zero() {
-            return self.admit_holding(store, cost, now).await;
+            return self.admit_holding(store, cost, now, lowered).await;
         }
         if self.limits.is_empty() {
             // Nothing to decide (docs/design.md §2: a scope with no limit is skipped), so nothing
@@ -308,14 +332,17 @@ impl Chain {
         if !seen.enforced {
             return Ok(ChainDecision::unenforced(seen.now));
         }
-        let decision = ChainDecision::from_snapshots(
+        let mut decision = ChainDecision::from_snapshots(
             &self.limits,
             &seen.snapshots,
             seen.now,
             cost,
             seen.admitted,
         );
-        self.remember(&decision, &seen.snapshots, cost);
+        if seen.admitted {
+            decision.charged_at = seen.at;
+        }
+        self.remember(&decision, &seen.snapshots, cost, lowered);
         Ok(decision)
     }
 
@@ -325,11 +352,12 @@ impl Chain {
         decision: &ChainDecision,
         snapshots: &[crate::window::Snapshot],
         costs: Costs<'_>,
+        lowered: u64,
     ) {
         if let Some(cache) = &self.refusals
             && !costs.is_zero()
         {
-            cache.remember(decision, snapshots);
+            cache.remember(decision, snapshots, lowered);
         }
     }
 
@@ -338,6 +366,7 @@ impl Chain {
         store: &S,
         cost: Costs<'_>,
         now: Option<Timestamp>,
+        lowered: u64,
     ) -> Result<ChainDecision, Error> {
         let lease = store.lease();
         let seen = store
@@ -361,7 +390,10 @@ impl Chain {
             .map(|(l, &running)| InFlightStatus::of(l, running, seen.admitted))
             .collect();
         decision.lease = seen.admitted.then_some(lease);
-        self.remember(&decision, &seen.snapshots, cost);
+        if seen.admitted {
+            decision.charged_at = seen.at;
+        }
+        self.remember(&decision, &seen.snapshots, cost, lowered);
         Ok(decision)
     }
 
@@ -438,10 +470,37 @@ impl Chain {
         self.reconcile_inner(store, reserved_at, delta, Some(now))
     }
 
-    async fn reconcile_inner<S: Store>(
+    /// Reconciles the reservation of an admitted request by its `decision` on the store's
+    /// clock: as [`reconcile`](Self::reconcile) at the decision's [`now`](ChainDecision::now),
+    /// or, for a decision whose limits were charged at instants of their own
+    /// ([`ChainDecision::charged_at`]: a chain decided slot by slot on a Redis Cluster), each
+    /// limit into the bucket its own instant names. `decision` may be any admission of this
+    /// chain: take its `now` and `charged_at`.
+    pub fn reconcile_charged<S: Store>(
+        &self,
+        store: &S,
+        now: Timestamp,
+        charged_at: &[Timestamp],
+        delta: i64,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_each(store, now, charged_at, delta, None)
+    }
+
+    fn reconcile_inner<S: Store>(
         &self,
         store: &S,
         reserved_at: Timestamp,
+        delta: i64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(), Error>> {
+        self.reconcile_each(store, reserved_at, &[], delta, now)
+    }
+
+    async fn reconcile_each<S: Store>(
+        &self,
+        store: &S,
+        reserved_at: Timestamp,
+        charged_at: &[Timestamp],
         delta: i64,
         now: Option<Timestamp>,
     ) -> Result<(), Error> {
@@ -454,7 +513,27 @@ impl Chain {
             // no refusal decided before it outlives it.
             self.forget_refusals();
         }
-        let done = store.reconcile(&self.limits, reserved_at, delta, now).await;
+        let done = if charged_at.len() != self.limits.len() {
+            store.reconcile(&self.limits, reserved_at, delta, now).await
+        } else {
+            // Each instant's limits into the buckets that instant names: one call per instant.
+            let mut done = Ok(());
+            let mut instants: Vec<Timestamp> = charged_at.to_vec();
+            instants.sort_unstable();
+            instants.dedup();
+            for t in instants {
+                let limits: Vec<ChainLimit> = self
+                    .limits
+                    .iter()
+                    .zip(charged_at)
+                    .filter(|(_, at)| **at == t)
+                    .map(|(l, _)| l.clone())
+                    .collect();
+                let one = store.reconcile(&limits, t, delta, now).await;
+                done = done.and(one);
+            }
+            done
+        };
         if delta < 0 {
             self.forget_refusals();
         }

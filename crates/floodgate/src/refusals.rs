@@ -7,8 +7,11 @@
 //! ([`Snapshot::at`]). So the counts a refusal saw, carried forward to a later instant, are a
 //! lower bound on what the store holds then, and a request those carried counts refuse, the
 //! store refuses too, with the same statuses when no other traffic came. Only what lowers a
-//! count breaks the bound: a reset, a refund. Whoever lowers counts drops the cache
-//! ([`Chain::forget_refusals`](crate::Chain::forget_refusals)).
+//! count breaks the bound: a reset, a refund, by any chain that shares a limit. So each entry
+//! keeps the store's count of lowerings ([`Store::lowered`](crate::store::Store::lowered)) as
+//! it was before the refusal was asked for, and answers only while that count has not moved:
+//! one atomic load. A chain's own refunds also drop its entry
+//! ([`Chain::forget_refusals`](crate::Chain::forget_refusals)), for a store that keeps no count.
 //!
 //! Which instant: a pinned one (`admit_at`) as given; on the store's clock, the store's instant
 //! of the refusal plus what the process's monotonic clock has counted since its answer arrived.
@@ -40,6 +43,8 @@ struct Remembered {
     snapshots: Vec<Snapshot>,
     /// The concurrency limits' states the refusal reported (a refusal takes no slot).
     in_flight: Vec<InFlightStatus>,
+    /// The store's count of lowerings before the refusal was asked for.
+    lowered: u64,
 }
 
 impl Refusals {
@@ -50,16 +55,23 @@ impl Refusals {
 
     /// The refusal of a request of `costs` at `now` (`None`: the store's clock) that the
     /// remembered counts still give, decided as [`ChainDecision::from_snapshots`] decides the
-    /// store's; `None` when nothing is remembered or the remembered counts would admit it (then
-    /// the entry is dropped: only the store can say more).
+    /// store's; `None` when nothing is remembered, the store has lowered counts since (its
+    /// count `lowered` moved) or the remembered counts would admit it (then the entry is
+    /// dropped: only the store can say more).
     pub(crate) fn answer(
         &self,
         limits: &[ChainLimit],
         costs: Costs<'_>,
         now: Option<Timestamp>,
+        lowered: u64,
     ) -> Option<ChainDecision> {
         let mut last = self.last();
         let seen = last.as_ref()?;
+        if seen.lowered != lowered {
+            // A refund or a reset since: the counts may now be below what the refusal saw.
+            *last = None;
+            return None;
+        }
         let t = now.unwrap_or_else(|| seen.now.saturating_add(seen.arrived.elapsed()));
         if t < seen.now || seen.snapshots.len() != limits.len() {
             // A pinned instant before the refusal: the counts then may have been lower.
@@ -88,8 +100,9 @@ impl Refusals {
 
     /// Remembers `decision`, taken from `snapshots` by the store, if it is a refusal that a
     /// wait can cure (a rate limit refused and a retry time is known); anything else forgets
-    /// what was remembered.
-    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot]) {
+    /// what was remembered. `lowered` is the store's count of lowerings read before the
+    /// decision was asked for: a refund that lands after that read moves the count.
+    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot], lowered: u64) {
         let cacheable = decision.enforced
             && !decision.admitted
             && decision.refused_by.is_some()
@@ -99,6 +112,7 @@ impl Refusals {
             arrived: Instant::now(),
             snapshots: snapshots.to_vec(),
             in_flight: decision.in_flight.clone(),
+            lowered,
         });
         *self.last() = entry;
     }

@@ -313,21 +313,25 @@ fn a_refusal_on_the_stores_clock_is_remembered_until_forgotten() {
     assert!(ready(chain.admit(&store, 1)).unwrap().admitted);
     let refused = ready(chain.admit(&store, 1)).unwrap();
     assert!(!refused.admitted);
-    let cached = chain.cached_refusal(1, None).expect("remembered");
+    let cached = chain.cached_refusal(&store, 1, None).expect("remembered");
     assert!(cached.now >= refused.now);
     assert!(cached.retry_after <= refused.retry_after);
     assert_eq!(cached.refused_by, refused.refused_by);
     // An admission of cost 0 is a read: the store answers it, never the cache.
-    assert!(chain.cached_refusal(0, None).is_none());
+    assert!(chain.cached_refusal(&store, 0, None).is_none());
     // A pinned instant before the refusal is not answered: the counts then may have been lower.
-    assert!(chain.cached_refusal(1, Some(Timestamp::ZERO)).is_none());
+    assert!(
+        chain
+            .cached_refusal(&store, 1, Some(Timestamp::ZERO))
+            .is_none()
+    );
     // Forgotten (after a reset), the store is asked again.
     chain.forget_refusals();
-    assert!(chain.cached_refusal(1, None).is_none());
+    assert!(chain.cached_refusal(&store, 1, None).is_none());
     // A chain without a cache never answers from one.
     let plain = Chain::new(chain.limits().to_vec());
     assert!(ready(plain.admit(&store, 1)).unwrap().refused_by.is_some());
-    assert!(plain.cached_refusal(1, None).is_none());
+    assert!(plain.cached_refusal(&store, 1, None).is_none());
 }
 
 #[test]
@@ -363,13 +367,13 @@ fn a_refund_forgets_the_refusal_it_may_have_made_wrong() {
     );
     assert!(
         chain
-            .cached_refusal(floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
+            .cached_refusal(&store, floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
             .is_some()
     );
     ready(chain.reconcile_at(&store, first.now, -60, t)).unwrap();
     assert!(
         chain
-            .cached_refusal(floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
+            .cached_refusal(&store, floodgate::chain::Costs::PerLimit(&[1, 80]), Some(t))
             .is_none()
     );
     assert!(
@@ -377,4 +381,116 @@ fn a_refund_forgets_the_refusal_it_may_have_made_wrong() {
             .unwrap()
             .admitted
     );
+}
+
+#[test]
+fn a_refund_by_another_chain_sharing_the_limit_voids_a_cached_refusal() {
+    // Two keys of one org, the org's token limit of 100 reserving: alice reserves 80, bob's 80
+    // is refused and remembered. Alice's usage of 20 refunds 60 through her own chain; bob's
+    // cache must not refuse his next request, which the store now admits (docs/design.md §11).
+    let org = || {
+        ChainLimit::new(
+            "org:shared",
+            ScopeKind::Org,
+            "shared",
+            Charge::Reserved,
+            WindowLimit::per_minute(100),
+        )
+    };
+    let key = |id: &str| {
+        ChainLimit::new(
+            &format!("key:{id}"),
+            ScopeKind::Key,
+            id,
+            Charge::Admission,
+            WindowLimit::per_minute(10),
+        )
+    };
+    let alice = Chain::new(vec![key("alice"), org()]).cache_refusals();
+    let bob = Chain::new(vec![key("bob"), org()]).cache_refusals();
+    let store = MemoryStore::new();
+    let t = at(1_000);
+    let costs = floodgate::chain::Costs::PerLimit(&[1, 80]);
+    let first = ready(alice.admit_costs_at(&store, &[1, 80], t)).unwrap();
+    assert!(first.admitted);
+    assert!(
+        !ready(bob.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
+    assert!(bob.cached_refusal(&store, costs, Some(t)).is_some());
+    ready(alice.reconcile_at(&store, first.now, -60, t)).unwrap();
+    assert!(
+        bob.cached_refusal(&store, costs, Some(t)).is_none(),
+        "a refund through another chain voids the refusal"
+    );
+    assert!(
+        ready(bob.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
+    // A reset (clear_state) voids one too.
+    assert!(
+        !ready(bob.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
+    assert!(bob.cached_refusal(&store, costs, Some(t)).is_some());
+    store.clear_state_sync(alice.limits(), &[], Some(t));
+    assert!(bob.cached_refusal(&store, costs, Some(t)).is_none());
+    assert!(
+        ready(bob.admit_costs_at(&store, &[1, 80], t))
+            .unwrap()
+            .admitted
+    );
+}
+
+#[test]
+fn a_reservation_charged_at_instants_of_its_own_is_reconciled_into_each_ones_bucket() {
+    // A chain decided slot by slot (a Redis Cluster) charges each slot at its step's instant:
+    // here the org's at 59.9 s, the gateway's at 60.1 s, across a bucket boundary of their
+    // 60 s windows. The refund goes into each one's own bucket: the gateway's into the current
+    // one, where its reservation is, not the previous one, the first step's.
+    let reserved = |tenant: &str, scope: ScopeKind| {
+        ChainLimit::new(
+            tenant,
+            scope,
+            tenant,
+            Charge::Reserved,
+            WindowLimit::per_minute(100),
+        )
+    };
+    let org = Chain::new(vec![reserved("org:acme", ScopeKind::Org)]);
+    let gateway = Chain::new(vec![reserved("gateway", ScopeKind::Gateway)]);
+    let both = Chain::new(vec![
+        reserved("org:acme", ScopeKind::Org),
+        reserved("gateway", ScopeKind::Gateway),
+    ]);
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let (t0, t1) = (at(59_900), at(60_100));
+    assert!(
+        ready(org.admit_costs_at(&store, &[80], t0))
+            .unwrap()
+            .admitted
+    );
+    assert!(
+        ready(gateway.admit_costs_at(&store, &[80], t1))
+            .unwrap()
+            .admitted
+    );
+    clock.set(at(60_200));
+    ready(both.reconcile_charged(&store, t0, &[t0, t1], 20 - 80)).unwrap();
+    let seen = store.read_state_sync(both.limits(), &[], Some(at(60_200)));
+    let (o, g) = (seen.snapshots[0], seen.snapshots[1]);
+    assert_eq!((o.prev, o.cur), (20, 0), "the org's, in the bucket before");
+    assert_eq!(
+        (g.prev, g.cur),
+        (0, 20),
+        "the gateway's, in the current bucket"
+    );
+    // Without instants of their own, one instant for all: the decision's `now`.
+    ready(both.reconcile_charged(&store, at(60_150), &[], -10)).unwrap();
+    let seen = store.read_state_sync(both.limits(), &[], Some(at(60_200)));
+    assert_eq!((seen.snapshots[0].cur, seen.snapshots[1].cur), (0, 10));
 }

@@ -291,3 +291,55 @@ async fn charges_and_budgets_land_in_every_slot() {
         .unwrap();
     assert_eq!(on_cluster.snapshots, on_memory.snapshots);
 }
+
+/// A chain across slots decided on the nodes' clocks: each slot's step decides at its own
+/// instant, later than the one before, and a reservation's reconcile goes into each slot's own
+/// bucket (`ChainDecision::charged_at`), not the first step's: a later step decided across a
+/// bucket boundary, or on a node whose clock is ahead, holds its reservation in a later bucket.
+#[tokio::test]
+async fn a_reservation_across_slots_is_reconciled_at_each_steps_instant() {
+    let Some(seeds) = seeds("a_reservation_across_slots_is_reconciled_at_each_steps_instant")
+    else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let reserved = |tenant: &str, scope, id: &str| {
+        ChainLimit::new(
+            tenant,
+            scope,
+            id,
+            Charge::Reserved,
+            WindowLimit::per_minute(1000),
+        )
+    };
+    let chain = Chain::new(vec![
+        reserved("org:acme", ScopeKind::Org, "acme"),
+        reserved("gateway", ScopeKind::Gateway, "gateway"),
+    ]);
+    let d = chain.admit_costs(&store, &[80, 80]).await.unwrap();
+    assert!(d.admitted);
+    assert_eq!(d.charged_at.len(), 2, "each slot's own instant");
+    assert_eq!(d.charged_at[0], d.now, "the first step's is the decision's");
+    assert!(
+        d.charged_at[1] > d.charged_at[0],
+        "the later step decided later"
+    );
+    chain
+        .reconcile_charged(&store, d.now, &d.charged_at, 30 - 80)
+        .await
+        .unwrap();
+    // Both refunded where their reservations went (read at the later step's instant, in its
+    // bucket whichever way the boundary fell).
+    let seen = store
+        .read_state(chain.limits(), &[], Some(d.charged_at[1]))
+        .await
+        .unwrap();
+    let held: Vec<u64> = seen.snapshots.iter().map(|s| s.cur + s.prev).collect();
+    assert_eq!(held, [30, 30]);
+    // Pinned, the steps share the instant: one for all, as one step.
+    let pinned_d = chain
+        .admit_costs_at(&store, &[1, 1], pinned(20))
+        .await
+        .unwrap();
+    assert!(pinned_d.charged_at.is_empty());
+}

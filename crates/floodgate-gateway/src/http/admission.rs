@@ -24,6 +24,7 @@ use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
 use crate::charge::{BudgetReservation, Reservation};
+use crate::config::usd;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
@@ -220,15 +221,17 @@ impl Ctx {
         });
         // A refusal the chain still remembers is answered without the store, exactly as the
         // store would answer it (docs/design.md §11): no store call to time.
+        let store = self.state.store();
         let cached = match &costs {
-            Some(costs) => self.chain.cached_refusal(Costs::PerLimit(costs), None),
-            None => self.chain.cached_refusal(cost, None),
+            Some(costs) => self
+                .chain
+                .cached_refusal(store, Costs::PerLimit(costs), None),
+            None => self.chain.cached_refusal(store, cost, None),
         };
         if let Some(refused) = cached {
             return Ok(refused);
         }
         let start = Instant::now();
-        let store = self.state.store();
         let decided = match &costs {
             Some(costs) => self.chain.admit_costs(store, costs).await,
             None => self.chain.admit(store, cost).await,
@@ -259,12 +262,22 @@ impl Ctx {
     /// With `price` (`[gateway] tokens = "reserve"`: the estimate priced), the enforced budgets
     /// are not read but reserved: admitted only if each one's spend plus the price fits its cap,
     /// the price then added, to be reconciled with the spend; a refusal later in the admission
-    /// takes it back.
+    /// takes it back. A price above a budget's cap itself, which no period's end would let
+    /// through, is a 400 that says which budget and what to lower, charged nothing.
     pub(super) async fn admit(
         &self,
         estimate: Estimate,
         price: Option<u64>,
     ) -> Result<Admitted, Response> {
+        let never_fits = self
+            .budgets
+            .as_deref()
+            .zip(price)
+            .and_then(|(budgets, price)| budget_never_fits(budgets, price, estimate));
+        if let Some(err) = never_fits {
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
+            return Err(self.answer(err, Decision::BadRequest));
+        }
         let mut budget_reservation = None;
         if let Some(budgets) = &self.budgets {
             let checked = match price {
@@ -362,6 +375,7 @@ impl Ctx {
             .filter(|_| decision.enforced)
             .map(|estimate| Reservation {
                 at: decision.now,
+                charged_at: decision.charged_at.clone(),
                 estimate,
             });
         Ok(Admitted {
@@ -382,28 +396,8 @@ impl Ctx {
         }
         let max = r.limit.max();
         let window = r.limit.window().as_secs();
-        let Estimate { prompt, output, .. } = estimate;
-        let lower = if prompt >= max {
-            "send a shorter prompt".to_owned()
-        } else if estimate.named_cap {
-            format!(
-                "lower `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}",
-                max - prompt
-            )
-        } else {
-            format!(
-                "set `max_tokens` (`max_completion_tokens`, `max_output_tokens`) to at most {}: \
-                 the request names no cap, so the gateway's default of {output} is assumed",
-                max - prompt
-            )
-        };
-        Some(AppError::BadRequest(format!(
-            "This request can never fit the {} token limit of {max} tokens per {window}s: it \
-             reserves up to {} tokens ({prompt} for the prompt, bounded by its length in \
-             bytes, plus {output} of output). To fit, {lower}.",
-            r.scope,
-            estimate.total()
-        )))
+        let limit = format!("{} token limit of {max} tokens per {window}s", r.scope);
+        Some(AppError::BadRequest(estimate.cannot_fit(&limit, max)))
     }
 
     /// Reads the shadow budgets (charging nothing): one spent is logged, never refusing.
@@ -590,4 +584,43 @@ fn outcome_of(decision: Decision) -> Outcome {
 /// How the metrics count an answer logged as `decision`, for the pipeline's other phases.
 pub(super) fn count(state: &AppState, decision: Decision) {
     state.metrics().request(outcome_of(decision));
+}
+
+/// The 400 for a request whose estimate's `price` (micro-USD) is above an enforced budget's cap
+/// itself, so that no period's end would let it through: the budget (its scope's kind and
+/// period, never its id) and what to lower. The budget named is the smallest one it exceeds.
+fn budget_never_fits(budgets: &Budgets, price: u64, estimate: Estimate) -> Option<AppError> {
+    let b = budgets
+        .budgets()
+        .iter()
+        .filter(|b| price > b.cap())
+        .min_by_key(|b| b.cap())?;
+    let Estimate {
+        prompt,
+        output,
+        named_cap,
+        choices,
+    } = estimate;
+    let caps = "`max_tokens` (`max_completion_tokens`, `max_output_tokens`)";
+    let n = if choices > 1 { " or `n`" } else { "" };
+    let assumed = if named_cap {
+        String::new()
+    } else {
+        let each = if choices > 1 { " for each choice" } else { "" };
+        format!(
+            " (the request names no cap, so the gateway's default of {} is assumed{each})",
+            output / choices.max(1)
+        )
+    };
+    Some(AppError::BadRequest(format!(
+        "This request can never fit the {}'s {} budget of {}: it reserves the price of its \
+         estimate, {} for up to {} tokens ({prompt} for the prompt, bounded by its length in \
+         bytes, plus {output} of output). To fit, lower {caps}{n}{assumed}, or send a shorter \
+         prompt.",
+        b.scope(),
+        crate::error::adjective(b.period()),
+        usd(b.cap()),
+        usd(price),
+        estimate.total(),
+    )))
 }

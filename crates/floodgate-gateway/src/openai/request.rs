@@ -92,6 +92,7 @@ pub fn estimate(body_len: usize, output: OutputCap, default_output: u64) -> Esti
         prompt: u64::try_from(body_len).unwrap_or(u64::MAX),
         output: output.tokens(default_output),
         named_cap: output.cap.is_some(),
+        choices: output.choices.max(1),
     }
 }
 
@@ -105,12 +106,53 @@ pub struct Estimate {
     pub output: u64,
     /// Whether the request named its cap (else the output is `default_max_output_tokens`).
     pub named_cap: bool,
+    /// How many outputs the cap is reserved for ([`OutputCap::choices`]), at least 1.
+    pub choices: u64,
 }
 
 impl Estimate {
     /// The whole estimate: prompt plus output.
     pub fn total(&self) -> u64 {
         self.prompt.saturating_add(self.output)
+    }
+
+    /// The message of the 400 for an estimate above a limit of `max` tokens (`limit` names it,
+    /// as "org token limit of 1000 tokens per 60s"), which no wait would let through: what it
+    /// reserves, and what to lower. The output cap is reserved once per choice (`n`), so the
+    /// cap that fits is what the prompt leaves, divided by the choices.
+    pub fn cannot_fit(&self, limit: &str, max: u64) -> String {
+        let Estimate { prompt, output, .. } = *self;
+        let n = self.choices.max(1);
+        let per_choice = output / n;
+        let output = if n > 1 {
+            format!("{output} of output, {per_choice} for each of its {n} choices (`n`)")
+        } else {
+            format!("{output} of output")
+        };
+        let caps = "`max_tokens` (`max_completion_tokens`, `max_output_tokens`)";
+        let room = max.saturating_sub(prompt);
+        let fits = room / n;
+        let lower = if room == 0 {
+            "send a shorter prompt".to_owned()
+        } else if fits == 0 {
+            format!("lower `n` to at most {room}, and {caps} to at most {room} divided by `n`")
+        } else {
+            let or_n = if n > 1 { ", or lower `n`" } else { "" };
+            if self.named_cap {
+                format!("lower {caps} to at most {fits}{or_n}")
+            } else {
+                let each = if n > 1 { " for each choice" } else { "" };
+                format!(
+                    "set {caps} to at most {fits}{or_n}: the request names no cap, so the \
+                     gateway's default of {per_choice} is assumed{each}"
+                )
+            }
+        };
+        format!(
+            "This request can never fit the {limit}: it reserves up to {} tokens ({prompt} for \
+             the prompt, bounded by its length in bytes, plus {output}). To fit, {lower}.",
+            self.total()
+        )
     }
 }
 
@@ -275,6 +317,42 @@ mod tests {
         );
         let r = check_responses_request(br#"{"max_output_tokens":64}"#).unwrap();
         assert_eq!(r.tokens(4096), 64);
+    }
+
+    #[test]
+    fn an_estimate_that_cannot_fit_says_what_to_lower_counting_the_choices() {
+        let limit = "org token limit of 1000 tokens per 60s";
+        let of = |body: &'static [u8], len: usize, default: u64| {
+            let p = prepare_request(Bytes::from_static(body), false).unwrap();
+            estimate(len, p.output, default).cannot_fit(limit, 1000)
+        };
+        // One choice: the cap is what the prompt leaves.
+        let m = of(br#"{"max_tokens":5000}"#, 100, 4096);
+        assert!(m.contains(limit), "{m}");
+        assert!(m.contains("reserves up to 5100 tokens"), "{m}");
+        assert!(m.contains("to at most 900."), "{m}");
+        assert!(!m.contains("`n`"), "{m}");
+        // Three choices: each reserves the cap, so a third of what the prompt leaves fits.
+        let m = of(br#"{"max_tokens":500,"n":3}"#, 100, 4096);
+        assert!(m.contains("reserves up to 1600 tokens"), "{m}");
+        assert!(m.contains("500 for each of its 3 choices"), "{m}");
+        assert!(m.contains("to at most 300, or lower `n`."), "{m}");
+        // No cap named: the default is per choice, and said so.
+        let m = of(br#"{"n":2}"#, 100, 2000);
+        assert!(m.contains("to at most 450, or lower `n`"), "{m}");
+        assert!(
+            m.contains("default of 2000 is assumed for each choice"),
+            "{m}"
+        );
+        let m = of(br#"{}"#, 100, 2000);
+        assert!(m.contains("to at most 900: "), "{m}");
+        assert!(m.contains("default of 2000 is assumed."), "{m}");
+        // More choices than tokens left: only fewer choices can fit.
+        let m = of(br#"{"max_tokens":10,"n":50}"#, 980, 4096);
+        assert!(m.contains("lower `n` to at most 20"), "{m}");
+        // A prompt alone at the limit: only a shorter one.
+        let m = of(br#"{"max_tokens":1}"#, 1000, 4096);
+        assert!(m.ends_with("To fit, send a shorter prompt."), "{m}");
     }
 
     #[test]

@@ -41,6 +41,13 @@ impl From<RedisStore> for AnyStore {
 }
 
 impl Store for AnyStore {
+    fn lowered(&self) -> u64 {
+        match self {
+            AnyStore::Memory(s) => s.lowered(),
+            AnyStore::Redis(s) => s.lowered(),
+        }
+    }
+
     async fn admit(
         &self,
         limits: &[ChainLimit],

@@ -54,6 +54,8 @@ struct Inner {
     clock: Arc<dyn Clock>,
     /// The next lease number.
     leases: AtomicU64,
+    /// Refunds and resets made through the store ([`Store::lowered`]).
+    lowered: super::Lowerings,
 }
 
 #[derive(Debug)]
@@ -263,6 +265,7 @@ impl MemoryStore {
                 hasher: RandomState::default(),
                 clock: Arc::new(clock),
                 leases: AtomicU64::new(1),
+                lowered: super::Lowerings::default(),
             }),
         }
     }
@@ -430,6 +433,7 @@ impl MemoryStore {
             enforced: true,
             snapshots,
             running,
+            at: Vec::new(),
         }
     }
 
@@ -465,9 +469,14 @@ impl MemoryStore {
         now: Option<Timestamp>,
     ) {
         let (now, sweep_at) = self.times(now);
+        // A refund lowers a count: the refusal caches of every chain on this store stop
+        // answering from what they saw before it (docs/design.md §11).
+        let refund = delta < 0;
+        if refund {
+            self.inner.lowered.bump();
+        }
         // Each limit's write is atomic on its own, as a record's: there is no decision to keep
-        // whole. (A refusal cache, were one kept, would drop the chain's cached refusals here:
-        // a refund lowers a count. docs/design.md, "Token reservation".)
+        // whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reserved) {
             let (hash, shard) = self.locate(l.key());
             let mut shard = self.lock(shard);
@@ -477,6 +486,9 @@ impl MemoryStore {
                 let expires = now.saturating_add(l.limit().ttl());
                 shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
             }
+        }
+        if refund {
+            self.inner.lowered.bump();
         }
     }
 
@@ -680,7 +692,11 @@ impl MemoryStore {
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> StateObservation {
-        self.state_sync(limits, counters, now, true)
+        // A reset lowers counts, as a refund does (docs/design.md §11).
+        self.inner.lowered.bump();
+        let cleared = self.state_sync(limits, counters, now, true);
+        self.inner.lowered.bump();
+        cleared
     }
 
     /// Reads each window and counter at `now` under its shard's lock, and with `clear` removes
@@ -740,6 +756,10 @@ impl Store for MemoryStore {
     ) -> Result<Observation, Error> {
         // An async fn, so lazy like any future: nothing happens until it is polled.
         Ok(self.admit_sync(limits, cost, now))
+    }
+
+    fn lowered(&self) -> u64 {
+        self.inner.lowered.get()
     }
 
     fn lease(&self) -> Lease {

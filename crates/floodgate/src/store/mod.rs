@@ -43,6 +43,10 @@ pub struct Observation {
     /// For an admission that holds slots ([`Store::admit_holding`]): each concurrency limit's
     /// running requests at `now`, before this one, in order (empty otherwise).
     pub running: Vec<u64>,
+    /// For an admission decided in steps at instants of their own (a chain across slots of a
+    /// Redis Cluster), each limit's step's instant, in chain order: the bucket its charge went
+    /// into. Empty when every limit was decided at `now`.
+    pub at: Vec<Timestamp>,
 }
 
 /// What a store saw and did for one token-bucket request.
@@ -217,6 +221,17 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
+    /// How many times counts of windows have been lowered through this store and its clones in
+    /// this process (a refund by [`reconcile`](Self::reconcile), a
+    /// [`clear_state`](Self::clear_state)): moved before such a change goes out and again once
+    /// it has landed. A refusal cache ([`Chain::cache_refusals`](crate::Chain::cache_refusals),
+    /// docs/design.md §11) answers only while this is what it was before its refusal was asked
+    /// for, so that no refusal decided before a lowering outlives it, whichever chain lowered.
+    /// One atomic load. A store that never lowers a count can keep the default, always 0.
+    fn lowered(&self) -> u64 {
+        0
+    }
+
     /// A fresh lease number, never handed out before by this store (nor, on Redis, by any
     /// other process: the store's members carry a random process tag).
     fn lease(&self) -> Lease;
@@ -281,4 +296,22 @@ pub trait Store: Send + Sync {
         slots: &[InFlightLimit],
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<Vec<u64>, Error>> + Send;
+}
+
+/// What a store keeps for [`Store::lowered`]: a count of the lowerings of counts made through
+/// it, shared by its clones.
+#[derive(Debug, Default)]
+pub(crate) struct Lowerings(std::sync::atomic::AtomicU64);
+
+impl Lowerings {
+    /// The count: read before a decision is asked for, so that a lowering that lands after is
+    /// seen to have moved it.
+    pub(crate) fn get(&self) -> u64 {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Moves the count: before a lowering goes out and again once it has landed (or failed).
+    pub(crate) fn bump(&self) {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+    }
 }

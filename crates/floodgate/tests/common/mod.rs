@@ -579,7 +579,7 @@ pub async fn run_vectors_on<S: Store>(store: &S, chains: Vec<Chain>) {
                 remaining,
                 shadow_over,
             } => {
-                let remembered = cached[chain].cached_refusal(1, Some(at(ms)));
+                let remembered = cached[chain].cached_refusal(store, 1, Some(at(ms)));
                 let d = cached[chain]
                     .admit_at(store, 1, at(ms))
                     .await
@@ -716,7 +716,7 @@ pub async fn run_refusal_cache_sweep<S: Store>(store: &S) {
         let ms = step * 737;
         for (c, chain) in cached.iter().enumerate() {
             for _ in 0..=step % 3 {
-                let remembered = chain.cached_refusal(1, Some(at(ms)));
+                let remembered = chain.cached_refusal(store, 1, Some(at(ms)));
                 let d = chain
                     .admit_at(store, 1, at(ms))
                     .await

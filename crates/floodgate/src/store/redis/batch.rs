@@ -112,6 +112,7 @@ impl RedisStore {
             enforced: true,
             snapshots,
             running: Vec::new(),
+            at: Vec::new(),
         })
     }
 

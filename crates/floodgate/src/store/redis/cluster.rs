@@ -149,17 +149,32 @@ impl RedisStore {
                     enforced: true,
                     snapshots: filled(snapshots, limits, at),
                     running,
+                    at: Vec::new(),
                 });
             }
             admitted.push((step, seen.now));
         }
         let at = first.unwrap_or_else(Timestamp::now);
+        // Each limit was charged at its own step's instant, on its node's clock: a later step
+        // may have decided in a later bucket (a boundary between the steps, or a node's clock
+        // ahead), and its reservation is reconciled into that bucket, not the first step's.
+        let mut charged_at = vec![at; limits.len()];
+        for (step, t) in &admitted {
+            for &i in &step.limits {
+                charged_at[i] = *t;
+            }
+        }
+        if charged_at.iter().all(|&t| t == at) {
+            // One instant for all (a pinned one): as a decision of one step says it.
+            charged_at.clear();
+        }
         Ok(Observation {
             now: at,
             admitted: true,
             enforced: true,
             snapshots: filled(snapshots, limits, at),
             running,
+            at: charged_at,
         })
     }
 

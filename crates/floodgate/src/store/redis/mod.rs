@@ -130,6 +130,8 @@ struct Inner {
     leases: AtomicU64,
     /// The leases held, renewed by a task of their own (`slots.rs`).
     held: std::sync::Mutex<slots::Held>,
+    /// Refunds and resets made through this store, in this process ([`Store::lowered`]).
+    lowered: super::Lowerings,
 }
 
 impl fmt::Debug for RedisStore {
@@ -168,6 +170,7 @@ impl RedisStore {
                 tag: slots::process_tag(),
                 leases: AtomicU64::new(1),
                 held: std::sync::Mutex::new(slots::Held::default()),
+                lowered: super::Lowerings::default(),
             }),
         };
         let lease = store.inner.config.lease;
@@ -407,6 +410,10 @@ impl Store for RedisStore {
         }
     }
 
+    fn lowered(&self) -> u64 {
+        self.inner.lowered.get()
+    }
+
     fn lease(&self) -> Lease {
         Lease::from_id(self.inner.leases.fetch_add(1, Ordering::Relaxed))
     }
@@ -487,12 +494,23 @@ impl Store for RedisStore {
         if reserved.is_empty() {
             return Ok(());
         }
-        self.add_to_buckets(&reserved, reserved_at, delta, now)
-            .await
-            .map_err(|f| {
-                bump(&self.inner.counters.errors);
-                f.into()
-            })
+        // A refund lowers a count: this process's refusal caches on this store stop answering
+        // from what they saw before it, before it goes out and again once it has landed
+        // (docs/design.md §11). Other processes' caches are not told.
+        let refund = delta < 0;
+        if refund {
+            self.inner.lowered.bump();
+        }
+        let done = self
+            .add_to_buckets(&reserved, reserved_at, delta, now)
+            .await;
+        if refund {
+            self.inner.lowered.bump();
+        }
+        done.map_err(|f| {
+            bump(&self.inner.counters.errors);
+            f.into()
+        })
     }
 
     async fn acquire(
@@ -623,7 +641,11 @@ impl Store for RedisStore {
         counters: &[PeriodCounter],
         now: Option<Timestamp>,
     ) -> Result<StateObservation, Error> {
-        self.state_call(&STATE_CLEAR, limits, counters, now).await
+        // A reset lowers counts, as a refund does (docs/design.md §11).
+        self.inner.lowered.bump();
+        let cleared = self.state_call(&STATE_CLEAR, limits, counters, now).await;
+        self.inner.lowered.bump();
+        cleared
     }
 }
 
@@ -664,6 +686,7 @@ fn unchecked(now: Option<Timestamp>) -> Observation {
         enforced: false,
         snapshots: Vec::new(),
         running: Vec::new(),
+        at: Vec::new(),
     }
 }
 

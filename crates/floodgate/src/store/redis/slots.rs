@@ -124,6 +124,7 @@ impl RedisStore {
             enforced: true,
             snapshots,
             running,
+            at: Vec::new(),
         })
     }
 
