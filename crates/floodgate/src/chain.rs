@@ -349,7 +349,9 @@ impl ChainDecision {
         let mut statuses = Vec::with_capacity(limits.len());
         for (i, (l, s)) in limits.iter().zip(snapshots).enumerate() {
             let cost = costs.of(i);
-            let over = !s.admits(l.limit, l.charge, cost);
+            // An admitted request passed every enforced limit's test (the store ran the same
+            // one): only a shadow limit can be over then.
+            let over = (l.shadow || !admitted) && !s.admits(l.limit, l.charge, cost);
             // An admitted request is charged to every limit charged at admission, shadow ones
             // included; a refused one to none.
             let charged = if admitted { l.charged(cost) } else { 0 };
