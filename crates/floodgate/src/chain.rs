@@ -12,8 +12,11 @@
 //! it is enforced.
 
 use std::fmt;
-use std::sync::Arc;
+use std::hash::BuildHasher;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
+
+use foldhash::fast::RandomState;
 
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightStatus, Lease};
@@ -75,6 +78,11 @@ impl fmt::Display for ScopeKind {
     }
 }
 
+/// The hasher of storage keys: one for the process, seeded at random when first used, so that no
+/// caller can pick names that collide. A limit hashes its key with it once, where it is built, and
+/// the memory store hashes with it too: a decision hashes no key text (docs/design.md §2).
+pub(crate) static KEY_HASHER: LazyLock<RandomState> = LazyLock::new(RandomState::default);
+
 /// One limit of a chain: a scope, what it counts, the limit, where its state lives, and whether
 /// it is enforced or only observed ([`shadow`](Self::shadow)).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -84,6 +92,8 @@ pub struct ChainLimit {
     charge: Charge,
     limit: WindowLimit,
     key: Arc<str>,
+    /// `key` hashed by [`KEY_HASHER`].
+    hash: u64,
     shadow: bool,
 }
 
@@ -114,6 +124,7 @@ impl ChainLimit {
             id: id.into(),
             charge,
             limit,
+            hash: KEY_HASHER.hash_one(key.as_str()),
             key: key.into(),
             shadow: false,
         }
@@ -160,6 +171,17 @@ impl ChainLimit {
     /// The storage key, without a store's prefix.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// The storage key as shared text: a store that keeps this very text knows the key again by
+    /// its address, without comparing the text.
+    pub(crate) fn shared_key(&self) -> &Arc<str> {
+        &self.key
+    }
+
+    /// The storage key hashed by the process's key hasher, computed when the limit was built.
+    pub(crate) fn key_hash(&self) -> u64 {
+        self.hash
     }
 
     /// Whether a request of `cost` can ever pass this limit. A shadow limit passes every request
@@ -355,7 +377,9 @@ impl ChainDecision {
         let mut statuses = Vec::with_capacity(limits.len());
         for (i, (l, s)) in limits.iter().zip(snapshots).enumerate() {
             let cost = costs.of(i);
-            let over = !s.admits(l.limit, l.charge, cost);
+            // An admitted request passed every enforced limit's test (the store ran the same
+            // one): only a shadow limit can be over then.
+            let over = (l.shadow || !admitted) && !s.admits(l.limit, l.charge, cost);
             // An admitted request is charged to every limit charged at admission, shadow ones
             // included; a refused one to none.
             let charged = if admitted { l.charged(cost) } else { 0 };

@@ -247,12 +247,20 @@ impl Snapshot {
 
     /// Whole units left after this request: `floor(max - estimate - charged)`, at least 0.
     pub fn remaining(&self, limit: WindowLimit, charged: u64) -> u64 {
-        let w = u128::from(limit.window_us);
-        let used = (u128::from(self.cur) + u128::from(charged)) * w
-            + u128::from(self.prev) * (w - u128::from(self.elapsed));
-        let cap = u128::from(limit.max) * w;
-        let left = cap.saturating_sub(used) / w;
-        u64::try_from(left).unwrap_or(u64::MAX)
+        // The units the current bucket leaves, less the previous bucket's weight
+        // `prev * (W - e) / W` rounded up: `floor(max * W - used) / W` exactly, with one
+        // division of the weight alone, in 64 bits whenever it fits (a 128-bit division shows
+        // on the memory store's admission).
+        let w = limit.window_us;
+        let Some(left) = limit.max.checked_sub(self.cur.saturating_add(charged)) else {
+            return 0;
+        };
+        let weight = u128::from(self.prev) * u128::from(w - self.elapsed);
+        let carried = match u64::try_from(weight) {
+            Ok(weight) => weight.div_ceil(w),
+            Err(_) => u64::try_from(weight.div_ceil(u128::from(w))).unwrap_or(u64::MAX),
+        };
+        left.saturating_sub(carried)
     }
 
     /// Time until the limit is whole again (the estimate drains to zero) after charging
@@ -440,6 +448,47 @@ mod tests {
             Duration::from_secs(30)
         );
         assert_eq!(snap(0, 0, 30.0).until_empty(RPM5, 0), Duration::ZERO);
+    }
+
+    #[test]
+    fn remaining_is_the_floor_of_what_is_left() {
+        // What it computes, as one 128-bit quotient.
+        let floor = |s: &Snapshot, l: WindowLimit, charged: u64| {
+            let w = u128::from(l.window_micros());
+            let used = (u128::from(s.cur) + u128::from(charged)) * w
+                + u128::from(s.prev) * (w - u128::from(s.elapsed));
+            let left = (u128::from(l.max()) * w).saturating_sub(used) / w;
+            u64::try_from(left).unwrap_or(u64::MAX)
+        };
+        let counts = [0, 1, 2, 5, 7, 1_000, MAX_COUNT - 1, MAX_COUNT];
+        let limits = [
+            RPM5,
+            WindowLimit::per_second(3),
+            WindowLimit::per_day(MAX_COUNT),
+            WindowLimit::new(MAX_COUNT, Duration::from_micros(MAX_COUNT)),
+        ];
+        for limit in limits {
+            let w = limit.window_micros();
+            for (cur, prev) in counts.into_iter().flat_map(|c| counts.map(|p| (c, p))) {
+                for (charged, elapsed) in [0, 1, 3, MAX_COUNT]
+                    .into_iter()
+                    .flat_map(|c| [0, 1, w / 3, w - 1].map(|e| (c, e)))
+                {
+                    let s = Snapshot {
+                        bucket: 1,
+                        cur,
+                        prev,
+                        elapsed,
+                    };
+                    let want = floor(&s, limit, charged);
+                    assert_eq!(
+                        s.remaining(limit, charged),
+                        want,
+                        "{s:?} {limit:?} {charged}"
+                    );
+                }
+            }
+        }
     }
 
     #[test]

@@ -106,6 +106,40 @@ fn chains_over_many_shards_in_opposite_orders_do_not_deadlock() {
 }
 
 #[test]
+fn a_limit_built_apart_shares_the_window_of_its_key_as_the_table_grows() {
+    // A window is found by its limit's key text, whichever limit wrote it: the same limit
+    // (known by the text's address), or one built apart with the same key (known by the text).
+    // One decision that writes windows it found and inserts new ones, enough to grow the
+    // tables, charges each once.
+    let key = |i| {
+        let limit = WindowLimit::per_minute(10);
+        ChainLimit::new(
+            "org:a",
+            ScopeKind::Key,
+            &format!("k{i}"),
+            Charge::Admission,
+            limit,
+        )
+    };
+    let store = MemoryStore::new();
+    let first: Vec<ChainLimit> = (0..2_000).map(key).collect();
+    assert!(store.admit_sync(&first, 3.into(), Some(at(0))).admitted);
+    let again: Vec<ChainLimit> = (0..6_000).map(key).collect();
+    let seen = store.admit_sync(&again, 2.into(), Some(at(0)));
+    assert!(seen.admitted);
+    assert!(seen.snapshots[..2_000].iter().all(|s| s.cur == 3));
+    assert!(seen.snapshots[2_000..].iter().all(|s| s.cur == 0));
+    let read = store.read_state_sync(&again, &[], Some(at(0)));
+    assert!(read.snapshots[..2_000].iter().all(|s| s.cur == 5));
+    assert!(read.snapshots[2_000..].iter().all(|s| s.cur == 2));
+    assert_eq!(store.read_state_sync(&first, &[], Some(at(0))), {
+        let mut mine = read.clone();
+        mine.snapshots.truncate(2_000);
+        mine
+    });
+}
+
+#[test]
 fn previous_bucket_counts_in_full_on_the_boundary_and_half_at_mid_window() {
     let store = MemoryStore::new();
     let chain = Chain::new(vec![limit(ScopeKind::Key, "edge", Charge::Admission, 10)]);

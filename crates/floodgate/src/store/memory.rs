@@ -9,17 +9,21 @@ use std::time::Duration;
 
 use foldhash::fast::{FixedState, RandomState};
 use hashbrown::HashTable;
+use smallvec::SmallVec;
 
 use super::{
     BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
 };
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
-use crate::chain::{ChainLimit, Costs, first_refusal};
+use crate::chain::{ChainLimit, Costs, KEY_HASHER, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{PeriodCounter, PeriodState};
 use crate::window::{Charge, Snapshot, WindowState};
+
+/// A list of one decision's items (limits, shards, locks), inline up to a chain of eight.
+type Inline<T> = SmallVec<[T; 8]>;
 
 /// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
 /// and tables stay in cache (each shard is a few more cache lines to touch).
@@ -50,6 +54,7 @@ pub struct MemoryStore {
 #[derive(Debug)]
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
+    /// The process's key hasher ([`KEY_HASHER`]), by which a chain's limits come hashed.
     hasher: RandomState,
     clock: Arc<dyn Clock>,
     /// The next lease number.
@@ -88,11 +93,19 @@ struct PeriodSlot {
     expires: Timestamp,
 }
 
+/// A window, keyed by its limit's own key text: shared, not copied, so that a lookup by the
+/// limit that wrote it (or a clone of that limit) compares addresses, not text.
 #[derive(Debug)]
 struct WindowSlot {
-    key: Box<str>,
+    key: Arc<str>,
     state: WindowState,
     expires: Timestamp,
+}
+
+impl WindowSlot {
+    fn is(&self, limit: &ChainLimit) -> bool {
+        Arc::ptr_eq(&self.key, limit.shared_key()) || *self.key == *limit.key()
+    }
 }
 
 /// A bucket, keyed by its parts: an integer name is kept as an integer, so a lookup builds and
@@ -183,37 +196,57 @@ impl Shard {
             .map(|s| s.state)
     }
 
-    /// The live window state at `key`.
-    fn window(&self, hash: u64, key: &str, now: Timestamp) -> Option<WindowState> {
+    /// The live state of `limit`'s window.
+    fn window(&self, limit: &ChainLimit, now: Timestamp) -> Option<WindowState> {
+        self.window_at(self.window_slot(limit), now)
+    }
+
+    /// Where `limit`'s window is in the table (live or expired), if it is: a decision reads
+    /// through it and writes back through it, looking the key up once.
+    fn window_slot(&self, limit: &ChainLimit) -> Option<usize> {
         self.windows
-            .find(hash, |s| &*s.key == key)
+            .find_bucket_index(limit.key_hash(), |s| s.is(limit))
+    }
+
+    /// The live state of the window at `slot` ([`window_slot`](Self::window_slot)).
+    fn window_at(&self, slot: Option<usize>, now: Timestamp) -> Option<WindowState> {
+        slot.and_then(|i| self.windows.get_bucket(i))
             .filter(|s| s.expires > now)
             .map(|s| s.state)
     }
 
-    /// Writes a window's state, in place when the key is present.
+    /// Writes the window at `slot`, found since the table last changed (an insert may move
+    /// slots).
+    fn put_window_at(&mut self, slot: usize, state: WindowState, expires: Timestamp) {
+        if let Some(slot) = self.windows.get_bucket_mut(slot) {
+            slot.state = state;
+            slot.expires = expires;
+        }
+    }
+
+    /// Writes `limit`'s window state, in place when the window is present.
     fn put_window(
         &mut self,
         hasher: &RandomState,
-        hash: u64,
-        key: &str,
+        limit: &ChainLimit,
         state: WindowState,
         expires: Timestamp,
         sweep_at: Timestamp,
     ) {
-        if let Some(slot) = self.windows.find_mut(hash, |s| &*s.key == key) {
+        if let Some(slot) = self.windows.find_mut(limit.key_hash(), |s| s.is(limit)) {
             slot.state = state;
             slot.expires = expires;
             return;
         }
         self.grow(sweep_at);
         let slot = WindowSlot {
-            key: key.into(),
+            key: limit.shared_key().clone(),
             state,
             expires,
         };
+        // The store's hasher is the limits' key hasher: a moved slot hashes as its limit does.
         self.windows
-            .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
+            .insert_unique(limit.key_hash(), slot, |s| hasher.hash_one(&*s.key));
     }
 
     /// Sweeps before an insert once the shard has doubled since its last sweep, of the state
@@ -262,7 +295,7 @@ impl MemoryStore {
         MemoryStore {
             inner: Arc::new(Inner {
                 shards,
-                hasher: RandomState::default(),
+                hasher: KEY_HASHER.clone(),
                 clock: Arc::new(clock),
                 leases: AtomicU64::new(1),
                 lowered: super::Lowerings::default(),
@@ -337,6 +370,11 @@ impl MemoryStore {
         (hash, self.shard_of(hash))
     }
 
+    /// The shard of `limit`'s window, from the hash the limit carries.
+    fn shard_of_limit(&self, limit: &ChainLimit) -> usize {
+        self.shard_of(limit.key_hash())
+    }
+
     /// [`locate`](Self::locate) for a bucket, hashed by its parts: no key text is built.
     fn locate_bucket(&self, key: BucketKey<'_>) -> (u64, usize) {
         let hash = self.inner.hasher.hash_one(key);
@@ -377,27 +415,30 @@ impl MemoryStore {
         now: Option<Timestamp>,
     ) -> Observation {
         let (now, sweep_at) = self.times(now);
-        let located: Vec<(u64, usize)> = limits.iter().map(|l| self.locate(l.key())).collect();
-        let slots_at: Vec<(u64, usize)> = slots.iter().map(|l| self.locate(l.key())).collect();
-        let mut order: Vec<usize> = located
-            .iter()
-            .chain(&slots_at)
-            .map(|&(_, shard)| shard)
-            .collect();
+        // The lists of one decision live on the stack (a chain rarely has more than a few
+        // limits): the only allocation left is the snapshots the observation returns.
+        // (Filled in place, not collected: a collected list is moved, its whole inline buffer
+        // copied, which costs more than the few items it holds.)
+        let mut slots_at: Inline<(u64, usize)> = Inline::new();
+        slots_at.extend(slots.iter().map(|l| self.locate(l.key())));
+        let mut order: Inline<usize> = Inline::new();
+        order.extend(limits.iter().map(|l| self.shard_of_limit(l)));
+        order.extend(slots_at.iter().map(|&(_, shard)| shard));
         order.sort_unstable();
         order.dedup();
         // Ascending order: two chains sharing shards take them in the same order, so they
         // cannot deadlock.
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
-            order.iter().map(|&i| (i, self.lock(i))).collect();
-        let snapshots: Vec<Snapshot> = limits
-            .iter()
-            .zip(&located)
-            .map(|(l, &(hash, shard))| {
-                let state = locked(&mut guards, shard).window(hash, l.key(), now);
-                Snapshot::at(state, now, l.limit())
-            })
-            .collect();
+        let mut guards: Inline<(usize, MutexGuard<'_, Shard>)> = Inline::new();
+        guards.extend(order.iter().map(|&i| (i, self.lock(i))));
+        // Each window is looked up once: read through its slot, written back through it.
+        let mut found: Inline<Option<usize>> = Inline::new();
+        let mut snapshots = Vec::with_capacity(limits.len());
+        for l in limits {
+            let shard = locked(&mut guards, self.shard_of_limit(l));
+            let slot = shard.window_slot(l);
+            snapshots.push(Snapshot::at(shard.window_at(slot, now), now, l.limit()));
+            found.push(slot);
+        }
         let running: Vec<u64> = slots
             .iter()
             .zip(&slots_at)
@@ -409,18 +450,21 @@ impl MemoryStore {
             && !slots.iter().zip(&running).any(|(l, &n)| l.refuses(n));
         if admitted {
             let hasher = &self.inner.hasher;
-            let charged = limits.iter().zip(&snapshots).zip(&located).enumerate();
-            for (i, ((l, s), &(hash, shard))) in charged {
-                if l.charge().at_admission() {
+            let charged = limits.iter().zip(&snapshots).zip(&found).enumerate();
+            let charged = charged.filter(|(_, ((l, _), _))| l.charge().at_admission());
+            // The windows found are written first, in place: an insert may move slots.
+            for (i, ((l, s), slot)) in charged.clone() {
+                if let Some(slot) = *slot {
                     let expires = now.saturating_add(l.limit().ttl());
-                    locked(&mut guards, shard).put_window(
-                        hasher,
-                        hash,
-                        l.key(),
-                        s.charged(costs.of(i)),
-                        expires,
-                        sweep_at,
-                    );
+                    let shard = locked(&mut guards, self.shard_of_limit(l));
+                    shard.put_window_at(slot, s.charged(costs.of(i)), expires);
+                }
+            }
+            for (i, ((l, s), slot)) in charged {
+                if slot.is_none() {
+                    let expires = now.saturating_add(l.limit().ttl());
+                    let shard = locked(&mut guards, self.shard_of_limit(l));
+                    shard.put_window(hasher, l, s.charged(costs.of(i)), expires, sweep_at);
                 }
             }
             for (l, &(hash, shard)) in slots.iter().zip(&slots_at) {
@@ -451,12 +495,11 @@ impl MemoryStore {
         let (now, sweep_at) = self.times(now);
         // Each limit's write is atomic on its own; recording has no decision to keep whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
-            let (hash, shard) = self.locate(l.key());
-            let mut shard = self.lock(shard);
-            let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
+            let mut shard = self.lock(self.shard_of_limit(l));
+            let snapshot = Snapshot::at(shard.window(l, now), now, l.limit());
             let expires = now.saturating_add(l.limit().ttl());
             let state = snapshot.charged(units);
-            shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
+            shard.put_window(&self.inner.hasher, l, state, expires, sweep_at);
         }
     }
 
@@ -478,13 +521,12 @@ impl MemoryStore {
         // Each limit's write is atomic on its own, as a record's: there is no decision to keep
         // whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reserved) {
-            let (hash, shard) = self.locate(l.key());
-            let mut shard = self.lock(shard);
-            let snapshot = Snapshot::at(shard.window(hash, l.key(), now), now, l.limit());
+            let mut shard = self.lock(self.shard_of_limit(l));
+            let snapshot = Snapshot::at(shard.window(l, now), now, l.limit());
             let reserved = reserved_at.as_micros() / l.limit().window_micros();
             if let Some(state) = snapshot.reconciled(reserved, delta) {
                 let expires = now.saturating_add(l.limit().ttl());
-                shard.put_window(&self.inner.hasher, hash, l.key(), state, expires, sweep_at);
+                shard.put_window(&self.inner.hasher, l, state, expires, sweep_at);
             }
         }
         if refund {
@@ -712,10 +754,9 @@ impl MemoryStore {
         let snapshots = limits
             .iter()
             .map(|l| {
-                let (hash, shard) = self.locate(l.key());
-                let mut shard = self.lock(shard);
-                let state = shard.window(hash, l.key(), now);
-                if clear && let Ok(found) = shard.windows.find_entry(hash, |s| &*s.key == l.key()) {
+                let mut shard = self.lock(self.shard_of_limit(l));
+                let state = shard.window(l, now);
+                if clear && let Ok(found) = shard.windows.find_entry(l.key_hash(), |s| s.is(l)) {
                     found.remove();
                 }
                 Snapshot::at(state, now, l.limit())
