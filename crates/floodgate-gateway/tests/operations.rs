@@ -57,43 +57,6 @@ fn value(text: &str, series: &str) -> f64 {
         .unwrap_or_else(|| panic!("no series {series} in\n{text}"))
 }
 
-/// `promtool check metrics` on `text`, where promtool is installed; CI requires it
-/// (`FLOODGATE_REQUIRE_PROMTOOL=1`).
-fn promtool_accepts(text: &str) {
-    use std::io::Write;
-    use std::process::{Command, Stdio};
-    let spawned = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn();
-    let mut child = match spawned {
-        Ok(c) => c,
-        Err(e) => {
-            assert!(
-                std::env::var_os("FLOODGATE_REQUIRE_PROMTOOL").is_none(),
-                "promtool is required here: {e}"
-            );
-            eprintln!("promtool not installed: the exposition is not checked by it ({e})");
-            return;
-        }
-    };
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(text.as_bytes())
-        .unwrap();
-    let out = child.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 const METERED: &str = r#"
 [admin]
 listen = "127.0.0.1:0"
@@ -189,7 +152,7 @@ async fn metrics_count_a_known_sequence_exactly() {
     assert_eq!(at("floodgate_realtime_sessions"), 0.0);
     assert!(!text.contains("sk-"), "no secret in the exposition");
     assert!(!text.contains("\"k\""), "no key id as a label");
-    promtool_accepts(&text);
+    common::promtool_accepts(&text);
 }
 
 #[tokio::test]
@@ -280,5 +243,5 @@ usd = 10
         1.0
     );
     assert_eq!(at("floodgate_store_breaker_open"), 1.0);
-    promtool_accepts(&text);
+    common::promtool_accepts(&text);
 }

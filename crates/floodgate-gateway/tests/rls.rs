@@ -1049,6 +1049,11 @@ async fn the_binary_with_its_store_down_fails_open_or_closed_by_the_flag() {
             3.0,
             "{mode}"
         );
+        // The exposition is the gateway's format, checked the same way.
+        let answer = http_get(admin, "/metrics").await;
+        let (head, body) = answer.split_once("\r\n\r\n").expect("an HTTP answer");
+        assert!(!head.to_ascii_lowercase().contains("chunked"), "{head}");
+        common::promtool_accepts(body);
         drop(process);
     }
 }

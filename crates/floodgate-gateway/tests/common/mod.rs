@@ -593,3 +593,40 @@ pub fn fresh_prefix() -> String {
         .as_nanos();
     format!("fgtest:{}-{nanos}:", std::process::id())
 }
+
+/// `promtool check metrics` on `text`, where promtool is installed; CI requires it
+/// (`FLOODGATE_REQUIRE_PROMTOOL=1`).
+pub fn promtool_accepts(text: &str) {
+    use std::io::Write;
+    use std::process::{Command, Stdio};
+    let spawned = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) => {
+            assert!(
+                std::env::var_os("FLOODGATE_REQUIRE_PROMTOOL").is_none(),
+                "promtool is required here: {e}"
+            );
+            eprintln!("promtool not installed: the exposition is not checked by it ({e})");
+            return;
+        }
+    };
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(text.as_bytes())
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
