@@ -6,6 +6,7 @@
 //! unit-tested beside it. The pipeline (`http`), metering and realtime call into it.
 
 pub mod frames;
+mod json;
 pub mod paths;
 pub mod realtime;
 pub mod request;

@@ -1,8 +1,12 @@
 //! A byte-level server-sent event filter: a stream split into whole events as it comes, the
 //! last usage and the model read, the usage-only chunk dropped on demand.
 
-use bytes::{Bytes, BytesMut};
+use std::sync::LazyLock;
 
+use bytes::{Bytes, BytesMut};
+use memchr::memmem::Finder;
+
+use super::json::skip_space;
 use super::usage::{TokenUsage, UsageCarrier};
 
 /// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
@@ -38,8 +42,7 @@ pub(crate) struct SseFilter {
 /// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
 /// `event:` line does not).
 fn is_data_event(event: &[u8]) -> bool {
-    event
-        .split(|&b| b == b'\n' || b == b'\r')
+    lines(event)
         .filter_map(|line| line.strip_prefix(b"data:"))
         .any(|data| data.trim_ascii() != b"[DONE]")
 }
@@ -63,7 +66,7 @@ fn terminator(buf: &[u8], i: usize) -> Option<usize> {
 fn event_end(buf: &[u8]) -> Option<usize> {
     let mut i = 0;
     loop {
-        let line_end = i + buf[i..].iter().position(|&b| b == b'\n' || b == b'\r')?;
+        let line_end = i + memchr::memchr2(b'\n', b'\r', &buf[i..])?;
         let next = line_end + terminator(buf, line_end)?;
         match terminator(buf, next)? {
             0 => i = next,
@@ -243,7 +246,7 @@ impl SseFilter {
             };
         }
         let mut data: Vec<u8> = Vec::new();
-        for line in event.split(|&b| b == b'\n' || b == b'\r') {
+        for line in lines(event) {
             if let Some(payload) = line.strip_prefix(b"data:") {
                 if !data.is_empty() {
                     data.push(b'\n');
@@ -296,24 +299,31 @@ impl UsageField {
     }
 }
 
-const USAGE_KEY: &[u8] = b"\"usage\"";
-const FINISH_REASON_KEY: &[u8] = b"\"finish_reason\"";
+/// A searcher for a field's key (built once: every event of every stream is searched).
+type Key = LazyLock<Finder<'static>>;
+
+static USAGE_KEY: Key = LazyLock::new(|| Finder::new(b"\"usage\""));
+static FINISH_REASON_KEY: Key = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
+static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
 
 /// Whether `event` has a `"finish_reason"` whose value is a string (not `null`): a choice of the
 /// answer is complete.
 fn has_finish_reason(event: &[u8]) -> bool {
-    fields(event, FINISH_REASON_KEY).any(|(_, value)| event.get(value) == Some(&b'"'))
+    fields(event, &FINISH_REASON_KEY).any(|(_, value)| event.get(value) == Some(&b'"'))
 }
 
 /// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
 /// the key and of its value (`event.len()` if the event ends there). (A key inside a string
 /// value has its quotes escaped, so it is not found.)
-fn fields<'a>(event: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = (usize, usize)> + 'a {
+fn fields<'a>(
+    event: &'a [u8],
+    key: &'a Finder<'static>,
+) -> impl Iterator<Item = (usize, usize)> + 'a {
     let mut from = 0;
     std::iter::from_fn(move || {
-        while let Some(p) = find(&event[from..], key) {
+        while let Some(p) = key.find(&event[from..]) {
             let at = from + p;
-            from = at + key.len();
+            from = at + key.needle().len();
             let colon = skip_space(event, from);
             if event.get(colon) == Some(&b':') {
                 return Some((at, skip_space(event, colon + 1)));
@@ -322,12 +332,11 @@ fn fields<'a>(event: &'a [u8], key: &'a [u8]) -> impl Iterator<Item = (usize, us
         None
     })
 }
-const MODEL_KEY: &[u8] = b"\"model\"";
 
 /// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
 /// (A `"model"` inside a string value has its quotes escaped, so it is not found.)
 pub(super) fn model_in(event: &[u8]) -> Option<String> {
-    let (_, value) = fields(event, MODEL_KEY).next()?;
+    let (_, value) = fields(event, &MODEL_KEY).next()?;
     if event.get(value) != Some(&b'"') {
         return None;
     }
@@ -343,27 +352,32 @@ pub(super) fn model_in(event: &[u8]) -> Option<String> {
     None
 }
 
-fn skip_space(buf: &[u8], mut i: usize) -> usize {
-    while buf
-        .get(i)
-        .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
-    {
-        i += 1;
-    }
-    i
-}
-
 /// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
 /// `"usage"` inside a string value has its quotes escaped, so it is not found.)
 fn usage_fields(event: &[u8]) -> Vec<UsageField> {
-    fields(event, USAGE_KEY)
+    fields(event, &USAGE_KEY)
         .filter(|&(_, value)| value < event.len())
         .map(|(key, value)| UsageField { key, value })
         .collect()
 }
 
-fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
-    haystack.windows(needle.len()).position(|w| w == needle)
+/// The lines of `event`, split at each CR or LF (a CRLF gives an empty line between: no line
+/// the callers look for is empty).
+fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
+    let mut rest = Some(event);
+    std::iter::from_fn(move || {
+        let buf = rest?;
+        match memchr::memchr2(b'\n', b'\r', buf) {
+            Some(i) => {
+                rest = Some(&buf[i + 1..]);
+                Some(&buf[..i])
+            }
+            None => {
+                rest = None;
+                Some(buf)
+            }
+        }
+    })
 }
 
 /// Appends `event` to `out` without its `"usage": null` fields among `fields` (and the comma

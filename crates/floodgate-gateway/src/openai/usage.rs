@@ -5,7 +5,9 @@
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-#[derive(Deserialize)]
+use super::json;
+
+#[derive(Default, Deserialize)]
 pub(super) struct Usage {
     total_tokens: Option<u64>,
     prompt_tokens: Option<u64>,
@@ -104,11 +106,132 @@ pub fn usage_from_json(body: &[u8]) -> Option<u64> {
 }
 
 /// A JSON response body's usage and the model it names, if any.
+///
+/// Read by [`quick_usage_and_model`], which looks only at the members it needs; a body it cannot
+/// read that way is parsed whole, with the same result for any well-formed body.
 pub fn usage_and_model_from_json(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
+    if let Some(read) = quick_usage_and_model(body) {
+        return read;
+    }
+    full_usage_and_model(body)
+}
+
+/// [`usage_and_model_from_json`] by a full parse of `body`.
+fn full_usage_and_model(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
     match serde_json::from_slice::<UsageCarrier>(body) {
         Ok(c) => (c.usage(), c.into_model()),
         Err(_) => (None, None),
     }
+}
+
+/// What a full parse into [`UsageCarrier`] gives, read from `body`'s top-level `usage`,
+/// `response`, `model` and `object` alone (the others skipped, not validated: docs/design.md
+/// §6); `None` where this cannot tell what that parse would give (an escaped key, a member read
+/// twice, a value not of the plain shape read here): then the caller parses the body whole.
+fn quick_usage_and_model(body: &[u8]) -> Option<(Option<TokenUsage>, Option<String>)> {
+    let (mut usage, mut response, mut model, mut object) = (None, None, None, None);
+    for member in json::members(body) {
+        let member = member.ok()?;
+        if member.escaped {
+            return None;
+        }
+        let slot = match member.key {
+            b"usage" => &mut usage,
+            b"response" => &mut response,
+            b"model" => &mut model,
+            b"object" => &mut object,
+            _ => continue,
+        };
+        if slot.replace(member.value).is_some() {
+            // A duplicate: the full parse refuses the body.
+            return None;
+        }
+    }
+    let usage = match usage {
+        None => None,
+        Some(raw) => quick_usage(raw)?,
+    };
+    let response = match response {
+        None | Some(b"null") => None,
+        Some(raw) => Some(serde_json::from_slice::<NestedResponse>(raw).ok()?),
+    };
+    let model = match model {
+        None => None,
+        Some(raw) => plain_string(raw)?.map(str::to_owned),
+    };
+    let run_step = match object {
+        None => false,
+        Some(raw) => plain_string(raw)? == Some("thread.run.step"),
+    };
+    let usage = if run_step {
+        // As `UsageCarrier::usage`: a run step's usage is its run's.
+        None
+    } else {
+        usage
+            .as_ref()
+            .or_else(|| response.as_ref().and_then(|r| r.usage.as_ref()))
+            .map(Usage::detail)
+    };
+    let model = model.or_else(|| response.and_then(|r| r.model));
+    Some((usage, model))
+}
+
+/// A `usage` value: `null`, or an object of counts each a plain integer or `null`; `None` for
+/// anything else (left to the full parse).
+fn quick_usage(raw: &[u8]) -> Option<Option<Usage>> {
+    if raw == b"null" {
+        return Some(None);
+    }
+    let mut u = Usage::default();
+    let mut seen = [false; 5];
+    for member in json::members(raw) {
+        let member = member.ok()?;
+        if member.escaped {
+            return None;
+        }
+        let (i, slot) = match member.key {
+            b"total_tokens" => (0, &mut u.total_tokens),
+            b"prompt_tokens" => (1, &mut u.prompt_tokens),
+            b"completion_tokens" => (2, &mut u.completion_tokens),
+            b"input_tokens" => (3, &mut u.input_tokens),
+            b"output_tokens" => (4, &mut u.output_tokens),
+            _ => continue,
+        };
+        if std::mem::replace(&mut seen[i], true) {
+            return None;
+        }
+        *slot = plain_count(member.value)?;
+    }
+    Some(Some(u))
+}
+
+/// A count as JSON writes a `u64`: `null`, `0`, or digits without a leading zero that fit.
+fn plain_count(raw: &[u8]) -> Option<Option<u64>> {
+    match raw {
+        b"null" => Some(None),
+        [b'0'] => Some(Some(0)),
+        [b'1'..=b'9', rest @ ..] if rest.iter().all(u8::is_ascii_digit) => {
+            Some(Some(std::str::from_utf8(raw).ok()?.parse().ok()?))
+        }
+        _ => None,
+    }
+}
+
+/// A string value without escapes (its text between the quotes) or `null`; `None` for anything
+/// else.
+fn plain_string(raw: &[u8]) -> Option<Option<&str>> {
+    if raw == b"null" {
+        return Some(None);
+    }
+    let text = raw.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+    if text.contains(&b'\\') {
+        return None;
+    }
+    // Control characters are not allowed unescaped in a JSON string: the full parse decides.
+    if text.iter().any(|&b| b < 0x20) {
+        return None;
+    }
+    std::str::from_utf8(text).ok().map(Some)
 }
 
 /// A Realtime API server event, as far as metering reads it.
@@ -180,6 +303,61 @@ mod tests {
         assert_eq!(usage_from_json(step), None);
         let run = br#"{"object":"thread.run","usage":{"total_tokens":9}}"#;
         assert_eq!(usage_from_json(run), Some(9));
+    }
+
+    #[test]
+    fn the_quick_read_gives_what_the_full_parse_does_or_defers_to_it() {
+        let bodies: &[&[u8]] = &[
+            br#"{"id":"chatcmpl-1","object":"chat.completion","created":1700000000,"model":"gpt-4o","choices":[{"index":0,"message":{"role":"assistant","content":"say \"usage\": {}"},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":1,"total_tokens":10}}"#,
+            br#"{"usage":{"total_tokens":7}}"#,
+            br#"{"usage":null,"model":null}"#,
+            br#"{"usage":{"total_tokens":null,"prompt_tokens":3}}"#,
+            br#"{"usage":{"prompt_tokens":0,"completion_tokens":18446744073709551615}}"#,
+            br#"{"usage":{"prompt_tokens":18446744073709551616}}"#,
+            br#"{"usage":{"prompt_tokens":1.5}}"#,
+            br#"{"usage":{"prompt_tokens":-1}}"#,
+            br#"{"usage":{"prompt_tokens":-0}}"#,
+            br#"{"usage":{"prompt_tokens":01}}"#,
+            br#"{"usage":{"prompt_tokens":"3"}}"#,
+            br#"{"usage":{"prompt_tokens":3,"prompt_tokens":4}}"#,
+            br#"{"usage":{"total_tokens":1},"usage":{"total_tokens":2}}"#,
+            br#"{"us\u0061ge":{"total_tokens":5}}"#,
+            br#"{"usage":{"tot\u0061l_tokens":5}}"#,
+            br#"{"usage":{"total_tokens":5,"details":{"cached_tokens":2}}}"#,
+            br#"{"usage":[]}"#,
+            br#"{"usage":7}"#,
+            br#"{"object":"thread.run.step","usage":{"total_tokens":9}}"#,
+            br#"{"object":"thread.run\u002estep","usage":{"total_tokens":9}}"#,
+            br#"{"object":7,"usage":{"total_tokens":9}}"#,
+            br#"{"model":"a\"b","usage":{"total_tokens":1}}"#,
+            br#"{"model":7,"usage":{"total_tokens":1}}"#,
+            b"{\"model\":\"caf\xc3\xa9\",\"usage\":{\"total_tokens\":1}}",
+            b"{\"model\":\"caf\xc3\",\"usage\":{\"total_tokens\":1}}",
+            br#"{"type":"response.completed","response":{"model":"o3","usage":{"input_tokens":1,"output_tokens":2}}}"#,
+            br#"{"model":"top","response":{"model":"nested","usage":{"total_tokens":4}}}"#,
+            br#"{"response":null,"usage":{"total_tokens":4}}"#,
+            br#"{"response":{"usage":{"total_tokens":"x"}}}"#,
+            br#"{"error":{"message":"bad","type":"invalid_request_error"}}"#,
+            b"  {\n \"usage\" :\t{ \"total_tokens\" : 12 } ,\r\n \"model\" : \"m\" }\n",
+            b"{}",
+            b"[]",
+            b"not json",
+            b"",
+        ];
+        for body in bodies {
+            let full = full_usage_and_model(body);
+            assert_eq!(
+                usage_and_model_from_json(body),
+                full,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            if let Some(quick) = quick_usage_and_model(body) {
+                assert_eq!(quick, full, "{}", String::from_utf8_lossy(body));
+            }
+        }
+        // The common shape is read quickly, not deferred.
+        assert!(quick_usage_and_model(bodies[0]).is_some());
     }
 
     #[test]

@@ -1,0 +1,267 @@
+//! A JSON object's top level read without building it (docs/design.md §6): each member's key and
+//! the raw bytes of its value, found by skipping values over their quotes and brackets. Metering
+//! reads two or three fields of every response; a full parse of the rest (the choices, the
+//! message) cost more than everything else it does.
+//!
+//! What this reader skips it does not validate: a value is skipped by its brackets and quotes,
+//! and a member's value is only as well-formed as the parse its caller makes of it. Where it
+//! cannot tell what a full parse would make of a member (a key with an escape in it), it says so
+//! ([`Unreadable`]), and the caller parses the whole body instead.
+
+/// A member of an object's top level.
+pub(super) struct Member<'a> {
+    /// The key's bytes between its quotes, as written (escapes not undone: see `escaped`).
+    pub(super) key: &'a [u8],
+    /// Whether the key has an escape (`\`), so that `key` is not its text.
+    pub(super) escaped: bool,
+    /// The value's bytes, from its first to its last (a string with its quotes).
+    pub(super) value: &'a [u8],
+}
+
+/// The reader met something it does not take apart: not an object, or broken framing.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Unreadable;
+
+/// The members of the object `buf` holds, in order, each an `Err(Unreadable)` where the reader
+/// gives up (then it yields nothing more). Bytes after the object are not looked at.
+pub(super) fn members(buf: &[u8]) -> Members<'_> {
+    Members {
+        buf,
+        at: 0,
+        state: State::Start,
+    }
+}
+
+/// The iterator of [`members`].
+pub(super) struct Members<'a> {
+    buf: &'a [u8],
+    at: usize,
+    state: State,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum State {
+    /// Before the opening brace.
+    Start,
+    /// After the brace or a member: a member, a comma or the closing brace next.
+    Inside { first: bool },
+    /// The object closed, or the reader gave up.
+    Done,
+}
+
+impl<'a> Iterator for Members<'a> {
+    type Item = Result<Member<'a>, Unreadable>;
+
+    fn next(&mut self) -> Option<Self::Item> {
+        let item = self.step();
+        match &item {
+            Some(Ok(_)) => {}
+            _ => self.state = State::Done,
+        }
+        item
+    }
+}
+
+impl<'a> Members<'a> {
+    fn step(&mut self) -> Option<Result<Member<'a>, Unreadable>> {
+        let buf = self.buf;
+        let first = match self.state {
+            State::Done => return None,
+            State::Start => {
+                let i = skip_space(buf, 0);
+                if buf.get(i) != Some(&b'{') {
+                    return Some(Err(Unreadable));
+                }
+                self.at = i + 1;
+                true
+            }
+            State::Inside { first } => first,
+        };
+        let mut i = skip_space(buf, self.at);
+        match buf.get(i) {
+            Some(b'}') => return None,
+            Some(b',') if !first => i = skip_space(buf, i + 1),
+            Some(b'"') if first => {}
+            _ => return Some(Err(Unreadable)),
+        }
+        if buf.get(i) != Some(&b'"') {
+            return Some(Err(Unreadable));
+        }
+        let Some((key_end, escaped)) = string_end(buf, i) else {
+            return Some(Err(Unreadable));
+        };
+        let key = &buf[i + 1..key_end - 1];
+        let colon = skip_space(buf, key_end);
+        if buf.get(colon) != Some(&b':') {
+            return Some(Err(Unreadable));
+        }
+        let start = skip_space(buf, colon + 1);
+        let Some(end) = value_end(buf, start) else {
+            return Some(Err(Unreadable));
+        };
+        self.at = end;
+        self.state = State::Inside { first: false };
+        Some(Ok(Member {
+            key,
+            escaped,
+            value: &buf[start..end],
+        }))
+    }
+}
+
+/// The first index from `i` on that is not JSON whitespace (`buf.len()` if none).
+pub(super) fn skip_space(buf: &[u8], mut i: usize) -> usize {
+    while buf
+        .get(i)
+        .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\r' | b'\n'))
+    {
+        i += 1;
+    }
+    i
+}
+
+/// The end (exclusive, after the closing quote) of the string whose opening quote is at
+/// `buf[open]`, and whether it has an escape; `None` if it does not end.
+fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
+    let (mut i, mut escaped) = (open + 1, false);
+    // Byte by byte: the strings of a response are mostly a few bytes long, shorter than what a
+    // vectorised search needs to pay for its setup.
+    loop {
+        match *buf.get(i)? {
+            b'"' => return Some((i + 1, escaped)),
+            b'\\' => {
+                escaped = true;
+                i += 2;
+            }
+            _ => i += 1,
+        }
+    }
+}
+
+/// What a byte is to [`value_end`]'s scan of a container.
+const PLAIN: u8 = 0;
+const QUOTE: u8 = 1;
+const OPEN: u8 = 2;
+const CLOSE: u8 = 3;
+
+/// Each byte's [`PLAIN`], [`QUOTE`], [`OPEN`] or [`CLOSE`].
+static CLASS: [u8; 256] = {
+    let mut class = [PLAIN; 256];
+    class[b'"' as usize] = QUOTE;
+    class[b'{' as usize] = OPEN;
+    class[b'[' as usize] = OPEN;
+    class[b'}' as usize] = CLOSE;
+    class[b']' as usize] = CLOSE;
+    class
+};
+
+/// The end (exclusive) of the value starting at `buf[start]`; `None` if it does not end (or
+/// there is none).
+fn value_end(buf: &[u8], start: usize) -> Option<usize> {
+    match *buf.get(start)? {
+        b'"' => string_end(buf, start).map(|(end, _)| end),
+        b'{' | b'[' => {
+            let (mut i, mut depth) = (start + 1, 1usize);
+            loop {
+                while CLASS[usize::from(*buf.get(i)?)] == PLAIN {
+                    i += 1;
+                }
+                match CLASS[usize::from(buf[i])] {
+                    QUOTE => i = string_end(buf, i)?.0,
+                    OPEN => {
+                        depth += 1;
+                        i += 1;
+                    }
+                    _ => {
+                        depth -= 1;
+                        i += 1;
+                        if depth == 0 {
+                            return Some(i);
+                        }
+                    }
+                }
+            }
+        }
+        // A number, `true`, `false` or `null`: to the next delimiter.
+        _ => {
+            let len = buf[start..]
+                .iter()
+                .position(|b| matches!(b, b',' | b'}' | b']' | b' ' | b'\t' | b'\r' | b'\n'))
+                .unwrap_or(buf.len() - start);
+            (len > 0).then_some(start + len)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn read(buf: &[u8]) -> Result<Vec<(String, String)>, Unreadable> {
+        members(buf)
+            .map(|m| {
+                m.map(|m| {
+                    (
+                        String::from_utf8_lossy(m.key).into_owned(),
+                        String::from_utf8_lossy(m.value).into_owned(),
+                    )
+                })
+            })
+            .collect()
+    }
+
+    #[test]
+    fn members_with_their_raw_values() {
+        let body = br#" { "id" : "a\"b}" , "n":-1.5e3,"o":{"x":[1,{"y":"]"}]},"a":[],"t":true,"z":null } trailing"#;
+        let got = read(body).unwrap();
+        let want = [
+            ("id", r#""a\"b}""#),
+            ("n", "-1.5e3"),
+            ("o", r#"{"x":[1,{"y":"]"}]}"#),
+            ("a", "[]"),
+            ("t", "true"),
+            ("z", "null"),
+        ];
+        let want: Vec<(String, String)> = want
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(read(b"{}").unwrap(), vec![]);
+        assert_eq!(read(b"\n{ }").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn an_escaped_key_is_flagged() {
+        let m: Vec<_> = members(br#"{"us\u0061ge":1,"plain":2}"#)
+            .map(Result::unwrap)
+            .collect();
+        assert!(m[0].escaped);
+        assert!(!m[1].escaped);
+    }
+
+    #[test]
+    fn broken_framing_is_unreadable_and_ends_the_members() {
+        for broken in [
+            &b"[1]"[..],
+            b"not json",
+            b"",
+            br#"{"a":1"#,
+            br#"{"a" 1}"#,
+            br#"{"a":}"#,
+            br#"{"a":"open}"#,
+            br#"{"a":[1,2}"#,
+            br#"{"a":1 "b":2}"#,
+            br#"{,"a":1}"#,
+            br#"{"a":1,}"#,
+        ] {
+            let items: Vec<_> = members(broken).collect();
+            assert!(
+                items.last().is_some_and(Result::is_err),
+                "{:?}",
+                String::from_utf8_lossy(broken)
+            );
+            assert_eq!(items.iter().filter(|m| m.is_err()).count(), 1);
+        }
+    }
+}
