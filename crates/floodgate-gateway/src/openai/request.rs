@@ -1,6 +1,8 @@
 //! Request bodies the gateway reads before admission: a streaming completion rewritten to ask
 //! the upstream for its usage, a Responses API create checked for what cannot be metered.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use serde::Deserialize;
 use serde_json::value::RawValue;
@@ -13,23 +15,56 @@ pub struct StreamRequest {
 }
 
 /// A JSON object's top-level fields in the order they came, each value kept as its raw text: a
-/// request is rewritten without building a tree of its (possibly large) values.
-struct TopLevel(Vec<(String, Box<RawValue>)>);
+/// request is rewritten without building a tree of its (possibly large) values. Keys and values
+/// are borrowed from the body (a key is copied only if it has an escape to undo), so that reading
+/// a request allocates nothing but this list.
+struct TopLevel<'a>(Vec<Field<'a>>);
 
-impl<'de> Deserialize<'de> for TopLevel {
+/// A top-level field: its key and its value's raw text.
+type Field<'a> = (Key<'a>, &'a RawValue);
+
+/// A key as the body spells it once unescaped: borrowed unless it had an escape.
+struct Key<'a>(Cow<'a, str>);
+
+impl PartialEq<str> for Key<'_> {
+    fn eq(&self, other: &str) -> bool {
+        *self.0 == *other
+    }
+}
+
+impl<'de> Deserialize<'de> for Key<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Text;
+        impl<'de> serde::de::Visitor<'de> for Text {
+            type Value = Key<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Borrowed(v)))
+            }
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<Key<'de>, E> {
+                Ok(Key(Cow::Owned(v.to_owned())))
+            }
+        }
+        d.deserialize_str(Text)
+    }
+}
+
+impl<'de> Deserialize<'de> for TopLevel<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         struct Fields;
         impl<'de> serde::de::Visitor<'de> for Fields {
-            type Value = TopLevel;
+            type Value = TopLevel<'de>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("a JSON object")
             }
             fn visit_map<A: serde::de::MapAccess<'de>>(
                 self,
                 mut map: A,
-            ) -> Result<TopLevel, A::Error> {
-                let mut fields = Vec::new();
-                while let Some(field) = map.next_entry::<String, Box<RawValue>>()? {
+            ) -> Result<TopLevel<'de>, A::Error> {
+                let mut fields = Vec::with_capacity(map.size_hint().unwrap_or(8));
+                while let Some(field) = map.next_entry::<Key<'de>, &'de RawValue>()? {
                     fields.push(field);
                 }
                 Ok(TopLevel(fields))
@@ -62,7 +97,7 @@ impl OutputCap {
 
     /// What `fields` (a request's top level) say. A cap or count that is not a non-negative
     /// integer counts as absent: the upstream refuses such a request, after admission.
-    fn of(fields: &[(String, Box<RawValue>)]) -> OutputCap {
+    fn of(fields: &[Field<'_>]) -> OutputCap {
         let int = |name: &str| {
             fields
                 .iter()
@@ -229,7 +264,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         if out.len() > 1 {
             out.push(b',');
         }
-        serde_json::to_writer(&mut out, k).map_err(|e| e.to_string())?;
+        serde_json::to_writer(&mut out, &*k.0).map_err(|e| e.to_string())?;
         out.push(b':');
         out.extend_from_slice(v.get().as_bytes());
     }
@@ -249,12 +284,9 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
 
 /// The top-level field `name` of a request body, if present; an error (for a 400) if it is
 /// named twice, since servers differ on which one counts.
-fn unique_field<'a>(
-    fields: &'a [(String, Box<RawValue>)],
-    name: &str,
-) -> Result<Option<&'a RawValue>, String> {
+fn unique_field<'a>(fields: &[Field<'a>], name: &str) -> Result<Option<&'a RawValue>, String> {
     let mut found = fields.iter().filter(|(k, _)| k == name);
-    let first = found.next().map(|(_, v)| &**v);
+    let first = found.next().map(|&(_, v)| v);
     match found.next() {
         Some(_) => Err(format!(
             "The request body has more than one `{name}` field."
