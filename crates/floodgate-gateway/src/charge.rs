@@ -8,8 +8,10 @@
 //! once nothing is held, so a draining worker waits for its charges instead of sleeping, and
 //! tests await the charge itself instead of a fixed time.
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Waker};
 
 use floodgate::{Budgets, Chain, Timestamp};
 use tokio::sync::Notify;
@@ -157,13 +159,9 @@ impl Charger {
         if chain.is_none() && budgets.is_none() && reserved.is_none() {
             return;
         }
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
-            tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped");
-            return;
-        };
         let held = held.unwrap_or_else(|| self.hold());
         let charger = self.clone();
-        rt.spawn(async move {
+        let mut charge = Box::pin(async move {
             // Both at once: on Redis they then go out in one charge batch (one script call).
             let spend = async {
                 if let Some(budgets) = &budgets {
@@ -181,6 +179,18 @@ impl Charger {
             tokio::join!(spend, tokens);
             drop(held);
         });
+        // Polled once here first: the memory store's charges complete at once, and need no task
+        // of their own (its spawn, scheduling and wake-up cost more than the charge). One that
+        // waits (on Redis, for its batch) goes on in a task, which polls it again with a waker
+        // of its own.
+        let mut cx = Context::from_waker(Waker::noop());
+        if charge.as_mut().poll(&mut cx).is_ready() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn(charge)),
+            Err(_) => tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped"),
+        }
     }
 
     /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned
