@@ -9,6 +9,7 @@
 //! tests await the charge itself instead of a fixed time.
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Waker};
@@ -161,7 +162,7 @@ impl Charger {
         }
         let held = held.unwrap_or_else(|| self.hold());
         let charger = self.clone();
-        let mut charge = Box::pin(async move {
+        let charge = Box::pin(async move {
             // Both at once: on Redis they then go out in one charge batch (one script call).
             let spend = async {
                 if let Some(budgets) = &budgets {
@@ -179,17 +180,8 @@ impl Charger {
             tokio::join!(spend, tokens);
             drop(held);
         });
-        // Polled once here first: the memory store's charges complete at once, and need no task
-        // of their own (its spawn, scheduling and wake-up cost more than the charge). One that
-        // waits (on Redis, for its batch) goes on in a task, which polls it again with a waker
-        // of its own.
-        let mut cx = Context::from_waker(Waker::noop());
-        if charge.as_mut().poll(&mut cx).is_ready() {
-            return;
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn(charge)),
-            Err(_) => tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped"),
+        if !now_or_in_a_task(charge) {
+            tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped");
         }
     }
 
@@ -302,6 +294,23 @@ impl Charger {
             Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),
         }
     }
+}
+
+/// Runs `work` to its end here if it completes on its first poll, else in a task of the current
+/// runtime (false if there is none: then it is dropped unpolled). A store call that completes at once (the
+/// memory store's) thus costs no task: a task's spawn, scheduling and wake-up cost more than the
+/// call itself (docs/design.md §6). One that waits (on Redis, for its batch) goes on in the
+/// task, which polls it again with a waker of its own.
+pub fn now_or_in_a_task(mut work: Pin<Box<dyn Future<Output = ()> + Send>>) -> bool {
+    // Not even polled outside a runtime: a store call may need one to queue its batch.
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return false;
+    };
+    let mut cx = Context::from_waker(Waker::noop());
+    if work.as_mut().poll(&mut cx).is_pending() {
+        drop(rt.spawn(work));
+    }
+    true
 }
 
 #[cfg(test)]

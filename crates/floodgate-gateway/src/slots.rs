@@ -15,7 +15,7 @@ use bytes::Bytes;
 use floodgate::{Chain, Lease};
 use http_body::{Frame, SizeHint};
 
-use crate::charge::{Charger, Held};
+use crate::charge::{Charger, Held, now_or_in_a_task};
 use crate::store::GatewayStore;
 
 /// An admitted request's slots: given back once, when dropped.
@@ -49,20 +49,18 @@ impl Drop for Slots {
         let Some(r) = self.release.take() else {
             return;
         };
+        // Tracked from now until the store call returns (not while the request runs).
+        let held: Held = r.charger.hold();
         // Outside a runtime (the process is ending) the slots are not given back: on Redis
         // they lapse at their lease's end; the memory store ends with the process.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            // Tracked from now until the store call returns (not while the request runs).
-            let held: Held = r.charger.hold();
-            runtime.spawn(async move {
-                let store: &GatewayStore = r.charger.store();
-                if let Err(e) = r.chain.release(store, Some(r.lease)).await {
-                    // On Redis the slots lapse at the lease's end instead.
-                    tracing::debug!(error = %e, "giving back concurrency slots failed");
-                }
-                drop(held);
-            });
-        }
+        now_or_in_a_task(Box::pin(async move {
+            let store: &GatewayStore = r.charger.store();
+            if let Err(e) = r.chain.release(store, Some(r.lease)).await {
+                // On Redis the slots lapse at the lease's end instead.
+                tracing::debug!(error = %e, "giving back concurrency slots failed");
+            }
+            drop(held);
+        }));
     }
 }
 
