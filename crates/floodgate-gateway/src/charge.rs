@@ -297,10 +297,10 @@ impl Charger {
 }
 
 /// Runs `work` to its end here if it completes on its first poll, else in a task of the current
-/// runtime (false if there is none: then it is dropped unpolled). A store call that completes at once (the
-/// memory store's) thus costs no task: a task's spawn, scheduling and wake-up cost more than the
-/// call itself (docs/design.md §6). One that waits (on Redis, for its batch) goes on in the
-/// task, which polls it again with a waker of its own.
+/// runtime (false if there is none: then it is dropped unpolled). A store call that completes at
+/// once (the memory store's) thus costs no task: a task's spawn, scheduling and wake-up cost
+/// more than the call itself (docs/design.md §6). One that waits (on Redis, for its batch) goes
+/// on in the task, which polls it again with a waker of its own.
 pub fn now_or_in_a_task(mut work: Pin<Box<dyn Future<Output = ()> + Send>>) -> bool {
     // Not even polled outside a runtime: a store call may need one to queue its batch.
     let Ok(rt) = tokio::runtime::Handle::try_current() else {

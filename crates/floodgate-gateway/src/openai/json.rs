@@ -122,7 +122,7 @@ pub(super) fn skip_space(buf: &[u8], mut i: usize) -> usize {
 
 /// The end (exclusive, after the closing quote) of the string whose opening quote is at
 /// `buf[open]`, and whether it has an escape; `None` if it does not end.
-fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
+pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
     let (mut i, mut escaped) = (open + 1, false);
     // Byte by byte: the strings of a response are mostly a few bytes long, shorter than what a
     // vectorised search needs to pay for its setup.

@@ -6,7 +6,7 @@ use std::sync::LazyLock;
 use bytes::{Bytes, BytesMut};
 use memchr::memmem::Finder;
 
-use super::json::skip_space;
+use super::json::{skip_space, string_end};
 use super::usage::{TokenUsage, UsageCarrier};
 
 /// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
@@ -340,16 +340,8 @@ pub(super) fn model_in(event: &[u8]) -> Option<String> {
     if event.get(value) != Some(&b'"') {
         return None;
     }
-    // The closing quote: the first one not escaped.
-    let mut i = value + 1;
-    while i < event.len() {
-        match event[i] {
-            b'\\' => i += 2,
-            b'"' => return serde_json::from_slice(&event[value..=i]).ok(),
-            _ => i += 1,
-        }
-    }
-    None
+    let (end, _) = string_end(event, value)?;
+    serde_json::from_slice(&event[value..end]).ok()
 }
 
 /// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
