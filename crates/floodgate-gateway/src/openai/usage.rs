@@ -210,9 +210,13 @@ fn plain_count(raw: &[u8]) -> Option<Option<u64>> {
     match raw {
         b"null" => Some(None),
         [b'0'] => Some(Some(0)),
-        [b'1'..=b'9', rest @ ..] if rest.iter().all(u8::is_ascii_digit) => {
-            Some(Some(std::str::from_utf8(raw).ok()?.parse().ok()?))
-        }
+        [b'1'..=b'9', ..] => raw
+            .iter()
+            .try_fold(0u64, |n, &d| {
+                let digit = d.is_ascii_digit().then(|| u64::from(d - b'0'))?;
+                n.checked_mul(10)?.checked_add(digit)
+            })
+            .map(Some),
         _ => None,
     }
 }
