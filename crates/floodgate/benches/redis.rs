@@ -305,10 +305,10 @@ fn main() {
             .iter()
             .map(|l| format!("{PREFIX}{}", l.key()))
             .collect();
-        // The admit script's layout (see admit.lua): the time, each key's limit, then the
-        // requests in groups (cost, count, the chain); redis-benchmark sends a batch of one
-        // request per call.
-        let mut args = vec![String::new()];
+        // The admit script's layout (see admit.lua): the time, how many period counters (none),
+        // each key's limit, then how many groups and the requests in groups (cost, count, the
+        // chain); redis-benchmark sends a batch of one request per call.
+        let mut args = vec![String::new(), "0".into()];
         for l in template.limits() {
             let w = l.limit().window_micros();
             args.push(w.to_string());
@@ -316,7 +316,12 @@ fn main() {
             args.push("a".into());
             args.push((2 * w).div_ceil(1000).to_string());
         }
-        args.extend(["1".into(), "1".into(), template.limits().len().to_string()]);
+        args.extend([
+            "1".into(),
+            "1".into(),
+            "1".into(),
+            template.limits().len().to_string(),
+        ]);
         args.extend((1..=template.limits().len()).map(|i| i.to_string()));
         let raw = |pipelined| {
             target

@@ -762,6 +762,56 @@ async fn first_check_after_client_kill_is_enforced_through_the_replay() {
     assert!(d.enforced && !d.admitted, "the replay charged once");
 }
 
+/// A key's chain of `requests` a minute and a reactive limit of 100 tokens a minute.
+fn requests_and_tokens(id: &str, requests: u64) -> Chain {
+    let tokens = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        id,
+        Charge::Reactive,
+        WindowLimit::per_minute(100),
+    );
+    Chain::new(vec![req(id, ScopeKind::Key, requests), tokens])
+}
+
+#[tokio::test]
+async fn an_admission_riding_a_lost_charge_is_replayed_once_and_the_charge_never() {
+    let test = "an_admission_riding_a_lost_charge_is_replayed_once_and_the_charge_never";
+    // A server of its own: CLIENT KILL TYPE normal would cut every other test's connections.
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let store = store(&server.url()).await;
+    let chain = requests_and_tokens("ride", 3);
+    assert!(chain.admit(&store, 1).await.unwrap().admitted);
+    kill_clients(&server).await;
+    // On this one-thread runtime both are queued before the step's sender first runs, so they
+    // go out in one call (docs/redis.md, "Batching"), which carries a charge and so is never
+    // replayed: the charge is lost with the connection, the admission goes again, once.
+    let (recorded, admitted) = tokio::join!(chain.record(&store, 100), chain.admit(&store, 1));
+    assert!(recorded.is_err(), "the charge is never replayed");
+    let d = admitted.unwrap();
+    assert!(
+        d.enforced && d.admitted,
+        "the admission is enforced through its replay"
+    );
+    let stats = store.stats();
+    assert_eq!(
+        (stats.replays, stats.outages, stats.charge_batches),
+        (1, 0, 1)
+    );
+    // Calls that carried admissions: the first, the lost one with the charge, its replay (an
+    // admission replayed alone within its call would count two).
+    assert_eq!(stats.admit_batches, 3);
+    // The 100 tokens did not land (they would fill the token limit and refuse this one), and
+    // the replayed admission was charged once: the third request is the last.
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced && d.admitted, "the lost tokens were not applied");
+    let d = chain.admit(&store, 1).await.unwrap();
+    assert!(d.enforced && !d.admitted, "the key's 3 requests are spent");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
     let test = "a_record_cut_off_by_a_dropped_connection_opens_no_breaker";
@@ -771,14 +821,7 @@ async fn a_record_cut_off_by_a_dropped_connection_opens_no_breaker() {
         return;
     };
     let store = store(&server.url()).await;
-    let tokens = ChainLimit::new(
-        "org:acme",
-        ScopeKind::Key,
-        "cut",
-        Charge::Reactive,
-        WindowLimit::per_minute(100),
-    );
-    let chain = Chain::new(vec![req("cut", ScopeKind::Key, 2), tokens]);
+    let chain = requests_and_tokens("cut", 2);
     assert!(chain.admit(&store, 1).await.unwrap().enforced);
     kill_clients(&server).await;
     // Recording never replays, so the units are lost with the connection; Redis itself is fine.
@@ -1635,10 +1678,13 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
         let reply: Vec<i64> = script
             .key(&key)
             .arg(bucket * w + elapsed)
+            // No period counters; the key's window; one group.
+            .arg(0)
             .arg(w)
             .arg(max)
             .arg("a")
             .arg(2 * w / 1000)
+            .arg(1)
             .arg(cost)
             .arg(count)
             .arg(1)

@@ -1,45 +1,59 @@
--- floodgate: chain admission for a batch of requests, each one atomic step (Redis runs a script
+-- floodgate: one step for a batch of requests: their budget reads, their chain admissions and
+-- their charges after the fact, each request's admission one atomic step (Redis runs a script
 -- to completion before any other command, so no two requests, in this batch or any other, can
 -- take the same free slot). The requests are decided in order at one instant, exactly as if
 -- each had been admitted alone: a request sees what the requests before it in the batch took.
 -- Batching is how the store spends one script call, one MGET and one SET per key on many
--- requests that share keys (an org's, the gateway's) instead of on each.
+-- requests that share keys (an org's, the gateway's) instead of on each; carrying a batch's
+-- reads and charges in the same call spares them a call of their own (docs/redis.md,
+-- "Batching").
 --
--- KEYS: every distinct limit state the batch touches.
--- ARGV[1]: the time (clock.lua); then per key j, ARGV[a + 1..a + 4] with a = 1 + 4 * (j - 1):
--- window W (µs), max, kind ('a' for a limit charged at admission, 'r' for a reactive one, 's'
--- appended for a shadow limit, decided and charged as usual but never refusing: 'as', 'rs'), the
--- state's TTL (ms, 2W);
--- then the requests in the order they came, in groups: a group is a run of requests of one cost
--- on one chain: cost, count, n, and the chain's n key indices (into KEYS, in chain order). A
--- batch of like requests (many callers of one key) thus sends its chain once: each argument
--- costs Redis a string and the script a tonumber. A group whose requests cost each limit its own
--- units (a token estimate on a reserving token limit beside 1 on the request limits; chain.rs
--- Costs::PerLimit) sends a cost of -1 and, after its key indices, the n costs in chain order.
--- State: "bucket cur prev". Every comparison mirrors window.rs operation for operation, and the
--- refusal chain.rs's first_refusal: the first enforced limit that fails its test.
--- Reply: {now, cur_1, prev_1, ..., cur_k, prev_k, admitted_1, ..., admitted_g}: each key's counts
--- at `now` before the batch, and how many of each group's requests were admitted: its first
--- ones, since once one is refused nothing changes until the group ends. What each request saw
--- follows: a key's count plus the costs of the admitted requests before it that charge that
--- key. (The client replays that sum; a reply of every request's view of every limit cost the
--- client more to parse than the rest of the decision.)
+-- KEYS: every distinct limit state the batch touches (nw windows), then every distinct period
+-- counter (nc: a budget's spend in its period).
+-- ARGV[1]: the time (clock.lua); ARGV[2]: nc; then per window j, ARGV[a + 1..a + 4] with a = 2 +
+-- 4 * (j - 1): window W (µs), max, kind ('a' for a limit charged at admission, 'r' for a
+-- reactive one, 's' appended for a shadow limit, decided and charged as usual but never
+-- refusing: 'as', 'rs'), the state's TTL (ms, 2W); then per counter its period, 'day' or
+-- 'month'; then how many admission groups follow, and the admissions in the order they came, in
+-- groups: a group is a run of requests of one cost on one chain: cost, count, n, and the chain's
+-- n key indices (into KEYS, in chain order). A batch of like requests (many callers of one key)
+-- thus sends its chain once: each argument costs Redis a string and the script a tonumber. A
+-- group whose requests cost each limit its own units (a token estimate on a reserving token
+-- limit beside 1 on the request limits; chain.rs Costs::PerLimit) sends a cost of -1 and, after
+-- its key indices, the n costs in chain order. Then, to the end, the charges in the order they
+-- came, applied after the admissions: kind ('r' tokens to windows, 'p' an amount to counters),
+-- units, n, and its n key indices (into KEYS).
+-- State: windows "bucket cur prev"; counters "label total", a counter of an earlier period
+-- starting again from 0, each kept until a day (period.rs GRACE) after its period ends. Every
+-- comparison mirrors window.rs operation for operation, and the refusal chain.rs's
+-- first_refusal: the first enforced limit that fails its test.
+-- Reply: {now, cur_1, prev_1, ..., cur_nw, prev_nw, total_1, ..., total_nc, admitted_1, ...,
+-- admitted_g}: each window's counts and each counter's total at `now` before the batch (what a
+-- budget read gets), and how many of each group's requests were admitted: its first ones, since
+-- once one is refused nothing changes until the group ends. What each request saw follows: a
+-- key's count plus the costs of the admitted requests before it that charge that key; each
+-- charge's totals, the counters' totals plus the adds before it. (The client replays those sums;
+-- a reply of every request's view of every limit cost the client more to parse than the rest of
+-- the decision.)
 --
 -- Redis's Lua is slow next to this arithmetic (a tonumber, a table growing or a string.match
 -- each cost about what a whole check does), so the script converts each argument once, sizes
 -- its per-key tables once ({unpack(KEYS)}: one array of the right length) and decides a group
 -- per key rather than per request (below).
 local nk = #KEYS
+local nc = tonumber(ARGV[2])
+local nw = nk - nc
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
--- Per key: window, max, kind (as sent: comparing interned strings costs no more than a flag),
--- its bucket, count, and the part of the previous window still carried at `now` (prev * (W -
--- elapsed), as Snapshot::admits has it).
+-- Per window: window, max, kind (as sent: comparing interned strings costs no more than a
+-- flag), its bucket, count, the previous window's count, and the part of it still carried at
+-- `now` (prev * (W - elapsed), as Snapshot::admits has it). Per counter: its period's label
+-- and end, and its total in that period.
 local W, MAX, KIND, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
   {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
-for j = 1, nk do
-  local a = 4 * j - 3
+for j = 1, nw do
+  local a = 4 * j - 2
   local w = tonumber(ARGV[a + 1])
   local b, cur, prev = window_at(stored[j], w)
   W[j], MAX[j], KIND[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3], b, cur
@@ -47,13 +61,21 @@ for j = 1, nk do
   reply[2 * j] = cur
   reply[2 * j + 1] = prev
 end
+local pos = 3 + 4 * nw
+local LABEL, ENDS, TOTAL = {}, {}, {}
+for k = nw + 1, nk do
+  LABEL[k], ENDS[k] = period_at(ARGV[pos])
+  TOTAL[k] = total_in(stored[k], LABEL[k])
+  reply[#reply + 1] = TOTAL[k]
+  pos = pos + 1
+end
+local groups = tonumber(ARGV[pos])
+pos = pos + 1
 local dirty = {}
 local chain = {}
 -- A per-limit group's costs, in chain order.
 local COST = {}
-local pos = 2 + 4 * nk
-local nargs = #ARGV
-while pos <= nargs do
+for _ = 1, groups do
   local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
   local last = pos + 2 + n
   -- Per-limit costs follow the key indices; the chain of one cost (the common case) pays one
@@ -117,10 +139,33 @@ while pos <= nargs do
   pos = last + 1
   reply[#reply + 1] = admitted
 end
-for j = 1, nk do
+-- The charges, after the admissions.
+local nargs = #ARGV
+while pos <= nargs do
+  local kind, units, n = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  for i = 1, n do
+    local j = tonumber(ARGV[pos + 2 + i])
+    -- Counts and totals stop at 2^53 (window.rs MAX_COUNT, period.rs MAX_TOTAL): exact in a
+    -- double, printable by %d.
+    if kind == 'r' then
+      CUR[j] = math.min(CUR[j] + units, 9007199254740992)
+    else
+      TOTAL[j] = math.min(TOTAL[j] + units, 9007199254740992)
+    end
+    dirty[j] = true
+  end
+  pos = pos + 3 + n
+end
+for j = 1, nw do
   if dirty[j] then
     redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1]), 'PX',
-      ARGV[4 * j + 1])
+      ARGV[4 * j + 2])
+  end
+end
+for k = nw + 1, nk do
+  if dirty[k] then
+    redis.call('SET', KEYS[k], LABEL[k] .. ' ' .. string.format('%d', TOTAL[k]), 'PX',
+      math.ceil((ENDS[k] + DAY - now) / 1000))
   end
 end
 return reply

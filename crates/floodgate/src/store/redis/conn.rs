@@ -400,9 +400,20 @@ impl Inner {
         op: &'static Op,
         cmd: &Cmd,
     ) -> Result<T, Failure> {
+        self.attempt(op, cmd).await.map_err(|(failure, _)| failure)
+    }
+
+    /// [`run`](Self::run), its failure told apart: `true` beside it if the connection dropped
+    /// under a call that is never replayed, which may or may not have run (the caller may send
+    /// again what in it may run twice).
+    pub(super) async fn attempt<T: FromRedisValue>(
+        self: &Arc<Self>,
+        op: &'static Op,
+        cmd: &Cmd,
+    ) -> Result<T, (Failure, bool)> {
         if self.open.load(Ordering::Acquire) {
             // The breaker answers at once; the probe task closes it when Redis is back.
-            return Err(Failure::Unavailable("circuit breaker open".into()));
+            return Err((Failure::Unavailable("circuit breaker open".into()), false));
         }
         // One deadline for the whole call, replay included.
         let deadline = tokio::time::Instant::now() + self.config.timeout;
@@ -423,7 +434,7 @@ impl Inner {
                     let why = format!("{} timed out after {:?}", op.name, self.config.timeout);
                     self.fresh_connection(generation);
                     self.trip(&why);
-                    return Err(Failure::Unavailable(why));
+                    return Err((Failure::Unavailable(why), false));
                 }
             };
             match classify(&err) {
@@ -448,14 +459,16 @@ impl Inner {
                     } else {
                         self.trip(&why);
                     }
-                    return Err(Failure::Unavailable(why));
+                    return Err((Failure::Unavailable(why), true));
                 }
                 Class::Dropped | Class::Unavailable => {
                     let why = format!("{}: {err}", op.name);
                     self.trip(&why);
-                    return Err(Failure::Unavailable(why));
+                    return Err((Failure::Unavailable(why), false));
                 }
-                Class::Answered => return Err(Failure::Backend(format!("{}: {err}", op.name))),
+                Class::Answered => {
+                    return Err((Failure::Backend(format!("{}: {err}", op.name)), false));
+                }
             }
         }
     }

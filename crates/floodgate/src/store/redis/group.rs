@@ -1,4 +1,5 @@
-//! Group commit, shared by the batched operations (charges, budget reads): while one call of an
+//! Group commit, shared by the batched operations (a step's admissions, reads and charges,
+//! releases): while one call of an
 //! operation is in flight, its callers queue, and the next call carries them all, in the order
 //! they came. An idle store sends each at once, alone, so batching adds no wait. The sending
 //! runs in a task of its own, so a caller that gives up never strands the others.
@@ -114,6 +115,15 @@ pub(super) async fn answer<R>(answer: Answer<R>, what: &str) -> Result<R, Failur
     answer
         .await
         .map_err(|_| Failure::Unavailable(format!("{what} batch abandoned")))?
+}
+
+/// Puts `calls` back at the front of `queue`, in their order, before everything queued since
+/// they were taken: they came first. The queue's sender, which took them, sends them next.
+pub(super) fn put_back<T>(queue: &Mutex<Queue<T>>, mut calls: Vec<T>) {
+    let mut q = lock(queue);
+    let later = std::mem::take(&mut q.pending);
+    calls.extend(later);
+    q.pending = calls;
 }
 
 /// Queues `call`; says whether the caller must start a sender ([`serve`]).

@@ -40,8 +40,10 @@
 //! The module, one file per concern: this one holds the store and its [`Store`] operations;
 //! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
 //! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
-//! circuit breaker; `batch.rs` the batching of admissions; `charges.rs` the batching of charges
-//! (tokens recorded, spend added); `slots.rs` concurrency slots, their
+//! circuit breaker; `group.rs` group commit, shared by the batched calls; `step.rs` the one call
+//! that carries a batch of admissions, budget reads and charges, whose parts `batch.rs`
+//! (admissions), `reads.rs` (budget reads) and `charges.rs` (tokens recorded, spend added) pack
+//! and answer; `slots.rs` concurrency slots, their
 //! leases and renewal; `state.rs` an operator's reads and resets; `stats.rs` the counters.
 
 use std::borrow::Cow;
@@ -65,19 +67,18 @@ mod scripts;
 mod slots;
 mod state;
 mod stats;
+mod step;
 
 pub use config::{DEFAULT_LEASE, OnError, RedisClock, RedisConfig};
 pub use scripts::script_source;
 pub use stats::RedisStats;
 
-use batch::AdmitQueue;
-use charges::ChargeQueue;
-use conn::{Failure, bad_reply, int};
+use conn::{Failure, bad_reply};
 use group::Lanes;
-use reads::ReadQueue;
 use releases::ReleaseQueue;
 use scripts::{ACQUIRE, Op, PERIODS_RECONCILE, RESET, STATE_CLEAR, STATE_READ};
 use stats::{Counters, bump};
+use step::StepQueue;
 
 use super::{
     BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
@@ -107,13 +108,9 @@ struct Inner {
     /// How a fresh connection is made.
     maker: conn::Maker,
     config: RedisConfig,
-    /// Admissions waiting for the next batch, per cluster slot (see
-    /// [`RedisStore::admit_inner`]).
-    admissions: Lanes<AdmitQueue>,
-    /// Charges waiting for the next charge batch (`charges.rs`).
-    charges: Lanes<ChargeQueue>,
-    /// Budget reads waiting for the next read batch (`reads.rs`).
-    reads: Lanes<ReadQueue>,
+    /// Admissions, budget reads and charges waiting for the next step, per cluster slot
+    /// (`step.rs`).
+    steps: Lanes<StepQueue>,
     /// Slot releases waiting for the next release batch (`releases.rs`).
     releases: Lanes<ReleaseQueue>,
     /// The circuit breaker: open while Redis is unreachable; a probe task closes it.
@@ -159,9 +156,7 @@ impl RedisStore {
                 conn: std::sync::RwLock::new((0, conn)),
                 maker,
                 config,
-                admissions: Lanes::default(),
-                charges: Lanes::default(),
-                reads: Lanes::default(),
+                steps: Lanes::default(),
                 releases: Lanes::default(),
                 open: AtomicBool::new(false),
                 unconfirmed: AtomicBool::new(false),
@@ -649,32 +644,11 @@ impl Store for RedisStore {
     }
 }
 
-impl RedisStore {
-    /// The call of a period counter script: the counters' keys; the time; the amount, for an
-    /// add; each counter's period.
-    fn periods_cmd(
-        &self,
-        op: &Op,
-        counters: &[PeriodCounter],
-        amount: Option<u64>,
-        now: Option<Timestamp>,
-    ) -> Cmd {
-        let n = counters.len();
-        let mut cmd = self.evalsha(op, n, 1 + usize::from(amount.is_some()) + n);
-        for c in counters {
-            self.key_arg(&mut cmd, &[c.key()]);
-        }
-        self.time_arg(&mut cmd, now);
-        if let Some(amount) = amount {
-            cmd.arg(amount);
-        }
-        for c in counters {
-            cmd.arg(match c.period() {
-                Period::Day => "day",
-                Period::Month => "month",
-            });
-        }
-        cmd
+/// How the period counter scripts take a period.
+fn period_arg(period: Period) -> &'static str {
+    match period {
+        Period::Day => "day",
+        Period::Month => "month",
     }
 }
 
@@ -697,19 +671,6 @@ fn no_periods(now: Option<Timestamp>) -> PeriodObservation {
         enforced: true,
         totals: Vec::new(),
     }
-}
-
-/// Reads a period counter script's reply: `{now, total_1, ..., total_n}`.
-fn periods_reply(reply: &[::redis::Value], n: usize) -> Result<PeriodObservation, Failure> {
-    let (now, totals) = reply.split_first().ok_or_else(bad_reply)?;
-    if totals.len() != n {
-        return Err(bad_reply());
-    }
-    Ok(PeriodObservation {
-        now: Timestamp::from_micros(int(now)?),
-        enforced: true,
-        totals: totals.iter().map(int).collect::<Result<_, _>>()?,
-    })
 }
 
 #[cfg(test)]

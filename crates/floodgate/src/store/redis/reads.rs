@@ -1,54 +1,32 @@
-//! Budget-read batching: period counters read before admissions (a budget check) go out in
-//! batches (group commit, `group.rs`): one `periods_read.lua` call reads the distinct counters of
-//! every queued read, and each read gets its own totals from it. A read changes nothing, so a
-//! batch whose connection dropped is replayed once, as a read alone would be.
-
-use std::collections::HashMap;
+//! Budget reads in a batch (group commit, `step.rs`): period counters read before admissions (a
+//! budget check) ride the next step's call, which reads the distinct counters of every read
+//! before anything in it adds to them, and each read gets its own totals from it. A read changes
+//! nothing, so it goes again once after a dropped connection, as a read alone would.
 
 use ::redis::cluster_routing::Slot;
 
+use super::RedisStore;
 use super::conn::Failure;
-use super::group::{self, Answer, Bounds, Queue, Queued, intern};
-use super::scripts::PERIODS_READ;
-use super::stats::bump;
-use super::{RedisStore, periods_reply};
+use super::group::{self, Answer};
+use super::step::{Counters, Pending};
 use crate::clock::Timestamp;
 use crate::period::PeriodCounter;
 use crate::store::PeriodObservation;
 
-/// Reads queued for the next batch.
-pub(super) type ReadQueue = Queue<PendingRead>;
-
 /// One queued read: its counters, its time argument and where its answer goes.
 pub(super) struct PendingRead {
-    counters: Vec<PeriodCounter>,
+    pub(super) counters: Vec<PeriodCounter>,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
-    time: Option<u64>,
-    reply: tokio::sync::oneshot::Sender<Result<PeriodObservation, Failure>>,
-}
-
-impl Queued for PendingRead {
-    fn time(&self) -> Option<u64> {
-        self.time
-    }
-    fn keys(&self) -> usize {
-        self.counters.len()
-    }
-    fn fail(self, failure: &Failure) {
-        let _ = self.reply.send(Err(failure.again()));
-    }
+    pub(super) time: Option<u64>,
+    /// Whether it already went out in a call whose connection dropped under it.
+    pub(super) replayed: bool,
+    pub(super) reply: tokio::sync::oneshot::Sender<Result<PeriodObservation, Failure>>,
 }
 
 /// The answer of a queued read.
 async fn read(answer: Answer<PeriodObservation>) -> Result<PeriodObservation, Failure> {
     group::answer(answer, "budget read").await
 }
-
-/// The most one batch carries: reads, and counters over all of them past its first.
-const BOUNDS: Bounds = Bounds {
-    calls: 256,
-    keys: 4096,
-};
 
 impl RedisStore {
     /// Reads each counter of `counters` (not empty) in its period, through a read batch (on a
@@ -84,72 +62,42 @@ impl RedisStore {
         })
     }
 
-    /// Queues a read of `counters` (all in `slot`) for its slot's batch.
+    /// Queues a read of `counters` (all in `slot`) for its slot's next step.
     fn queue_read(
         &self,
         slot: Option<Slot>,
         counters: Vec<PeriodCounter>,
         now: Option<Timestamp>,
     ) -> Result<Answer<PeriodObservation>, Failure> {
-        if self.inner.open.load(std::sync::atomic::Ordering::Acquire) {
-            return Err(Failure::Unavailable("circuit breaker open".into()));
-        }
         let time = now.map(Timestamp::as_micros);
-        Ok(group::submit(
-            self,
-            self.inner.reads.lane(slot),
-            BOUNDS,
-            |reply| PendingRead {
+        self.step(slot, |reply| {
+            Pending::Read(PendingRead {
                 counters,
                 time,
+                replayed: false,
                 reply,
-            },
-            |store: RedisStore, batch| async move { store.send_read_batch(batch).await },
-        ))
-    }
-
-    async fn send_read_batch(&self, batch: Vec<PendingRead>) {
-        // A read whose caller gave up is left out: nobody reads its answer.
-        let batch: Vec<PendingRead> = batch.into_iter().filter(|r| !r.reply.is_closed()).collect();
-        if batch.is_empty() {
-            return;
-        }
-        let mut index: HashMap<&str, usize, foldhash::fast::RandomState> = HashMap::default();
-        let mut distinct: Vec<&PeriodCounter> = Vec::new();
-        let positions: Vec<Vec<usize>> = batch
-            .iter()
-            .map(|r| {
-                r.counters
-                    .iter()
-                    .map(|c| intern(&mut index, &mut distinct, c.key(), c))
-                    .collect()
             })
-            .collect();
-        let n = distinct.len();
-        let distinct: Vec<PeriodCounter> = distinct.into_iter().cloned().collect();
-        let time = batch[0].time.map(Timestamp::from_micros);
-        let cmd = self.periods_cmd(&PERIODS_READ, &distinct, None, time);
-        bump(&self.inner.counters.read_batches);
-        let answer = self
-            .inner
-            .run::<Vec<::redis::Value>>(&PERIODS_READ, &cmd)
-            .await
-            .and_then(|reply| periods_reply(&reply, n));
-        let PeriodObservation { now, totals, .. } = match answer {
-            Ok(answer) => answer,
-            Err(failure) => {
-                for r in batch {
-                    r.fail(&failure);
-                }
-                return;
-            }
-        };
-        for (r, positions) in batch.into_iter().zip(positions) {
-            let _ = r.reply.send(Ok(PeriodObservation {
-                now,
-                enforced: true,
-                totals: positions.iter().map(|&i| totals[i]).collect(),
-            }));
-        }
+        })
+    }
+}
+
+/// Interns the counters of `batch`'s reads into the call's `counters`; returns each read's
+/// positions among them.
+pub(super) fn intern<'a>(counters: &mut Counters<'a>, batch: &'a [PendingRead]) -> Vec<Vec<usize>> {
+    batch
+        .iter()
+        .map(|r| r.counters.iter().map(|c| counters.intern(c)).collect())
+        .collect()
+}
+
+/// Answers each read of `batch` with its counters' totals among `totals` (at `positions`, as
+/// [`intern`] gave them), before the call added anything.
+pub(super) fn answer(batch: Vec<PendingRead>, positions: &[Vec<usize>], totals: &[u64], now: u64) {
+    for (r, positions) in batch.into_iter().zip(positions) {
+        let _ = r.reply.send(Ok(PeriodObservation {
+            now: Timestamp::from_micros(now),
+            enforced: true,
+            totals: positions.iter().map(|&i| totals[i]).collect(),
+        }));
     }
 }

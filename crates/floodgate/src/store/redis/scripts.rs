@@ -50,8 +50,8 @@ macro_rules! lua {
             include_str!($file)
         )
     };
-    // The charge script adds to windows and counters alike.
-    (charge $file:literal) => {
+    // The admission script also reads and adds to counters.
+    (window period $file:literal) => {
         concat!(
             include_str!("clock.lua"),
             include_str!("window.lua"),
@@ -71,12 +71,10 @@ macro_rules! lua {
     };
 }
 
-const ADMIT_LUA: &str = lua!(window "admit.lua");
-const CHARGE_LUA: &str = lua!(charge "charge.lua");
+const ADMIT_LUA: &str = lua!(window period "admit.lua");
 const RECONCILE_LUA: &str = lua!(window "reconcile.lua");
 const ACQUIRE_LUA: &str = lua!("acquire.lua");
 const RESET_LUA: &str = lua!("reset.lua");
-const PERIODS_READ_LUA: &str = lua!(period "periods_read.lua");
 const PERIODS_RECONCILE_LUA: &str = lua!(period "periods_reconcile.lua");
 const ADMIT_HOLDING_LUA: &str = lua!(window "admit_holding.lua");
 const RELEASE_LUA: &str = lua!("release.lua");
@@ -94,16 +92,17 @@ fn op(name: &'static str, source: &str, replay: Replay) -> Op {
 }
 
 // Hashed once, on first use.
+// A step: admissions and budget reads, replayed once; with charges, never (`step.rs` sends a
+// lost call's admissions and reads again itself, once).
 pub(super) static ADMIT: LazyLock<Op> = LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Once));
-pub(super) static CHARGE: LazyLock<Op> = LazyLock::new(|| op("charge", CHARGE_LUA, Replay::Never));
+pub(super) static ADMIT_CHARGING: LazyLock<Op> =
+    LazyLock::new(|| op("admit", ADMIT_LUA, Replay::Never));
 // A reservation's difference, added once: twice would charge (or refund) it twice.
 pub(super) static RECONCILE: LazyLock<Op> =
     LazyLock::new(|| op("reconcile", RECONCILE_LUA, Replay::Never));
 pub(super) static ACQUIRE: LazyLock<Op> =
     LazyLock::new(|| op("acquire", ACQUIRE_LUA, Replay::Once));
 pub(super) static RESET: LazyLock<Op> = LazyLock::new(|| op("reset", RESET_LUA, Replay::Once));
-pub(super) static PERIODS_READ: LazyLock<Op> =
-    LazyLock::new(|| op("periods_read", PERIODS_READ_LUA, Replay::Once));
 pub(super) static PERIODS_RECONCILE: LazyLock<Op> =
     LazyLock::new(|| op("periods_reconcile", PERIODS_RECONCILE_LUA, Replay::Never));
 // Taking a slot twice under one lease takes it once (the script finds its own member); the
@@ -123,9 +122,9 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
     LazyLock::new(|| op("state_clear", STATE_CLEAR_LUA, Replay::Once));
 
 /// The Lua source of each script as the store loads it (`clock.lua` prepended), by operation
-/// name: `admit`, `charge`, `reconcile`, `acquire`, `reset`, `periods_read`,
-/// `periods_reconcile`, `state_read`,
-/// `state_clear`, `admit_holding`, `release`, `renew`, `running`. For benchmarks
+/// name: `admit` (a step: admissions, budget reads and charges), `reconcile`, `acquire`, `reset`,
+/// `periods_reconcile`, `state_read`, `state_clear`, `admit_holding`, `release`, `renew`,
+/// `running`. For benchmarks
 /// and operators who preload scripts (`SCRIPT LOAD`); the store loads them itself on first use.
 ///
 /// ```
@@ -135,11 +134,9 @@ pub(super) static STATE_CLEAR: LazyLock<Op> =
 pub fn script_source(op: &str) -> Option<&'static str> {
     Some(match op {
         "admit" => ADMIT_LUA,
-        "charge" => CHARGE_LUA,
         "reconcile" => RECONCILE_LUA,
         "acquire" => ACQUIRE_LUA,
         "reset" => RESET_LUA,
-        "periods_read" => PERIODS_READ_LUA,
         "periods_reconcile" => PERIODS_RECONCILE_LUA,
         "admit_holding" => ADMIT_HOLDING_LUA,
         "release" => RELEASE_LUA,
@@ -196,7 +193,7 @@ mod tests {
     fn every_operation_has_a_script_and_only_charges_never_replay() {
         for (op, name) in [
             (&ADMIT, "admit"),
-            (&CHARGE, "charge"),
+            (&ADMIT_CHARGING, "admit"),
             (&ACQUIRE, "acquire"),
             (&ADMIT_HOLDING, "admit_holding"),
             (&RELEASE, "release"),
@@ -205,12 +202,11 @@ mod tests {
             assert_eq!(op.name, name);
             assert!(script_source(name).is_some());
         }
-        assert_eq!(CHARGE.replay, Replay::Never);
+        assert_eq!(ADMIT_CHARGING.replay, Replay::Never);
+        assert_eq!(ADMIT_CHARGING.script.get_hash(), ADMIT.script.get_hash());
         assert_eq!(RECONCILE.replay, Replay::Never);
         assert!(script_source("reconcile").is_some());
         assert_eq!(PERIODS_RECONCILE.replay, Replay::Never);
-        assert_eq!(PERIODS_READ.replay, Replay::Once);
-        assert!(script_source("periods_read").is_some());
         assert_eq!(ADMIT.replay, Replay::Once);
         assert_eq!(ACQUIRE.replay, Replay::Once);
         assert_eq!(RESET.replay, Replay::Once);

@@ -1,0 +1,383 @@
+//! One call for a batch of a slot's admissions, budget reads and charges (group commit,
+//! `group.rs`): while one call is in flight, all three queue together, in the order they came,
+//! and the next call (`admit.lua`) carries them all: the budget reads see the counters as they
+//! were before the call, the admissions are decided in order, then the charges are added in
+//! order. An org's token window, which an admission checks and a charge adds to, and its budget,
+//! which a read checks and a charge adds to, are thus read and written once for all of them, and
+//! a busy store sends one script call where it sent three (docs/redis.md, "Batching").
+//!
+//! Replays: admissions and reads may run twice after a dropped connection (`Replay::Once`);
+//! charges never may. A call that carries charges is never replayed: if its connection drops
+//! under it, its charges fail, as each alone would have, and its admissions and reads go back to
+//! the front of the queue for the next call, once.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use ::redis::Cmd;
+use ::redis::cluster_routing::Slot;
+
+use super::batch::{self, Group, PendingAdmit};
+use super::charges::{self, PendingCharge};
+use super::conn::{Failure, bad_reply, int};
+use super::group::{self, Answer, Bounds, Queue, Queued};
+use super::reads::{self, PendingRead};
+use super::scripts::{ADMIT, ADMIT_CHARGING};
+use super::stats::bump;
+use super::{RedisStore, period_arg};
+use crate::chain::ChainLimit;
+use crate::period::PeriodCounter;
+
+/// A slot's queue of calls for the next step.
+pub(super) type StepQueue = Queue<Pending>;
+
+/// One queued call: an admission, a budget read or a charge.
+pub(super) enum Pending {
+    Admit(PendingAdmit),
+    Read(PendingRead),
+    Charge(PendingCharge),
+}
+
+impl Queued for Pending {
+    fn time(&self) -> Option<u64> {
+        match self {
+            Pending::Admit(p) => p.time,
+            Pending::Read(p) => p.time,
+            Pending::Charge(p) => p.time,
+        }
+    }
+    fn keys(&self) -> usize {
+        match self {
+            Pending::Admit(p) => p.limits.len(),
+            Pending::Read(p) => p.counters.len(),
+            Pending::Charge(p) => p.keys(),
+        }
+    }
+    fn fail(self, failure: &Failure) {
+        match self {
+            Pending::Admit(p) => {
+                let _ = p.reply.send(Err(failure.again()));
+            }
+            Pending::Read(p) => {
+                let _ = p.reply.send(Err(failure.again()));
+            }
+            Pending::Charge(p) => p.fail(failure),
+        }
+    }
+}
+
+/// The most one call carries: its calls, and the keys of all of them past its first (the script
+/// unpacks its keys onto Lua's stack for MGET, at most about 8 000 values).
+const BOUNDS: Bounds = Bounds {
+    calls: 512,
+    keys: 4096,
+};
+
+/// A call's distinct keys of one sort, in `KEYS` order, each known by its key.
+pub(super) struct Distinct<'a, T> {
+    pub(super) list: Vec<&'a T>,
+    index: HashMap<&'a str, usize, foldhash::fast::RandomState>,
+}
+
+impl<T> Default for Distinct<'_, T> {
+    fn default() -> Self {
+        Distinct {
+            list: Vec::new(),
+            index: HashMap::default(),
+        }
+    }
+}
+
+/// A call's distinct windows (limit states).
+pub(super) type Windows<'a> = Distinct<'a, ChainLimit>;
+/// A call's distinct period counters (after the windows in `KEYS`).
+pub(super) type Counters<'a> = Distinct<'a, PeriodCounter>;
+
+impl<'a> Windows<'a> {
+    /// The 0-based position of `limit`'s key among the windows, added if new.
+    pub(super) fn intern(&mut self, limit: &'a ChainLimit) -> usize {
+        group::intern(&mut self.index, &mut self.list, limit.key(), limit)
+    }
+
+    /// Forgets the windows past the first `len`.
+    pub(super) fn truncate(&mut self, len: usize) {
+        for l in self.list.drain(len..) {
+            self.index.remove(l.key());
+        }
+    }
+}
+
+impl<'a> Counters<'a> {
+    /// The 0-based position of `counter`'s key among the counters, added if new.
+    pub(super) fn intern(&mut self, counter: &'a PeriodCounter) -> usize {
+        group::intern(&mut self.index, &mut self.list, counter.key(), counter)
+    }
+}
+
+impl RedisStore {
+    /// Queues the call `make` builds around its reply channel for `slot`'s next step (`None`: a
+    /// single server's), starting the slot's sender if none runs.
+    pub(super) fn step<R>(
+        &self,
+        slot: Option<Slot>,
+        make: impl FnOnce(tokio::sync::oneshot::Sender<Result<R, Failure>>) -> Pending,
+    ) -> Result<Answer<R>, Failure> {
+        if self.inner.open.load(Ordering::Acquire) {
+            // The breaker answers at once; the probe task closes it when Redis is back.
+            return Err(Failure::Unavailable("circuit breaker open".into()));
+        }
+        let lane = self.inner.steps.lane(slot);
+        Ok(group::submit(
+            &(self.clone(), Arc::clone(&lane)),
+            lane,
+            BOUNDS,
+            make,
+            |(store, lane): (RedisStore, Arc<Mutex<StepQueue>>), batch| async move {
+                store.send_step(&lane, batch).await
+            },
+        ))
+    }
+
+    /// Sends one step: `batch`'s admissions, reads and charges in one call, each answered from
+    /// its reply.
+    async fn send_step(&self, lane: &Mutex<StepQueue>, batch: Vec<Pending>) {
+        // One call shares one time argument (`group::serve` batched them so).
+        let time = batch.first().and_then(Queued::time);
+        let mut admits = Vec::new();
+        let mut reads = Vec::new();
+        let mut charges = Vec::new();
+        for p in batch {
+            match p {
+                // A caller that gave up while it waited (a client that disconnected) is left
+                // out: nothing is charged for a request never served, nobody reads a read. A
+                // charge still goes: the response it charges for was served.
+                Pending::Admit(p) if p.reply.is_closed() => {}
+                Pending::Read(p) if p.reply.is_closed() => {}
+                Pending::Admit(p) => admits.push(p),
+                Pending::Read(p) => reads.push(p),
+                Pending::Charge(p) => charges.push(p),
+            }
+        }
+        if admits.is_empty() && reads.is_empty() && charges.is_empty() {
+            // Every queued call was left out.
+            return;
+        }
+        let mut windows = Windows::default();
+        let mut counters = Counters::default();
+        let (groups, taken) = batch::group(&mut windows, &admits);
+        // The windows the admissions charge, before the charges add theirs.
+        let charged: Vec<bool> = windows
+            .list
+            .iter()
+            .map(|l| l.charge().at_admission())
+            .collect();
+        let read_at = reads::intern(&mut counters, &reads);
+        let packed = charges::pack(&mut windows, &mut counters, &charges);
+        let nw = windows.list.len();
+        let nc = counters.list.len();
+        let op = if charges.is_empty() {
+            &ADMIT
+        } else {
+            &ADMIT_CHARGING
+        };
+        let argc = 2 + 4 * nw + nc + batch::group_args(&groups) + packed.args();
+        let mut cmd: Cmd = self.evalsha(op, nw + nc, argc);
+        for l in &windows.list {
+            self.key_arg(&mut cmd, &[l.key()]);
+        }
+        for c in &counters.list {
+            self.key_arg(&mut cmd, &[c.key()]);
+        }
+        match time.or_else(|| self.time_of(None)) {
+            Some(t) => cmd.arg(t),
+            None => cmd.arg(""),
+        };
+        cmd.arg(nc);
+        for l in &windows.list {
+            batch::write_window(&mut cmd, l);
+        }
+        for c in &counters.list {
+            cmd.arg(period_arg(c.period()));
+        }
+        batch::write_groups(&mut cmd, &groups);
+        packed.write(&mut cmd, nw);
+        drop((windows, counters));
+        // Admissions that did not fit go first in the next call: they came before anything
+        // queued since.
+        let admits = self.put_back_rest(lane, admits, taken);
+        if !groups.is_empty() {
+            bump(&self.inner.counters.admit_batches);
+        }
+        if !reads.is_empty() {
+            bump(&self.inner.counters.read_batches);
+        }
+        if !charges.is_empty() {
+            bump(&self.inner.counters.charge_batches);
+        }
+        let answer = self
+            .inner
+            .attempt::<Vec<::redis::Value>>(op, &cmd)
+            .await
+            .and_then(|reply| step_reply(&reply, nw, nc, &groups).map_err(|f| (f, false)));
+        let StepReply {
+            now,
+            mut counts,
+            totals,
+            admitted,
+        } = match answer {
+            Ok(answer) => answer,
+            Err((failure, lost)) => {
+                for c in charges {
+                    c.fail(&failure);
+                }
+                if lost {
+                    // Never replayed for its charges' sake; its admissions and reads are, once.
+                    return self.replay_once(lane, admits, reads, &failure);
+                }
+                for p in admits {
+                    Pending::Admit(p).fail(&failure);
+                }
+                for r in reads {
+                    Pending::Read(r).fail(&failure);
+                }
+                return;
+            }
+        };
+        batch::answer(admits, &groups, &admitted, &mut counts, &charged, now);
+        reads::answer(reads, &read_at, &totals, now);
+        charges::answer(charges, &packed, totals, now);
+    }
+
+    /// Puts admissions `admits[taken..]` back at the front of `lane`'s queue; returns the rest.
+    fn put_back_rest(
+        &self,
+        lane: &Mutex<StepQueue>,
+        mut admits: Vec<PendingAdmit>,
+        taken: usize,
+    ) -> Vec<PendingAdmit> {
+        if taken < admits.len() {
+            let rest = admits.split_off(taken);
+            group::put_back(lane, rest.into_iter().map(Pending::Admit).collect());
+        }
+        admits
+    }
+
+    /// After a call that charged was lost with its connection: its admissions and reads go
+    /// back to the front of the queue if this was their first call, and fail if it was their
+    /// second.
+    fn replay_once(
+        &self,
+        lane: &Mutex<StepQueue>,
+        admits: Vec<PendingAdmit>,
+        reads: Vec<PendingRead>,
+        failure: &Failure,
+    ) {
+        let mut again = Vec::new();
+        for mut p in admits {
+            if std::mem::replace(&mut p.replayed, true) {
+                Pending::Admit(p).fail(failure);
+            } else {
+                again.push(Pending::Admit(p));
+            }
+        }
+        for mut r in reads {
+            if std::mem::replace(&mut r.replayed, true) {
+                Pending::Read(r).fail(failure);
+            } else {
+                again.push(Pending::Read(r));
+            }
+        }
+        if !again.is_empty() {
+            bump(&self.inner.counters.replays);
+            group::put_back(lane, again);
+        }
+    }
+}
+
+/// The step script's reply (see admit.lua).
+struct StepReply {
+    /// The call's instant.
+    now: u64,
+    /// Each window's `[cur, prev]` before the call, in `KEYS` order.
+    counts: Vec<[u64; 2]>,
+    /// Each counter's total before the call, in `KEYS` order (after the windows).
+    totals: Vec<u64>,
+    /// How many of each group's requests were admitted (its first ones).
+    admitted: Vec<usize>,
+}
+
+/// Reads the step script's reply for a call of `nw` windows, `nc` counters and `groups`.
+fn step_reply(
+    reply: &[::redis::Value],
+    nw: usize,
+    nc: usize,
+    groups: &[Group],
+) -> Result<StepReply, Failure> {
+    if reply.len() != 1 + 2 * nw + nc + groups.len() {
+        return Err(bad_reply());
+    }
+    let (now, rest) = reply.split_first().ok_or_else(bad_reply)?;
+    let (counts, rest) = rest.split_at(2 * nw);
+    let (totals, admitted) = rest.split_at(nc);
+    let counts = counts
+        .chunks_exact(2)
+        .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
+        .collect::<Result<Vec<_>, Failure>>()?;
+    let totals = totals
+        .iter()
+        .map(int)
+        .collect::<Result<Vec<_>, Failure>>()?;
+    let admitted = admitted
+        .iter()
+        .zip(groups)
+        .map(|(a, g)| match usize::try_from(int(a)?) {
+            Ok(a) if a <= g.members.len() => Ok(a),
+            _ => Err(bad_reply()),
+        })
+        .collect::<Result<Vec<_>, Failure>>()?;
+    Ok(StepReply {
+        now: int(now)?,
+        counts,
+        totals,
+        admitted,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::redis::batch::GroupCost;
+
+    #[test]
+    fn a_malformed_step_reply_is_an_error() {
+        use ::redis::Value::{BulkString, Int};
+        let groups = [Group {
+            cost: GroupCost::Each(1),
+            chain: vec![1],
+            members: vec![0, 1],
+        }];
+        let reply = |v: Vec<::redis::Value>| step_reply(&v, 1, 1, &groups);
+        let ok = reply(vec![Int(7), Int(3), Int(0), Int(40), Int(2)])
+            .ok()
+            .expect("a well-formed reply");
+        assert_eq!(
+            (ok.now, ok.counts, ok.totals, ok.admitted),
+            (7, vec![[3, 0]], vec![40], vec![2])
+        );
+        // One value short, more admitted than the group holds, a negative count, a string.
+        assert!(reply(vec![Int(7), Int(3), Int(0), Int(40)]).is_err());
+        assert!(reply(vec![Int(7), Int(3), Int(0), Int(40), Int(3)]).is_err());
+        assert!(reply(vec![Int(7), Int(-3), Int(0), Int(40), Int(1)]).is_err());
+        assert!(
+            reply(vec![
+                Int(7),
+                Int(3),
+                Int(0),
+                BulkString(b"4".to_vec()),
+                Int(1)
+            ])
+            .is_err()
+        );
+    }
+}
