@@ -307,7 +307,8 @@ fn main() {
             .collect();
         // The admit script's layout (see admit.lua): the time, how many period counters (none),
         // each key's limit, then how many groups and the requests in groups (cost, count, the
-        // chain); redis-benchmark sends a batch of one request per call.
+        // chain's length, the gate's, the chain); redis-benchmark sends a batch of one request
+        // per call.
         let mut args = vec![String::new(), "0".into()];
         for l in template.limits() {
             let w = l.limit().window_micros();
@@ -321,6 +322,8 @@ fn main() {
             "1".into(),
             "1".into(),
             template.limits().len().to_string(),
+            // No gate.
+            "0".into(),
         ]);
         args.extend((1..=template.limits().len()).map(|i| i.to_string()));
         let raw = |pipelined| {

@@ -23,7 +23,7 @@ use crate::Error;
 use crate::chain::ScopeKind;
 use crate::clock::Timestamp;
 use crate::period::{Period, PeriodCounter};
-use crate::store::Store;
+use crate::store::{PeriodObservation, Store};
 
 /// A cap on what one scope spends per calendar period.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -99,6 +99,8 @@ impl Budget {
 pub struct Budgets {
     budgets: Vec<Budget>,
     counters: Vec<PeriodCounter>,
+    /// Each budget's cap, in order.
+    caps: Vec<u64>,
 }
 
 /// The answer to a budget check.
@@ -137,7 +139,12 @@ impl Budgets {
             "budgets must have distinct storage keys"
         );
         let counters = budgets.iter().map(|b| b.counter.clone()).collect();
-        Budgets { budgets, counters }
+        let caps = budgets.iter().map(|b| b.cap).collect();
+        Budgets {
+            budgets,
+            counters,
+            caps,
+        }
     }
 
     /// The budgets, in order.
@@ -178,17 +185,32 @@ impl Budgets {
             return Ok(decide(&[], &[], now.unwrap_or_else(Timestamp::now)));
         }
         let seen = store.read_periods(&self.counters, now).await?;
+        Ok(self.decision_of(&seen))
+    }
+
+    /// The decision a read of every budget's counter gives (`seen`, in order).
+    pub(crate) fn decision_of(&self, seen: &PeriodObservation) -> BudgetDecision {
         if !seen.enforced {
-            return Ok(BudgetDecision {
+            return BudgetDecision {
                 now: seen.now,
                 enforced: false,
                 spent: Vec::new(),
                 exceeded_by: None,
                 retry_after: None,
                 waits_for: None,
-            });
+            };
         }
-        Ok(decide(&self.budgets, &seen.totals, seen.now))
+        decide(&self.budgets, &seen.totals, seen.now)
+    }
+
+    /// Every budget's counter, in order.
+    pub(crate) fn counters(&self) -> &[PeriodCounter] {
+        &self.counters
+    }
+
+    /// Every budget's cap, in order.
+    pub(crate) fn caps(&self) -> &[u64] {
+        &self.caps
     }
 
     /// Adds `amount` to every budget's spend on the store's clock, once: the store never

@@ -8,11 +8,12 @@ use std::sync::Arc;
 
 use crate::Error;
 use crate::bucket::{Admission, BucketLimit, Rate};
+use crate::budget::{BudgetDecision, Budgets};
 use crate::chain::{ChainDecision, ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, InFlightStatus, Lease};
 use crate::refusals::Refusals;
-use crate::store::{BucketKey, NameRef, Store};
+use crate::store::{BucketKey, NameRef, Observation, Store};
 use crate::window::Charge;
 
 /// A chain of sliding-window limits, narrowest scope first, admitted as one atomic step.
@@ -329,8 +330,14 @@ impl Chain {
             return Ok(ChainDecision::unlimited(now));
         }
         let seen = store.admit(&self.limits, cost, now).await?;
+        Ok(self.decided(seen, cost, lowered))
+    }
+
+    /// The decision the store's observation `seen` of an admission at `cost` gives, told to the
+    /// refusal cache.
+    fn decided(&self, seen: Observation, cost: Costs<'_>, lowered: u64) -> ChainDecision {
         if !seen.enforced {
-            return Ok(ChainDecision::unenforced(seen.now));
+            return ChainDecision::unenforced(seen.now);
         }
         let mut decision = ChainDecision::from_snapshots(
             &self.limits,
@@ -343,7 +350,73 @@ impl Chain {
             decision.charged_at = seen.at;
         }
         self.remember(&decision, &seen.snapshots, cost, lowered);
-        Ok(decision)
+        decision
+    }
+
+    /// Checks `budgets` (reads their spend, charging nothing, as [`Budgets::check`]) and then,
+    /// unless one of them is spent, admits a request of `cost` as [`admit`](Self::admit) does:
+    /// the budget decision, and the chain's (`None`: a budget refused, nothing admitted or
+    /// charged). The answer is the one the check and then the admission give; where the store
+    /// can (Redis, one server), both go in one call, sparing the request a round trip
+    /// ([`Store::admit_within`]). A budget is reactive (a response's spend is known only after
+    /// it), so concurrent requests can still overrun one by what they spend in flight.
+    pub fn admit_within<S: Store>(
+        &self,
+        store: &S,
+        budgets: &Budgets,
+        cost: u64,
+    ) -> impl Future<Output = Result<(BudgetDecision, Option<ChainDecision>), Error>> {
+        self.admit_within_inner(store, budgets, cost, None)
+    }
+
+    /// [`admit_within`](Self::admit_within) at `now`.
+    pub fn admit_within_at<S: Store>(
+        &self,
+        store: &S,
+        budgets: &Budgets,
+        cost: u64,
+        now: Timestamp,
+    ) -> impl Future<Output = Result<(BudgetDecision, Option<ChainDecision>), Error>> {
+        self.admit_within_inner(store, budgets, cost, Some(now))
+    }
+
+    async fn admit_within_inner<S: Store>(
+        &self,
+        store: &S,
+        budgets: &Budgets,
+        cost: u64,
+        now: Option<Timestamp>,
+    ) -> Result<(BudgetDecision, Option<ChainDecision>), Error> {
+        let costs = Costs::Each(cost);
+        let lowered = if self.refusals.is_some() {
+            store.lowered()
+        } else {
+            0
+        };
+        // What the one call does not cover (no budget, a request that can never fit, a
+        // remembered refusal, concurrency slots, no limits) goes as the check, then the chain.
+        let one_call = !budgets.is_empty()
+            && costs.never_fits(&self.limits).is_none()
+            && self.in_flight.is_empty()
+            && !self.limits.is_empty()
+            && !costs.is_zero()
+            && self.cached_refusal_at(costs, now, lowered).is_none();
+        if !one_call {
+            let checked = match now {
+                Some(now) => budgets.check_at(store, now).await?,
+                None => budgets.check(store).await?,
+            };
+            if !checked.allowed() {
+                return Ok((checked, None));
+            }
+            let decision = self.admit_inner(store, costs, now).await?;
+            return Ok((checked, Some(decision)));
+        }
+        let (read, seen) = store
+            .admit_within(budgets.counters(), budgets.caps(), &self.limits, costs, now)
+            .await?;
+        let checked = budgets.decision_of(&read);
+        Ok((checked, seen.map(|seen| self.decided(seen, costs, lowered))))
     }
 
     /// Tells the refusal cache, if any, what the store decided.

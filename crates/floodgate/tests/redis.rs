@@ -319,6 +319,30 @@ async fn a_shadow_limit_charged_past_two_to_the_fifty_third_stops_there_on_both_
 }
 
 #[tokio::test]
+async fn a_budget_checked_admission_on_redis_is_the_check_then_the_admission_in_one_call() {
+    let Some(url) = redis_url(
+        "a_budget_checked_admission_on_redis_is_the_check_then_the_admission_in_one_call",
+    ) else {
+        return;
+    };
+    let redis = store(&url).await;
+    common::run_admit_within(&redis, "org:acme").await;
+    // Every budget check rode its admission, one call each, no read call of its own: six
+    // budget-checked requests and one state read (admissions), one spend (a charge).
+    let stats = redis.stats();
+    assert_eq!(
+        (
+            stats.admit_batches,
+            stats.read_batches,
+            stats.charge_batches
+        ),
+        (7, 0, 1),
+        "{stats:?}"
+    );
+    common::run_admit_within(&AnyStore::from(store(&url).await), "org:acme").await;
+}
+
+#[tokio::test]
 async fn period_vectors_pass_on_redis() {
     let Some(url) = redis_url("period_vectors_pass_on_redis") else {
         return;
@@ -1688,6 +1712,8 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .arg(cost)
             .arg(count)
             .arg(1)
+            // No gate.
+            .arg(0)
             .arg(1)
             .invoke_async(&mut con)
             .await

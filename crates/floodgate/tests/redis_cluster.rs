@@ -80,6 +80,7 @@ async fn shared_vectors_pass_on_the_cluster_in_one_slot_and_across_slots() {
     common::run_vectors_on(&store(&seeds).await, common::spread(common::chains())).await;
     common::run_vectors_on(&MemoryStore::new(), common::spread(common::chains())).await;
     common::run_period_vectors(&store(&seeds).await).await;
+    common::run_admit_within(&store(&seeds).await, "org:acme").await;
     common::run_refusal_cache_sweep(&store(&seeds).await).await;
 }
 

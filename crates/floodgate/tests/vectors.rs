@@ -15,6 +15,11 @@ async fn a_cached_refusal_on_memory_is_the_stores_own() {
 }
 
 #[tokio::test]
+async fn a_budget_checked_admission_on_memory_is_the_check_then_the_admission() {
+    common::run_admit_within(&MemoryStore::new(), "org:acme").await;
+}
+
+#[tokio::test]
 async fn memory_store_passes_the_period_vectors() {
     common::run_period_vectors(&MemoryStore::new()).await;
 }

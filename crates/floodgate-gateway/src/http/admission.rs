@@ -278,6 +278,13 @@ impl Ctx {
             // A client's mistake, not a refusal: not counted in the tally, charged nothing.
             return Err(self.answer(err, Decision::BadRequest));
         }
+        if let Some(budgets) = &self.budgets
+            && price.is_none()
+            && !self.chain.has_reserved()
+            && self.shadow_budgets.is_none()
+        {
+            return self.admit_within(budgets, estimate).await;
+        }
         let mut budget_reservation = None;
         if let Some(budgets) = &self.budgets {
             let checked = match price {
@@ -324,6 +331,56 @@ impl Ctx {
         }
     }
 
+    /// [`admit`](Self::admit) for a chain with enforced budgets and no reservation or shadow
+    /// budget (the common metered chain): the budgets' check and the chain's admission as one
+    /// store call where the store can (`Chain::admit_within`; on Redis one script call, so the
+    /// request waits for one round trip, not two). The answers are those of the check and then
+    /// the admission, failures included: a store that cannot be reached fails as the read would
+    /// (`on_error.budgets`) and then as the admission would.
+    async fn admit_within(
+        &self,
+        budgets: &Budgets,
+        estimate: Estimate,
+    ) -> Result<Admitted, Response> {
+        self.state.forget_refusals_after_reset(&self.live);
+        let start = Instant::now();
+        let both = self
+            .chain
+            .admit_within(self.state.store(), budgets, 1)
+            .await;
+        // One call served both: timed under each op the two calls it stands for would have
+        // made. A failure is the read's; the admission after it is counted too where the
+        // budgets fail open, as that admission would have been tried (and failed).
+        let elapsed = start.elapsed();
+        let metrics = self.state.metrics();
+        let (read_failed, admitted) = match &both {
+            Ok((b, c)) => (!b.enforced, c.as_ref().map(|c| !c.enforced)),
+            Err(_) => (
+                true,
+                self.state.fails_open(LimitKind::Budgets).then_some(true),
+            ),
+        };
+        metrics.store_call(StoreOp::ReadBudgets, elapsed, read_failed);
+        if let Some(failed) = admitted {
+            metrics.store_call(StoreOp::Admit, elapsed, failed);
+        }
+        self.state
+            .note_breaker(read_failed || admitted == Some(true));
+        let decision = match both {
+            Ok((_, Some(decision))) => decision,
+            Ok((checked, None)) => return Err(self.refuse_budget(budgets, &checked).await),
+            // Budgets fail open on their own (`on_error.budgets`): read as unspent, and then the
+            // chain fails as its kinds say.
+            Err(floodgate::Error::Unavailable(_))
+                if self.state.fails_open(LimitKind::Budgets) && self.chain_fails_open() =>
+            {
+                ChainDecision::unenforced(floodgate::Timestamp::now())
+            }
+            Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
+        };
+        self.decided(decision, None, estimate)
+    }
+
     /// The chain's part of [`admit`](Self::admit): its shadow budgets read, then its rate limits
     /// admitted in one atomic step.
     async fn admit_chain(&self, estimate: Estimate) -> Result<Admitted, Response> {
@@ -341,6 +398,22 @@ impl Ctx {
             }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
+        self.decided(decision, reserve, estimate)
+    }
+
+    /// The rest of an admission once the chain has decided: a request no wait would let through
+    /// answered 400, the limits counted, a refusal answered 429, else the admission's slots and
+    /// reservation kept for the answer.
+    #[expect(
+        clippy::result_large_err,
+        reason = "the error is the answer to send, as from the async admissions that call this"
+    )]
+    fn decided(
+        &self,
+        decision: ChainDecision,
+        reserve: Option<u64>,
+        estimate: Estimate,
+    ) -> Result<Admitted, Response> {
         if let Some(err) = self.never_fits(&decision, estimate) {
             // A client's mistake, not a refusal: not counted in the tally, charged nothing.
             return Err(self.answer(err, Decision::BadRequest));

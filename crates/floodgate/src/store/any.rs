@@ -60,6 +60,20 @@ impl Store for AnyStore {
         }
     }
 
+    async fn admit_within(
+        &self,
+        counters: &[PeriodCounter],
+        caps: &[u64],
+        limits: &[ChainLimit],
+        cost: Costs<'_>,
+        now: Option<Timestamp>,
+    ) -> Result<(PeriodObservation, Option<Observation>), Error> {
+        match self {
+            AnyStore::Memory(s) => s.admit_within(counters, caps, limits, cost, now).await,
+            AnyStore::Redis(s) => s.admit_within(counters, caps, limits, cost, now).await,
+        }
+    }
+
     async fn record(
         &self,
         limits: &[ChainLimit],

@@ -127,6 +127,30 @@ impl fmt::Display for BucketKey<'_> {
     }
 }
 
+/// [`Store::admit_within`] as two calls: the read, then, unless a counter is at its cap, the
+/// admission.
+pub(crate) async fn read_then_admit<S: Store + ?Sized>(
+    store: &S,
+    counters: &[PeriodCounter],
+    caps: &[u64],
+    limits: &[ChainLimit],
+    costs: Costs<'_>,
+    now: Option<Timestamp>,
+) -> Result<(PeriodObservation, Option<Observation>), Error> {
+    let read = store.read_periods(counters, now).await?;
+    if at_cap(&read, caps) {
+        return Ok((read, None));
+    }
+    let seen = store.admit(limits, costs, now).await?;
+    Ok((read, Some(seen)))
+}
+
+/// Whether a counter of `read` has reached its cap (`caps`, in the same order): a budget
+/// check's refusal. A read that failed open reads as under every cap.
+pub(crate) fn at_cap(read: &PeriodObservation, caps: &[u64]) -> bool {
+    read.enforced && read.totals.iter().zip(caps).any(|(t, c)| t >= c)
+}
+
 /// A place where limit state lives and decisions are taken atomically.
 ///
 /// Every method takes `now`: `Some` pins the clock (tests, replays); `None` asks the store for
@@ -147,6 +171,26 @@ pub trait Store: Send + Sync {
         costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<Observation, Error>> + Send;
+
+    /// Reads `counters` (each one's total in its period, as [`read_periods`](Self::read_periods))
+    /// and then, unless one of them has reached its cap (`caps`, in the same order: the budget
+    /// check before an admission), admits a request of `costs` against `limits` as
+    /// [`admit`](Self::admit) does. `None` beside the totals: a counter was at its cap, and
+    /// nothing was admitted or charged. The read comes first, so the answer is the one the read
+    /// and then the admission give; a store may send both as one call (Redis does, sparing a
+    /// budget-checked request a round trip: docs/redis.md, "Batching"), the default makes the
+    /// two calls. A read that failed open (`enforced: false`) lets the admission go on, as a
+    /// budget read as unspent. `limits` must not be empty.
+    fn admit_within(
+        &self,
+        counters: &[PeriodCounter],
+        caps: &[u64],
+        limits: &[ChainLimit],
+        costs: Costs<'_>,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<(PeriodObservation, Option<Observation>), Error>> + Send {
+        read_then_admit(self, counters, caps, limits, costs, now)
+    }
 
     /// Adds `units` to every reactive limit of `limits` (limits charged at admission are
     /// skipped), in one atomic step.

@@ -1321,3 +1321,66 @@ pub async fn race_reserved_budget<S: Store + Clone + 'static>(store: S, tenant: 
         .unwrap();
     assert_eq!(budgets.check(&store).await.unwrap().spent, [0]);
 }
+
+/// A budget-checked admission (`Chain::admit_within`) gives what the budget check and then the
+/// admission give, whether the store sends them as one call (Redis) or two: a request under
+/// its budgets is decided by its chain, one over a budget is refused by it and charges nothing,
+/// and the budget's decision names it with the wait until its period ends.
+pub async fn run_admit_within<S: Store>(store: &S, tenant: &str) {
+    let key = ChainLimit::new(
+        tenant,
+        ScopeKind::Key,
+        "within",
+        Charge::Admission,
+        WindowLimit::per_minute(2),
+    );
+    let org = ChainLimit::new(
+        tenant,
+        ScopeKind::Org,
+        "within",
+        Charge::Admission,
+        WindowLimit::per_minute(10),
+    );
+    let chain = Chain::new(vec![key, org]);
+    let budgets = Budgets::new(vec![
+        Budget::new(tenant, ScopeKind::Key, "within", Period::Day, 1_000),
+        Budget::new(tenant, ScopeKind::Org, "within", Period::Month, 100),
+    ]);
+    let admit = |ms| chain.admit_within_at(store, &budgets, 1, at(ms));
+    // Under both budgets: the chain decides, two requests a minute on the key.
+    for ms in [0, 1] {
+        let (b, c) = admit(ms).await.unwrap();
+        assert!(b.enforced && b.allowed(), "at {ms} ms: {b:?}");
+        assert_eq!(b.spent, [0, 0]);
+        assert!(c.expect("the chain was asked").admitted, "at {ms} ms");
+    }
+    let (b, c) = admit(2).await.unwrap();
+    assert!(b.allowed());
+    let c = c.expect("the chain was asked");
+    assert!(!c.admitted);
+    assert_eq!(c.refused_by, Some(0), "the key's limit refuses");
+    assert_eq!(c.retry_after, Some(Duration::from_millis(89_998)));
+    // The org's month is spent: refused by the budget, the chain not charged.
+    budgets.spend_at(store, 100, at(3)).await.unwrap();
+    for ms in [4, 60_000, 60_001] {
+        let (b, c) = admit(ms).await.unwrap();
+        assert!(b.enforced && !b.allowed(), "at {ms} ms");
+        assert_eq!(b.spent, [100, 100]);
+        assert_eq!(b.exceeded_by, Some(1));
+        assert_eq!(b.waits_for, Some(1));
+        assert_eq!(
+            b.retry_after,
+            Some(Duration::from_millis(DECEMBER_MS - ms)),
+            "until December, at {ms} ms"
+        );
+        assert!(c.is_none(), "at {ms} ms: a spent budget asks no limit");
+    }
+    // Nothing was charged past the two admitted requests: the next minute holds the key's whole
+    // two requests' weight of the last minute still, and the org's count is 2.
+    let seen = chain.admit_at(store, 0, at(60_002)).await.unwrap();
+    let org = &seen.statuses[1];
+    assert_eq!(
+        org.remaining, 8,
+        "the org's 10 less the 2 admitted, still carried"
+    );
+}

@@ -15,12 +15,14 @@
 -- reactive one, 's' appended for a shadow limit, decided and charged as usual but never
 -- refusing: 'as', 'rs'), the state's TTL (ms, 2W); then per counter its period, 'day' or
 -- 'month'; then how many admission groups follow, and the admissions in the order they came, in
--- groups: a group is a run of requests of one cost on one chain: cost, count, n, and the chain's
--- n key indices (into KEYS, in chain order). A batch of like requests (many callers of one key)
+-- groups: a group is a run of requests of one cost on one chain: cost, count, n, g, the chain's
+-- n key indices (into KEYS, in chain order), and last its gate's g pairs of a counter's index
+-- (into KEYS) and a cap: the group is admitted only if each such counter is under its cap as the
+-- call found it (a budget check in the same step; Store::admit_within). A batch of like requests (many callers of one key)
 -- thus sends its chain once: each argument costs Redis a string and the script a tonumber. A
 -- group whose requests cost each limit its own units (a token estimate on a reserving token
 -- limit beside 1 on the request limits; chain.rs Costs::PerLimit) sends a cost of -1 and, after
--- its key indices, the n costs in chain order. Then, to the end, the charges in the order they
+-- its key indices, the n costs in chain order (before the gate). Then, to the end, the charges in the order they
 -- came, applied after the admissions: kind ('r' tokens to windows, 'p' an amount to counters),
 -- units, n, and its n key indices (into KEYS).
 -- State: windows "bucket cur prev"; counters "label total", a counter of an earlier period
@@ -77,6 +79,8 @@ local chain = {}
 local COST = {}
 for _ = 1, groups do
   local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  local g = tonumber(ARGV[pos + 3])
+  pos = pos + 1
   local last = pos + 2 + n
   -- Per-limit costs follow the key indices; the chain of one cost (the common case) pays one
   -- comparison per key for them.
@@ -88,7 +92,14 @@ for _ = 1, groups do
   -- the rest. A first guess from the real-valued bound is corrected with the exact check itself,
   -- so the answer is the one request-by-request checking gives.
   local admitted = count
+  -- The group's gate: counters that must each be under its cap (a budget check in the same
+  -- step), read as the call found them; a group stopped by one is refused whole.
+  for i = 1, g do
+    if TOTAL[tonumber(ARGV[last + 2 * i - 1])] >= tonumber(ARGV[last + 2 * i]) then admitted = 0 end
+  end
+  last = last + 2 * g
   for i = 1, n do
+    if admitted == 0 then break end
     local j = tonumber(ARGV[pos + 2 + i])
     chain[i] = j
     local w, carried, cur, max = W[j], CARRIED[j], CUR[j], MAX[j]

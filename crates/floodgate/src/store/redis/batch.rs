@@ -6,10 +6,11 @@
 use ::redis::Cmd;
 
 use super::conn::Failure;
-use super::step::{Pending, Windows};
+use super::step::{Counters, Pending, Windows};
 use super::{RedisStore, kind_arg, ttl_millis};
 use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
+use crate::period::PeriodCounter;
 use crate::store::Observation;
 use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
 
@@ -17,6 +18,9 @@ use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
 pub(super) struct PendingAdmit {
     pub(super) limits: Vec<ChainLimit>,
     cost: GroupCost,
+    /// Period counters and their caps: the admission goes ahead only if every one is under its
+    /// cap when the call is made (a budget check in the same call: `Store::admit_within`).
+    gate: Vec<(PeriodCounter, u64)>,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     pub(super) time: Option<u64>,
     /// Whether it already went out in a call whose connection dropped under it (an admission is
@@ -25,9 +29,9 @@ pub(super) struct PendingAdmit {
     pub(super) reply: tokio::sync::oneshot::Sender<Result<Decided, Failure>>,
 }
 
-/// One admission's answer within a batch: the batch's instant, whether it was admitted, and each
-/// limit's `(cur, prev)` as it saw them.
-pub(super) type Decided = (u64, bool, Vec<(u64, u64)>);
+/// One admission's answer within a batch: the batch's instant, whether it was admitted, each
+/// limit's `(cur, prev)` as it saw them, and its gate's counters' totals.
+pub(super) type Decided = (u64, bool, Vec<(u64, u64)>, Vec<u64>);
 
 impl RedisStore {
     /// Admits through a batch. While one batch is in flight, admissions queue; the next batch
@@ -41,13 +45,31 @@ impl RedisStore {
         costs: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<Observation, Failure> {
+        let (seen, _) = self.admit_gated(limits, costs, &[], &[], now).await?;
+        Ok(seen)
+    }
+
+    /// Admits through a batch as [`admit_inner`](Self::admit_inner) does, only if every counter
+    /// of `counters` is under its cap (`caps`) when the call is made: the counters are read in the
+    /// same call (a budget check). Returns the admission's observation (not admitted if a
+    /// counter was at its cap) and the counters' totals.
+    pub(super) async fn admit_gated(
+        &self,
+        limits: &[ChainLimit],
+        costs: Costs<'_>,
+        counters: &[PeriodCounter],
+        caps: &[u64],
+        now: Option<Timestamp>,
+    ) -> Result<(Observation, Vec<u64>), Failure> {
         let cost = GroupCost::from_costs(costs);
+        let gate = counters.iter().cloned().zip(caps.iter().copied()).collect();
         // On a cluster, the chain's slot (all its keys lie in one: `RedisStore::admit_across`).
         let slot = limits.first().and_then(|l| self.slot(l.key()));
         let answer = self.step(slot, |reply| {
             Pending::Admit(PendingAdmit {
                 limits: limits.to_vec(),
                 cost,
+                gate,
                 // Only a pinned time is fixed now: the client's clock is read when the batch
                 // goes out, so that unpinned admissions share a batch under either clock.
                 time: now.map(Timestamp::as_micros),
@@ -55,7 +77,7 @@ impl RedisStore {
                 reply,
             })
         })?;
-        let (t, admitted, counts) = super::group::answer(answer, "admission").await?;
+        let (t, admitted, counts, totals) = super::group::answer(answer, "admission").await?;
         let snapshots = limits
             .iter()
             .zip(counts)
@@ -69,15 +91,19 @@ impl RedisStore {
                 }
             })
             .collect();
-        self.count(admitted);
-        Ok(Observation {
+        // An admission its gate stopped was not decided by its limits: not counted as one.
+        if !totals.iter().zip(caps).any(|(t, c)| t >= c) {
+            self.count(admitted);
+        }
+        let seen = Observation {
             now: Timestamp::from_micros(t),
             admitted,
             enforced: true,
             snapshots,
             running: Vec::new(),
             at: Vec::new(),
-        })
+        };
+        Ok((seen, totals))
     }
 }
 
@@ -90,6 +116,7 @@ impl RedisStore {
 /// go in the next call, and the number of requests packed is returned with the groups.
 pub(super) fn group<'a>(
     windows: &mut Windows<'a>,
+    counters: &mut Counters<'a>,
     batch: &'a [PendingAdmit],
 ) -> (Vec<Group>, usize) {
     let mut groups: Vec<Group> = Vec::new();
@@ -109,11 +136,17 @@ pub(super) fn group<'a>(
             windows.truncate(known);
             return (groups, r);
         }
+        let gate: Vec<(usize, u64)> = p
+            .gate
+            .iter()
+            .map(|(c, cap)| (counters.intern(c), *cap))
+            .collect();
         match groups.last_mut() {
-            Some(g) if g.cost == p.cost && g.chain == chain => g.members.push(r),
+            Some(g) if g.cost == p.cost && g.chain == chain && g.gate == gate => g.members.push(r),
             _ => groups.push(Group {
                 cost: p.cost.clone(),
                 chain,
+                gate,
                 members: vec![r],
             }),
         }
@@ -125,23 +158,29 @@ pub(super) fn group<'a>(
 pub(super) fn group_args(groups: &[Group]) -> usize {
     1 + groups
         .iter()
-        .map(|g| match g.cost {
-            GroupCost::Each(_) => 3 + g.chain.len(),
-            GroupCost::PerLimit(_) => 3 + 2 * g.chain.len(),
+        .map(|g| {
+            let costs = match g.cost {
+                GroupCost::Each(_) => 0,
+                GroupCost::PerLimit(_) => g.chain.len(),
+            };
+            4 + g.chain.len() + costs + 2 * g.gate.len()
         })
         .sum::<usize>()
 }
 
-/// Appends the groups as admit.lua takes them: how many, then each one's cost, count, chain and
-/// (per-limit costs) its costs.
-pub(super) fn write_groups(cmd: &mut Cmd, groups: &[Group]) {
+/// Appends the groups as admit.lua takes them: how many, then each one's cost, count, chain
+/// length, gate length, chain, (per-limit costs) its costs, and its gate's counters (1-based
+/// `KEYS` indices, after the call's `nw` windows) and caps.
+pub(super) fn write_groups(cmd: &mut Cmd, groups: &[Group], nw: usize) {
     cmd.arg(groups.len());
     for g in groups {
         match &g.cost {
             GroupCost::Each(cost) => cmd.arg(*cost),
             GroupCost::PerLimit(_) => cmd.arg(-1),
         };
-        cmd.arg(g.members.len()).arg(g.chain.len());
+        cmd.arg(g.members.len())
+            .arg(g.chain.len())
+            .arg(g.gate.len());
         for j in &g.chain {
             cmd.arg(*j);
         }
@@ -149,6 +188,9 @@ pub(super) fn write_groups(cmd: &mut Cmd, groups: &[Group]) {
             for c in costs.iter() {
                 cmd.arg(*c);
             }
+        }
+        for (k, cap) in &g.gate {
+            cmd.arg(1 + nw + k).arg(*cap);
         }
     }
 }
@@ -162,19 +204,30 @@ pub(super) fn write_window(cmd: &mut Cmd, l: &ChainLimit) {
 
 /// Answers each admission of `batch` (grouped as `groups`) with what the script saw for it:
 /// `admitted` per group, `counts` each window's `[cur, prev]` before the batch (in `KEYS`
-/// order), `charged` whether an admission charges each window.
+/// order), `charged` whether an admission charges each window, `totals` each counter's total
+/// before the call (its gate's, as the script read them: nothing in the call adds to a counter
+/// before its charges, which come after every admission).
 pub(super) fn answer(
     batch: Vec<PendingAdmit>,
     groups: &[Group],
     admitted: &[usize],
     counts: &mut [[u64; 2]],
     charged: &[bool],
+    totals: &[u64],
     now: u64,
 ) {
+    let mut gates: Vec<Vec<u64>> = vec![Vec::new(); batch.len()];
+    for g in groups.iter().filter(|g| !g.gate.is_empty()) {
+        let gate: Vec<u64> = g.gate.iter().map(|&(k, _)| totals[k]).collect();
+        for &r in &g.members {
+            gates[r].clone_from(&gate);
+        }
+    }
     let mut replies: Vec<_> = batch.into_iter().map(|p| Some(p.reply)).collect();
     replay(groups, admitted, counts, charged, |r, admitted, seen| {
         if let Some(reply) = replies[r].take() {
-            let _ = reply.send(Ok((now, admitted, seen)));
+            let gate = std::mem::take(&mut gates[r]);
+            let _ = reply.send(Ok((now, admitted, seen, gate)));
         }
     });
 }
@@ -231,6 +284,8 @@ pub(super) struct Group {
     pub(super) cost: GroupCost,
     /// The chain's keys, as 1-based indices into `KEYS`, in chain order.
     pub(super) chain: Vec<usize>,
+    /// Its gate: period counters (0-based among the call's counters) and their caps.
+    pub(super) gate: Vec<(usize, u64)>,
     /// The batch's requests in the group, in the order they are decided.
     pub(super) members: Vec<usize>,
 }
@@ -274,6 +329,7 @@ mod tests {
         Group {
             cost: GroupCost::Each(cost),
             chain: chain.to_vec(),
+            gate: Vec::new(),
             members: members.to_vec(),
         }
     }

@@ -409,6 +409,42 @@ impl Store for RedisStore {
         self.inner.lowered.get()
     }
 
+    async fn admit_within(
+        &self,
+        counters: &[PeriodCounter],
+        caps: &[u64],
+        limits: &[ChainLimit],
+        cost: Costs<'_>,
+        now: Option<Timestamp>,
+    ) -> Result<(PeriodObservation, Option<Observation>), Error> {
+        if self.is_cluster() || counters.is_empty() || limits.is_empty() {
+            // A chain and its budgets may lie in different slots: two calls, as the default.
+            return super::read_then_admit(self, counters, caps, limits, cost, now).await;
+        }
+        match self.admit_gated(limits, cost, counters, caps, now).await {
+            Ok((seen, totals)) => {
+                let read = PeriodObservation {
+                    now: seen.now,
+                    enforced: true,
+                    totals,
+                };
+                let admitted = !super::at_cap(&read, caps);
+                Ok((read, admitted.then_some(seen)))
+            }
+            Err(failure) => {
+                // Unreachable: as the read and then the admission would each have answered,
+                // unchecked (open) or an error (closed).
+                self.fail(failure)?;
+                let read = PeriodObservation {
+                    now: now.unwrap_or_else(Timestamp::now),
+                    enforced: false,
+                    totals: vec![0; counters.len()],
+                };
+                Ok((read, Some(unchecked(now))))
+            }
+        }
+    }
+
     fn lease(&self) -> Lease {
         Lease::from_id(self.inner.leases.fetch_add(1, Ordering::Relaxed))
     }

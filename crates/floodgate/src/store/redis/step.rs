@@ -165,7 +165,7 @@ impl RedisStore {
         }
         let mut windows = Windows::default();
         let mut counters = Counters::default();
-        let (groups, taken) = batch::group(&mut windows, &admits);
+        let (groups, taken) = batch::group(&mut windows, &mut counters, &admits);
         // The windows the admissions charge, before the charges add theirs.
         let charged: Vec<bool> = windows
             .list
@@ -200,7 +200,7 @@ impl RedisStore {
         for c in &counters.list {
             cmd.arg(period_arg(c.period()));
         }
-        batch::write_groups(&mut cmd, &groups);
+        batch::write_groups(&mut cmd, &groups, nw);
         packed.write(&mut cmd, nw);
         drop((windows, counters));
         // Admissions that did not fit go first in the next call: they came before anything
@@ -244,7 +244,15 @@ impl RedisStore {
                 return;
             }
         };
-        batch::answer(admits, &groups, &admitted, &mut counts, &charged, now);
+        batch::answer(
+            admits,
+            &groups,
+            &admitted,
+            &mut counts,
+            &charged,
+            &totals,
+            now,
+        );
         reads::answer(reads, &read_at, &totals, now);
         charges::answer(charges, &packed, totals, now);
     }
@@ -355,6 +363,7 @@ mod tests {
         let groups = [Group {
             cost: GroupCost::Each(1),
             chain: vec![1],
+            gate: Vec::new(),
             members: vec![0, 1],
         }];
         let reply = |v: Vec<::redis::Value>| step_reply(&v, 1, 1, &groups);
