@@ -6,13 +6,11 @@
 use ::redis::Cmd;
 
 use super::conn::Failure;
-use super::step::{Counters, Pending, Windows};
-use super::{RedisStore, kind_arg, ttl_millis};
+use super::group::{Counters, Windows};
+use super::{kind_arg, ttl_millis};
 use crate::chain::{ChainLimit, Costs};
-use crate::clock::Timestamp;
 use crate::period::PeriodCounter;
-use crate::store::Observation;
-use crate::window::{Charge, MAX_COUNT, Snapshot, WindowLimit};
+use crate::window::{Charge, MAX_COUNT, WindowLimit};
 
 /// One queued admission: its chain, its costs, its time argument and where its answer goes.
 pub(super) struct PendingAdmit {
@@ -33,77 +31,24 @@ pub(super) struct PendingAdmit {
 /// limit's `(cur, prev)` as it saw them, and its gate's counters' totals.
 pub(super) type Decided = (u64, bool, Vec<(u64, u64)>, Vec<u64>);
 
-impl RedisStore {
-    /// Admits through a batch. While one batch is in flight, admissions queue; the next batch
-    /// takes them all (group commit), so a busy store sends one script call, one MGET and one
-    /// SET per distinct key for many requests, while an idle one sends each admission at once,
-    /// alone. The sending runs in a task of its own, so a caller that gives up (a client that
-    /// disconnects) never strands the others.
-    pub(super) async fn admit_inner(
-        &self,
+impl PendingAdmit {
+    /// An admission of `limits` at `costs`, gated by `gate` (counters and their caps; empty:
+    /// none), at the pinned time `time` (µs; `None`: the store's clock when the call goes out).
+    pub(super) fn new(
         limits: &[ChainLimit],
         costs: Costs<'_>,
-        now: Option<Timestamp>,
-    ) -> Result<Observation, Failure> {
-        let (seen, _) = self.admit_gated(limits, costs, &[], &[], now).await?;
-        Ok(seen)
-    }
-
-    /// Admits through a batch as [`admit_inner`](Self::admit_inner) does, only if every counter
-    /// of `counters` is under its cap (`caps`) when the call is made: the counters are read in the
-    /// same call (a budget check). Returns the admission's observation (not admitted if a
-    /// counter was at its cap) and the counters' totals.
-    pub(super) async fn admit_gated(
-        &self,
-        limits: &[ChainLimit],
-        costs: Costs<'_>,
-        counters: &[PeriodCounter],
-        caps: &[u64],
-        now: Option<Timestamp>,
-    ) -> Result<(Observation, Vec<u64>), Failure> {
-        let cost = GroupCost::from_costs(costs);
-        let gate = counters.iter().cloned().zip(caps.iter().copied()).collect();
-        // On a cluster, the chain's slot (all its keys lie in one: `RedisStore::admit_across`).
-        let slot = limits.first().and_then(|l| self.slot(l.key()));
-        let answer = self.step(slot, |reply| {
-            Pending::Admit(PendingAdmit {
-                limits: limits.to_vec(),
-                cost,
-                gate,
-                // Only a pinned time is fixed now: the client's clock is read when the batch
-                // goes out, so that unpinned admissions share a batch under either clock.
-                time: now.map(Timestamp::as_micros),
-                replayed: false,
-                reply,
-            })
-        })?;
-        let (t, admitted, counts, totals) = super::group::answer(answer, "admission").await?;
-        let snapshots = limits
-            .iter()
-            .zip(counts)
-            .map(|(l, (cur, prev))| {
-                let w = l.limit().window_micros();
-                Snapshot {
-                    bucket: t / w,
-                    elapsed: t % w,
-                    cur,
-                    prev,
-                }
-            })
-            .collect();
-        // An admission its gate stopped was not decided by its limits: not counted as one.
-        if !totals.iter().zip(caps).any(|(t, c)| t >= c) {
-            self.count(admitted);
+        gate: Vec<(PeriodCounter, u64)>,
+        time: Option<u64>,
+        reply: tokio::sync::oneshot::Sender<Result<Decided, Failure>>,
+    ) -> PendingAdmit {
+        PendingAdmit {
+            limits: limits.to_vec(),
+            cost: GroupCost::from_costs(costs),
+            gate,
+            time,
+            replayed: false,
+            reply,
         }
-        let seen = Observation {
-            now: Timestamp::from_micros(t),
-            admitted,
-            enforced: true,
-            snapshots,
-            running: Vec::new(),
-            at: Vec::new(),
-        };
-        Ok((seen, totals))
     }
 }
 

@@ -5,20 +5,14 @@
 //! of them alone would have.
 
 use ::redis::Cmd;
-use ::redis::cluster_routing::Slot;
 
-use super::RedisStore;
 use super::conn::Failure;
-use super::group::{self, Answer};
-use super::step::{Counters, Pending, Windows};
+use super::group::{Counters, Windows};
 use crate::chain::ChainLimit;
-use crate::clock::Timestamp;
 use crate::period::{MAX_TOTAL, PeriodCounter};
-use crate::store::PeriodObservation;
-use crate::window::Charge;
 
 /// What one charge adds.
-enum Work {
+pub(super) enum Work {
     /// `units` to each reactive limit.
     Record(Vec<ChainLimit>, u64),
     /// `amount` to each counter.
@@ -27,10 +21,10 @@ enum Work {
 
 /// One queued charge: what it adds, its time argument and where its answer goes.
 pub(super) struct PendingCharge {
-    work: Work,
+    pub(super) work: Work,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     pub(super) time: Option<u64>,
-    reply: tokio::sync::oneshot::Sender<Result<Charged, Failure>>,
+    pub(super) reply: tokio::sync::oneshot::Sender<Result<Charged, Failure>>,
 }
 
 impl PendingCharge {
@@ -49,100 +43,7 @@ impl PendingCharge {
 }
 
 /// One charge's answer: the batch's instant and, for counters, their totals after it.
-type Charged = (u64, Vec<u64>);
-
-/// The answer of a queued charge.
-async fn landed(answer: Answer<Charged>) -> Result<Charged, Failure> {
-    group::answer(answer, "charge").await
-}
-
-impl RedisStore {
-    /// Adds `units` to every reactive limit of `limits`, through a charge batch (on a cluster,
-    /// one per slot the limits lie in, each a charge of its own: a charge is an add to each
-    /// key, with nothing to decide across them).
-    pub(super) async fn record_inner(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        now: Option<Timestamp>,
-    ) -> Result<(), Failure> {
-        let reactive: Vec<ChainLimit> = limits
-            .iter()
-            .filter(|l| l.charge() == Charge::Reactive)
-            .cloned()
-            .collect();
-        if reactive.is_empty() {
-            return Ok(());
-        }
-        if !self.is_cluster() {
-            let slot = None;
-            return landed(self.charge(slot, Work::Record(reactive, units), now)?)
-                .await
-                .map(drop);
-        }
-        let mut waits = Vec::new();
-        for (slot, part) in self.by_slot(&reactive, |l| l.key()) {
-            let part = part.iter().map(|&i| reactive[i].clone()).collect();
-            waits.push(self.charge(slot, Work::Record(part, units), now)?);
-        }
-        for wait in waits {
-            landed(wait).await?;
-        }
-        Ok(())
-    }
-
-    /// Adds `amount` to every counter of `counters` (not empty), through a charge batch (on a
-    /// cluster, one per slot, the totals put back in order).
-    pub(super) async fn add_periods_inner(
-        &self,
-        counters: &[PeriodCounter],
-        amount: u64,
-        now: Option<Timestamp>,
-    ) -> Result<PeriodObservation, Failure> {
-        if !self.is_cluster() {
-            let work = Work::Periods(counters.to_vec(), amount);
-            let (t, totals) = landed(self.charge(None, work, now)?).await?;
-            return Ok(PeriodObservation {
-                now: Timestamp::from_micros(t),
-                enforced: true,
-                totals,
-            });
-        }
-        let parts = self.by_slot(counters, |c| c.key());
-        let mut waits = Vec::with_capacity(parts.len());
-        for (slot, part) in &parts {
-            let list = part.iter().map(|&i| counters[i].clone()).collect();
-            waits.push(self.charge(*slot, Work::Periods(list, amount), now)?);
-        }
-        let mut at = None;
-        let mut totals = vec![0; counters.len()];
-        for ((_, part), wait) in parts.iter().zip(waits) {
-            let (t, seen) = landed(wait).await?;
-            at.get_or_insert(t);
-            for (&i, total) in part.iter().zip(seen) {
-                totals[i] = total;
-            }
-        }
-        Ok(PeriodObservation {
-            now: Timestamp::from_micros(at.unwrap_or_default()),
-            enforced: true,
-            totals,
-        })
-    }
-
-    /// Queues `work` (its keys all in `slot`) for its slot's next step.
-    fn charge(
-        &self,
-        slot: Option<Slot>,
-        work: Work,
-        now: Option<Timestamp>,
-    ) -> Result<Answer<Charged>, Failure> {
-        let time = now.map(Timestamp::as_micros);
-        self.step(slot, |reply| {
-            Pending::Charge(PendingCharge { work, time, reply })
-        })
-    }
-}
+pub(super) type Charged = (u64, Vec<u64>);
 
 /// A call's charges, packed: each one's kind, units and key indices (windows 0-based among the
 /// windows, counters 0-based among the counters), and, for the counters of every period charge

@@ -12,6 +12,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use ::redis::cluster_routing::Slot;
 
 use super::conn::Failure;
+use crate::chain::ChainLimit;
+use crate::period::PeriodCounter;
 
 /// One queue per Redis Cluster slot, or the one queue of a single server (`None`): a script's
 /// keys must lie in one slot, so a cluster's calls batch by slot, each slot with a sender of its
@@ -212,5 +214,46 @@ pub(super) fn intern<'a, T>(
             list.push(item);
             *e.insert(list.len() - 1)
         }
+    }
+}
+
+/// A call's distinct keys of one sort, in `KEYS` order, each known by its key.
+pub(super) struct Distinct<'a, T> {
+    pub(super) list: Vec<&'a T>,
+    index: HashMap<&'a str, usize, foldhash::fast::RandomState>,
+}
+
+impl<T> Default for Distinct<'_, T> {
+    fn default() -> Self {
+        Distinct {
+            list: Vec::new(),
+            index: HashMap::default(),
+        }
+    }
+}
+
+/// A call's distinct windows (limit states).
+pub(super) type Windows<'a> = Distinct<'a, ChainLimit>;
+/// A call's distinct period counters (after the windows in `KEYS`).
+pub(super) type Counters<'a> = Distinct<'a, PeriodCounter>;
+
+impl<'a> Windows<'a> {
+    /// The 0-based position of `limit`'s key among the windows, added if new.
+    pub(super) fn intern(&mut self, limit: &'a ChainLimit) -> usize {
+        intern(&mut self.index, &mut self.list, limit.key(), limit)
+    }
+
+    /// Forgets the windows past the first `len`.
+    pub(super) fn truncate(&mut self, len: usize) {
+        for l in self.list.drain(len..) {
+            self.index.remove(l.key());
+        }
+    }
+}
+
+impl<'a> Counters<'a> {
+    /// The 0-based position of `counter`'s key among the counters, added if new.
+    pub(super) fn intern(&mut self, counter: &'a PeriodCounter) -> usize {
+        intern(&mut self.index, &mut self.list, counter.key(), counter)
     }
 }

@@ -40,10 +40,10 @@
 //! The module, one file per concern: this one holds the store and its [`Store`] operations;
 //! `config.rs` the configuration and its URL; `scripts.rs` the scripts (the `*.lua` files beside
 //! it), their replay policies and how they are run; `conn.rs` the connection, the errors and the
-//! circuit breaker; `group.rs` group commit, shared by the batched calls; `step.rs` the one call
-//! that carries a batch of admissions, budget reads and charges, whose parts `batch.rs`
-//! (admissions), `reads.rs` (budget reads) and `charges.rs` (tokens recorded, spend added) pack
-//! and answer; `slots.rs` concurrency slots, their
+//! circuit breaker; `group.rs` group commit, shared by the batched calls; `calls.rs` the
+//! batched operations (admissions, budget reads, charges), queued for `step.rs`, the one call
+//! that carries a batch of them, whose parts `batch.rs` (admissions), `reads.rs` (budget reads)
+//! and `charges.rs` (tokens recorded, spend added) pack and answer; `slots.rs` concurrency slots, their
 //! leases and renewal; `state.rs` an operator's reads and resets; `stats.rs` the counters.
 
 use std::borrow::Cow;
@@ -56,6 +56,7 @@ use ::redis::cluster_routing::Slot;
 use ::redis::{Cmd, RedisWrite};
 
 mod batch;
+mod calls;
 mod charges;
 mod cluster;
 mod config;

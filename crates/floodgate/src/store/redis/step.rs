@@ -11,7 +11,6 @@
 //! under it, its charges fail, as each alone would have, and its admissions and reads go back to
 //! the front of the queue for the next call, once.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 
@@ -21,13 +20,11 @@ use ::redis::cluster_routing::Slot;
 use super::batch::{self, Group, PendingAdmit};
 use super::charges::{self, PendingCharge};
 use super::conn::{Failure, bad_reply, int};
-use super::group::{self, Answer, Bounds, Queue, Queued};
+use super::group::{self, Answer, Bounds, Counters, Queue, Queued, Windows};
 use super::reads::{self, PendingRead};
 use super::scripts::{ADMIT, ADMIT_CHARGING};
 use super::stats::bump;
 use super::{RedisStore, period_arg};
-use crate::chain::ChainLimit;
-use crate::period::PeriodCounter;
 
 /// A slot's queue of calls for the next step.
 pub(super) type StepQueue = Queue<Pending>;
@@ -73,47 +70,6 @@ const BOUNDS: Bounds = Bounds {
     calls: 512,
     keys: 4096,
 };
-
-/// A call's distinct keys of one sort, in `KEYS` order, each known by its key.
-pub(super) struct Distinct<'a, T> {
-    pub(super) list: Vec<&'a T>,
-    index: HashMap<&'a str, usize, foldhash::fast::RandomState>,
-}
-
-impl<T> Default for Distinct<'_, T> {
-    fn default() -> Self {
-        Distinct {
-            list: Vec::new(),
-            index: HashMap::default(),
-        }
-    }
-}
-
-/// A call's distinct windows (limit states).
-pub(super) type Windows<'a> = Distinct<'a, ChainLimit>;
-/// A call's distinct period counters (after the windows in `KEYS`).
-pub(super) type Counters<'a> = Distinct<'a, PeriodCounter>;
-
-impl<'a> Windows<'a> {
-    /// The 0-based position of `limit`'s key among the windows, added if new.
-    pub(super) fn intern(&mut self, limit: &'a ChainLimit) -> usize {
-        group::intern(&mut self.index, &mut self.list, limit.key(), limit)
-    }
-
-    /// Forgets the windows past the first `len`.
-    pub(super) fn truncate(&mut self, len: usize) {
-        for l in self.list.drain(len..) {
-            self.index.remove(l.key());
-        }
-    }
-}
-
-impl<'a> Counters<'a> {
-    /// The 0-based position of `counter`'s key among the counters, added if new.
-    pub(super) fn intern(&mut self, counter: &'a PeriodCounter) -> usize {
-        group::intern(&mut self.index, &mut self.list, counter.key(), counter)
-    }
-}
 
 impl RedisStore {
     /// Queues the call `make` builds around its reply channel for `slot`'s next step (`None`: a
