@@ -4,6 +4,9 @@
 //! served. Never replayed: a call carrying charges whose connection dropped fails them, as each
 //! of them alone would have.
 
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
 use ::redis::Cmd;
 
 use super::conn::Failure;
@@ -45,32 +48,52 @@ impl PendingCharge {
 /// One charge's answer: the batch's instant and, for counters, their totals after it.
 pub(super) type Charged = (u64, Vec<u64>);
 
-/// A call's charges, packed: each one's kind, units and key indices (windows 0-based among the
-/// windows, counters 0-based among the counters), and, for the counters of every period charge
-/// in order, the index of each among the counters.
+/// A call's charges, packed: what the script is sent (charges of one kind to the same keys
+/// merged into one, their units summed) and, for the counters of every period charge in order,
+/// the index of each among the counters (to answer each charge as if sent alone).
 pub(super) struct Packed {
     charges: Vec<(bool, u64, Vec<usize>)>,
     order: Vec<usize>,
 }
 
 /// Interns `batch`'s keys into the call's `windows` and `counters`.
+///
+/// Charges only add, and all of a call's are applied after its admissions, so two charges of
+/// one kind to the same keys are one charge of their units' sum: the counts it leaves are the
+/// same (a count's cap at 2^53 included: `min(min(c + a, cap) + b, cap) = min(c + a + b, cap)`),
+/// and a busy key's charges (every response of one org's token limit and its budget) cost the
+/// script four arguments a call instead of four each (docs/redis.md, "Batching").
 pub(super) fn pack<'a>(
     windows: &mut Windows<'a>,
     counters: &mut Counters<'a>,
     batch: &'a [PendingCharge],
 ) -> Packed {
-    let mut charges = Vec::with_capacity(batch.len());
+    let mut charges: Vec<(bool, u64, Vec<usize>)> = Vec::with_capacity(batch.len());
     let mut order = Vec::new();
+    // Where each distinct (kind, keys) went in `charges`; few are distinct in a call, but a
+    // call of many distinct chains must not cost a scan of all per charge.
+    let mut merged: HashMap<(bool, Vec<usize>), usize, foldhash::fast::RandomState> =
+        HashMap::default();
     for p in batch {
-        match &p.work {
+        let (window, units, keys) = match &p.work {
             Work::Record(limits, units) => {
-                let keys = limits.iter().map(|l| windows.intern(l)).collect();
-                charges.push((true, *units, keys));
+                let keys: Vec<usize> = limits.iter().map(|l| windows.intern(l)).collect();
+                (true, *units, keys)
             }
             Work::Periods(list, amount) => {
                 let keys: Vec<usize> = list.iter().map(|c| counters.intern(c)).collect();
                 order.extend(&keys);
-                charges.push((false, *amount, keys));
+                (false, *amount, keys)
+            }
+        };
+        match merged.entry((window, keys)) {
+            Entry::Occupied(at) => {
+                let sum = &mut charges[*at.get()].1;
+                *sum = sum.saturating_add(units);
+            }
+            Entry::Vacant(at) => {
+                charges.push((window, units, at.key().1.clone()));
+                at.insert(charges.len() - 1);
             }
         }
     }
@@ -117,5 +140,82 @@ pub(super) fn answer(batch: Vec<PendingCharge>, packed: &Packed, mut totals: Vec
             }
         };
         let _ = p.reply.send(Ok((now, seen)));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::period::Period;
+    use crate::{Charge, ScopeKind, WindowLimit};
+
+    fn charge(work: Work) -> PendingCharge {
+        PendingCharge {
+            work,
+            time: None,
+            reply: tokio::sync::oneshot::channel().0,
+        }
+    }
+
+    #[test]
+    fn like_charges_go_as_one_and_each_is_answered_as_if_alone() {
+        let tokens = ChainLimit::new(
+            "org:m",
+            ScopeKind::Org,
+            "m",
+            Charge::Reactive,
+            WindowLimit::per_minute(1_000),
+        );
+        let key = ChainLimit::new(
+            "org:m",
+            ScopeKind::Key,
+            "k",
+            Charge::Reactive,
+            WindowLimit::per_minute(1_000),
+        );
+        let day = PeriodCounter::new("{org:m}:budget:day", Period::Day);
+        let batch = vec![
+            charge(Work::Record(vec![tokens.clone()], 3)),
+            charge(Work::Periods(vec![day.clone()], 7)),
+            charge(Work::Record(vec![tokens.clone()], 4)),
+            charge(Work::Record(vec![key, tokens.clone()], 5)),
+            charge(Work::Periods(vec![day.clone()], 8)),
+        ];
+        let (mut windows, mut counters) = (Windows::default(), Counters::default());
+        let packed = pack(&mut windows, &mut counters, &batch);
+        // Three distinct charges: tokens (3 + 4), the day's spend (7 + 8), the key and tokens.
+        assert_eq!(
+            packed.charges,
+            [
+                (true, 7, vec![0]),
+                (false, 15, vec![0]),
+                (true, 5, vec![1, 0])
+            ]
+        );
+        assert_eq!(packed.args(), 4 + 4 + 5);
+        // Each period charge still sees the totals after itself, in order.
+        let (replies, answers): (Vec<_>, Vec<_>) = (0..batch.len())
+            .map(|_| tokio::sync::oneshot::channel())
+            .unzip();
+        let batch = batch
+            .into_iter()
+            .zip(replies)
+            .map(|(p, reply)| PendingCharge { reply, ..p })
+            .collect();
+        answer(batch, &packed, vec![100], 9);
+        let seen: Vec<Charged> = answers
+            .into_iter()
+            .map(|mut a| a.try_recv().expect("answered").ok().expect("charged"))
+            .collect();
+        assert_eq!(
+            seen,
+            [
+                (9, vec![]),
+                (9, vec![107]),
+                (9, vec![]),
+                (9, vec![]),
+                (9, vec![115])
+            ]
+        );
     }
 }
