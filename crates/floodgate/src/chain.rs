@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use foldhash::fast::RandomState;
 
+use crate::cell::CellCache;
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightStatus, Lease};
 use crate::window::{Charge, Snapshot, WindowLimit};
@@ -85,7 +86,7 @@ pub(crate) static KEY_HASHER: LazyLock<RandomState> = LazyLock::new(RandomState:
 
 /// One limit of a chain: a scope, what it counts, the limit, where its state lives, and whether
 /// it is enforced or only observed ([`shadow`](Self::shadow)).
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone)]
 pub struct ChainLimit {
     scope: ScopeKind,
     id: Arc<str>,
@@ -95,6 +96,50 @@ pub struct ChainLimit {
     /// `key` hashed by [`KEY_HASHER`].
     hash: u64,
     shadow: bool,
+    /// The memory store's cell for this window, once a memory store has looked it up: not part
+    /// of what the limit is (equality and hashing pass it over).
+    cell: CellCache,
+}
+
+impl ChainLimit {
+    /// What the limit is: everything but where a store keeps its state.
+    fn parts(&self) -> (ScopeKind, &str, Charge, WindowLimit, &str, bool) {
+        (
+            self.scope,
+            &self.id,
+            self.charge,
+            self.limit,
+            &self.key,
+            self.shadow,
+        )
+    }
+}
+
+impl PartialEq for ChainLimit {
+    fn eq(&self, other: &ChainLimit) -> bool {
+        self.parts() == other.parts()
+    }
+}
+
+impl Eq for ChainLimit {}
+
+impl std::hash::Hash for ChainLimit {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.parts().hash(state);
+    }
+}
+
+impl fmt::Debug for ChainLimit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ChainLimit")
+            .field("scope", &self.scope)
+            .field("id", &self.id)
+            .field("charge", &self.charge)
+            .field("limit", &self.limit)
+            .field("key", &self.key)
+            .field("shadow", &self.shadow)
+            .finish()
+    }
 }
 
 impl ChainLimit {
@@ -127,6 +172,7 @@ impl ChainLimit {
             hash: KEY_HASHER.hash_one(key.as_str()),
             key: key.into(),
             shadow: false,
+            cell: CellCache::default(),
         }
     }
 
@@ -182,6 +228,11 @@ impl ChainLimit {
     /// The storage key hashed by the process's key hasher, computed when the limit was built.
     pub(crate) fn key_hash(&self) -> u64 {
         self.hash
+    }
+
+    /// Where this limit remembers its memory store cell.
+    pub(crate) fn cell(&self) -> &CellCache {
+        &self.cell
     }
 
     /// Whether a request of `cost` can ever pass this limit. A shadow limit passes every request

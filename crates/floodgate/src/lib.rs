@@ -42,6 +42,7 @@
 
 pub mod bucket;
 pub mod budget;
+mod cell;
 pub mod chain;
 pub mod clock;
 mod error;

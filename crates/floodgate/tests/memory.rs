@@ -271,6 +271,8 @@ fn the_sweeper_thread_stops_with_its_guard() {
     let store = MemoryStore::with_clock(clock.clone());
     let chain = Chain::new(vec![limit(ScopeKind::Key, "s", Charge::Admission, 1)]);
     assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
+    // A live limit keeps its window's cell (see below); this one is gone.
+    drop(chain);
     let guard = store.spawn_sweeper(Duration::from_millis(5));
     clock.advance(Duration::from_secs(120));
     let deadline = std::time::Instant::now() + Duration::from_secs(5);
@@ -279,6 +281,28 @@ fn the_sweeper_thread_stops_with_its_guard() {
     }
     assert!(store.is_empty(), "the sweeper removed the expired window");
     drop(guard);
+}
+
+#[test]
+fn a_window_a_live_limit_remembers_is_kept_empty_and_swept_once_the_limit_is_gone() {
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let chain = Chain::new(vec![limit(ScopeKind::Key, "kept", Charge::Admission, 1)]);
+    assert!(ready(chain.admit(&store, 1)).expect("memory").admitted);
+    assert!(!ready(chain.admit(&store, 1)).expect("memory").admitted);
+    // Expired: the limit still holds the cell, which reads as empty.
+    clock.advance(Duration::from_secs(120));
+    store.sweep();
+    assert_eq!(store.len(), 1, "the cell the chain remembers stays");
+    // A limit with the same key built apart finds the same cell, not a second one.
+    let apart = Chain::new(vec![limit(ScopeKind::Key, "kept", Charge::Admission, 1)]);
+    assert!(ready(apart.admit(&store, 1)).expect("memory").admitted);
+    assert!(!ready(chain.admit(&store, 1)).expect("memory").admitted);
+    assert_eq!(store.len(), 1);
+    clock.advance(Duration::from_secs(120));
+    drop((chain, apart));
+    store.sweep();
+    assert!(store.is_empty(), "no limit remembers it: swept");
 }
 
 #[test]

@@ -16,14 +16,17 @@ use super::{
 };
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
+use crate::cell::{CellState, StoreId, WindowCell};
 use crate::chain::{ChainLimit, Costs, KEY_HASHER, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{PeriodCounter, PeriodState};
-use crate::window::{Charge, Snapshot, WindowState};
+use crate::window::{Charge, Snapshot};
 
-/// A list of one decision's items (limits, shards, locks), inline up to a chain of eight.
-type Inline<T> = SmallVec<[T; 8]>;
+/// A list of one decision's items (cells, shards, locks), inline up to a chain of eight.
+type Inline<T> = SmallVec<[T; SMALL]>;
+/// The most limits a chain has for its step to keep its lists in arrays (`admit_small`).
+const SMALL: usize = 8;
 
 /// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
 /// and tables stay in cache (each shard is a few more cache lines to touch).
@@ -35,16 +38,18 @@ const MIN_SWEEP: usize = 1024;
 
 /// The embedded in-memory store: thread-safe, cheap to clone (clones share state).
 ///
-/// State is split over shards (eight per core, rounded up to a power of two, 8 to 1024), each three hash tables (windows,
-/// buckets and period counters) behind a `std::sync::Mutex`. A chain whose
-/// limits live in several shards locks them all in ascending shard order (so two chains can
-/// never deadlock), reads, decides and writes, then unlocks: the decision is atomic, with no
-/// torn reads. The locks are std ones because they are never held across an `.await`: every
-/// critical section is a few hash lookups and arithmetic.
+/// State is split over shards (eight per core, rounded up to a power of two, 8 to 1024), each a
+/// few hash tables (windows, buckets, period counters, concurrency slots) behind a
+/// `std::sync::Mutex`. A window's state lives in a cell with a lock of its own, which a limit
+/// remembers once it is looked up (docs/design.md §2): a chain locks its limits' cells in
+/// ascending address order (so two chains can never deadlock), reads, decides and writes, then
+/// unlocks: the decision is atomic, with no torn reads. The locks are std ones because they are
+/// never held across an `.await`: every critical section is a few lookups and arithmetic.
 ///
 /// Idle state is removed once it can no longer matter (a window `2W` after its last write, a
 /// token bucket once full again): lookups ignore expired entries, and a shard sweeps itself as it
-/// grows, so memory stays bounded under millions of distinct names.
+/// grows, so memory stays bounded under millions of distinct names. (A window's cell that a live
+/// limit remembers stays, emptied, until no limit does.)
 /// [`spawn_sweeper`](MemoryStore::spawn_sweeper) adds a periodic sweep for long-lived processes.
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
@@ -53,7 +58,9 @@ pub struct MemoryStore {
 
 #[derive(Debug)]
 struct Inner {
-    shards: Box<[Mutex<Shard>]>,
+    /// Which store this is, to the limits that remember their cells in it.
+    id: StoreId,
+    shards: Box<[Padded]>,
     /// The process's key hasher ([`KEY_HASHER`]), by which a chain's limits come hashed.
     hasher: RandomState,
     clock: Arc<dyn Clock>,
@@ -63,12 +70,18 @@ struct Inner {
     lowered: super::Lowerings,
 }
 
+/// A shard's lock on cache lines of its own: two cores working in neighbouring shards must not
+/// invalidate each other's lines (false sharing).
+#[derive(Debug)]
+#[repr(align(128))]
+struct Padded(Mutex<Shard>);
+
 #[derive(Debug)]
 struct Shard {
     /// Keyed by the store-wide hash of the key, computed once per operation (it also picks the
     /// shard). Windows and buckets live apart so that each slot stays small: a bucket slot is
     /// one cache line.
-    windows: HashTable<WindowSlot>,
+    windows: HashTable<(Arc<str>, Arc<WindowCell>)>,
     buckets: HashTable<BucketSlot>,
     /// Period counters (budgets' spend), apart from the windows so that the admission path's
     /// table keeps its own slots and size.
@@ -93,19 +106,10 @@ struct PeriodSlot {
     expires: Timestamp,
 }
 
-/// A window, keyed by its limit's own key text: shared, not copied, so that a lookup by the
-/// limit that wrote it (or a clone of that limit) compares addresses, not text.
-#[derive(Debug)]
-struct WindowSlot {
-    key: Arc<str>,
-    state: WindowState,
-    expires: Timestamp,
-}
-
-impl WindowSlot {
-    fn is(&self, limit: &ChainLimit) -> bool {
-        Arc::ptr_eq(&self.key, limit.shared_key()) || *self.key == *limit.key()
-    }
+/// Whether the entry keyed `key` is `limit`'s window: the table holds the key text of the limit
+/// that made it, shared, so that limit and its clones are known by the text's address.
+fn is(key: &Arc<str>, limit: &ChainLimit) -> bool {
+    Arc::ptr_eq(key, limit.shared_key()) || **key == *limit.key()
 }
 
 /// A bucket, keyed by its parts: an integer name is kept as an integer, so a lookup builds and
@@ -196,57 +200,10 @@ impl Shard {
             .map(|s| s.state)
     }
 
-    /// The live state of `limit`'s window.
-    fn window(&self, limit: &ChainLimit, now: Timestamp) -> Option<WindowState> {
-        self.window_at(self.window_slot(limit), now)
-    }
-
-    /// Where `limit`'s window is in the table (live or expired), if it is: a decision reads
-    /// through it and writes back through it, looking the key up once.
-    fn window_slot(&self, limit: &ChainLimit) -> Option<usize> {
-        self.windows
-            .find_bucket_index(limit.key_hash(), |s| s.is(limit))
-    }
-
-    /// The live state of the window at `slot` ([`window_slot`](Self::window_slot)).
-    fn window_at(&self, slot: Option<usize>, now: Timestamp) -> Option<WindowState> {
-        slot.and_then(|i| self.windows.get_bucket(i))
-            .filter(|s| s.expires > now)
-            .map(|s| s.state)
-    }
-
-    /// Writes the window at `slot`, found since the table last changed (an insert may move
-    /// slots).
-    fn put_window_at(&mut self, slot: usize, state: WindowState, expires: Timestamp) {
-        if let Some(slot) = self.windows.get_bucket_mut(slot) {
-            slot.state = state;
-            slot.expires = expires;
-        }
-    }
-
-    /// Writes `limit`'s window state, in place when the window is present.
-    fn put_window(
-        &mut self,
-        hasher: &RandomState,
-        limit: &ChainLimit,
-        state: WindowState,
-        expires: Timestamp,
-        sweep_at: Timestamp,
-    ) {
-        if let Some(slot) = self.windows.find_mut(limit.key_hash(), |s| s.is(limit)) {
-            slot.state = state;
-            slot.expires = expires;
-            return;
-        }
-        self.grow(sweep_at);
-        let slot = WindowSlot {
-            key: limit.shared_key().clone(),
-            state,
-            expires,
-        };
-        // The store's hasher is the limits' key hasher: a moved slot hashes as its limit does.
-        self.windows
-            .insert_unique(limit.key_hash(), slot, |s| hasher.hash_one(&*s.key));
+    /// `limit`'s cell, if the shard has one.
+    fn cell(&self, limit: &ChainLimit) -> Option<&Arc<WindowCell>> {
+        let (_, cell) = self.windows.find(limit.key_hash(), |(k, _)| is(k, limit))?;
+        Some(cell)
     }
 
     /// Sweeps before an insert once the shard has doubled since its last sweep, of the state
@@ -258,7 +215,13 @@ impl Shard {
     }
 
     fn sweep(&mut self, now: Timestamp) {
-        self.windows.retain(|s| s.expires > now);
+        // A cell a limit remembers stays, whatever its state: the limit goes straight to it, so
+        // a second cell for its key must never be made (docs/design.md §2). No one else can
+        // take a new reference to a cell but through this table, under this lock, so a count of
+        // one is the table's alone.
+        self.windows.retain(|(_, c)| {
+            Arc::strong_count(c) > 1 || c.try_lock().is_none_or(|st| st.expires > now)
+        });
         self.buckets.retain(|s| s.expires > now);
         self.periods.retain(|s| s.expires > now);
         self.sweep_at_len = (self.len() * 2).max(MIN_SWEEP);
@@ -283,17 +246,18 @@ impl MemoryStore {
         let count = (cores * SHARDS_PER_CORE).next_power_of_two().clamp(8, 1024);
         let shards = (0..count)
             .map(|_| {
-                Mutex::new(Shard {
+                Padded(Mutex::new(Shard {
                     windows: HashTable::new(),
                     buckets: HashTable::new(),
                     periods: HashTable::new(),
                     slots: HashTable::new(),
                     sweep_at_len: MIN_SWEEP,
-                })
+                }))
             })
             .collect();
         MemoryStore {
             inner: Arc::new(Inner {
+                id: StoreId::next(),
                 shards,
                 hasher: KEY_HASHER.clone(),
                 clock: Arc::new(clock),
@@ -391,6 +355,7 @@ impl MemoryStore {
         // A panic cannot leave a shard half-written (each write is one assignment), so a
         // poisoned lock's state is still sound.
         self.inner.shards[shard]
+            .0
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
     }
@@ -415,60 +380,68 @@ impl MemoryStore {
         now: Option<Timestamp>,
     ) -> Observation {
         let (now, sweep_at) = self.times(now);
+        if slots.is_empty()
+            && let Some(seen) = self.admit_small(limits, costs, now, sweep_at)
+        {
+            return seen;
+        }
         // The lists of one decision live on the stack (a chain rarely has more than a few
         // limits): the only allocation left is the snapshots the observation returns.
         // (Filled in place, not collected: a collected list is moved, its whole inline buffer
         // copied, which costs more than the few items it holds.)
+        let mut cells: Inline<CellRef<'_>> = Inline::new();
+        for l in limits {
+            cells.push(self.cell(l, sweep_at));
+        }
+        // Each cell is locked once, in ascending address order: two decisions sharing cells take
+        // them in the same order, so they cannot deadlock. (Two limits of one key, which
+        // `Chain::new` refuses in debug builds, would share one lock.)
+        let mut order: Inline<(usize, usize)> = Inline::new();
+        order.extend(cells.iter().enumerate().map(|(i, c)| (c.address(), i)));
+        order.sort_unstable();
+        let mut guards: Inline<MutexGuard<'_, CellState>> = Inline::new();
+        let mut guard_of: Inline<usize> = Inline::from_elem(0, limits.len());
+        let mut last = None;
+        for &(address, i) in &order {
+            if last != Some(address) {
+                guards.push(cells[i].lock());
+                last = Some(address);
+            }
+            guard_of[i] = guards.len() - 1;
+        }
+        // Concurrency slots live in the shards' tables: their shards are locked after the cells,
+        // in ascending order (nothing that holds a shard's lock waits for a cell's).
         let mut slots_at: Inline<(u64, usize)> = Inline::new();
         slots_at.extend(slots.iter().map(|l| self.locate(l.key())));
-        let mut order: Inline<usize> = Inline::new();
-        order.extend(limits.iter().map(|l| self.shard_of_limit(l)));
-        order.extend(slots_at.iter().map(|&(_, shard)| shard));
-        order.sort_unstable();
-        order.dedup();
-        // Ascending order: two chains sharing shards take them in the same order, so they
-        // cannot deadlock.
-        let mut guards: Inline<(usize, MutexGuard<'_, Shard>)> = Inline::new();
-        guards.extend(order.iter().map(|&i| (i, self.lock(i))));
-        // Each window is looked up once: read through its slot, written back through it.
-        let mut found: Inline<Option<usize>> = Inline::new();
+        let mut shard_order: Inline<usize> = Inline::new();
+        shard_order.extend(slots_at.iter().map(|&(_, shard)| shard));
+        shard_order.sort_unstable();
+        shard_order.dedup();
+        let mut shards: Inline<(usize, MutexGuard<'_, Shard>)> = Inline::new();
+        shards.extend(shard_order.iter().map(|&i| (i, self.lock(i))));
         let mut snapshots = Vec::with_capacity(limits.len());
-        for l in limits {
-            let shard = locked(&mut guards, self.shard_of_limit(l));
-            let slot = shard.window_slot(l);
-            snapshots.push(Snapshot::at(shard.window_at(slot, now), now, l.limit()));
-            found.push(slot);
+        for (l, &g) in limits.iter().zip(&guard_of) {
+            snapshots.push(Snapshot::at(guards[g].live(now), now, l.limit()));
         }
         let running: Vec<u64> = slots
             .iter()
             .zip(&slots_at)
             .map(|(l, &(hash, shard))| {
-                locked(&mut guards, shard).running(hash, l.key(), lease.id())
+                locked(&mut shards, shard).running(hash, l.key(), lease.id())
             })
             .collect();
         let admitted = first_refusal(limits, &snapshots, costs).is_none()
             && !slots.iter().zip(&running).any(|(l, &n)| l.refuses(n));
         if admitted {
+            let charged = limits.iter().zip(&snapshots).zip(&guard_of).enumerate();
+            for (i, ((l, s), &g)) in charged.filter(|(_, ((l, _), _))| l.charge().at_admission()) {
+                let state = &mut guards[g];
+                state.window = s.charged(costs.of(i));
+                state.expires = now.saturating_add(l.limit().ttl());
+            }
             let hasher = &self.inner.hasher;
-            let charged = limits.iter().zip(&snapshots).zip(&found).enumerate();
-            let charged = charged.filter(|(_, ((l, _), _))| l.charge().at_admission());
-            // The windows found are written first, in place: an insert may move slots.
-            for (i, ((l, s), slot)) in charged.clone() {
-                if let Some(slot) = *slot {
-                    let expires = now.saturating_add(l.limit().ttl());
-                    let shard = locked(&mut guards, self.shard_of_limit(l));
-                    shard.put_window_at(slot, s.charged(costs.of(i)), expires);
-                }
-            }
-            for (i, ((l, s), slot)) in charged {
-                if slot.is_none() {
-                    let expires = now.saturating_add(l.limit().ttl());
-                    let shard = locked(&mut guards, self.shard_of_limit(l));
-                    shard.put_window(hasher, l, s.charged(costs.of(i)), expires, sweep_at);
-                }
-            }
             for (l, &(hash, shard)) in slots.iter().zip(&slots_at) {
-                locked(&mut guards, shard).hold(hasher, hash, l.key(), lease.id());
+                locked(&mut shards, shard).hold(hasher, hash, l.key(), lease.id());
             }
         }
         Observation {
@@ -479,6 +452,117 @@ impl MemoryStore {
             running,
             at: Vec::new(),
         }
+    }
+
+    /// The step of the common case, a chain of at most [`SMALL`] limits with a cell each and no
+    /// concurrency slots, with its lists in arrays on the stack; `None` for any other chain,
+    /// which the general step decides.
+    fn admit_small(
+        &self,
+        limits: &[ChainLimit],
+        costs: Costs<'_>,
+        now: Timestamp,
+        sweep_at: Timestamp,
+    ) -> Option<Observation> {
+        let n = limits.len();
+        if n > SMALL {
+            return None;
+        }
+        let id = self.inner.id;
+        // The cells the limits do not remember (they remember another store's) are held here.
+        let mut found: [Option<Arc<WindowCell>>; SMALL] = Default::default();
+        for (l, found) in limits.iter().zip(&mut found) {
+            if l.cell().get(id).is_none() {
+                *found = self.look_up(l, sweep_at).into_found();
+            }
+        }
+        let mut cells: [Option<&WindowCell>; SMALL] = [None; SMALL];
+        for ((l, found), cell) in limits.iter().zip(&found).zip(&mut cells) {
+            *cell = l.cell().get(id).or(found.as_deref());
+        }
+        let address = |i: usize| cells[i].map_or(0, |c| std::ptr::from_ref(c).addr());
+        // Locked in ascending address order, as the general step does. Two limits of one key
+        // (which `Chain::new` refuses in debug builds) go to the general step.
+        let mut order: [usize; SMALL] = [0, 1, 2, 3, 4, 5, 6, 7];
+        let order = &mut order[..n];
+        order.sort_unstable_by_key(|&i| address(i));
+        if order.windows(2).any(|w| address(w[0]) == address(w[1])) {
+            return None;
+        }
+        let mut guards: [Option<MutexGuard<'_, CellState>>; SMALL] = Default::default();
+        for &i in order.iter() {
+            guards[i] = cells[i].map(WindowCell::lock);
+        }
+        let mut snapshots = Vec::with_capacity(n);
+        for (l, g) in limits.iter().zip(&guards) {
+            let state = g.as_ref().and_then(|g| g.live(now));
+            snapshots.push(Snapshot::at(state, now, l.limit()));
+        }
+        let admitted = first_refusal(limits, &snapshots, costs).is_none();
+        if admitted {
+            let charged = limits.iter().zip(&snapshots).zip(&mut guards).enumerate();
+            for (i, ((l, s), g)) in charged.filter(|(_, ((l, _), _))| l.charge().at_admission()) {
+                if let Some(state) = g {
+                    state.window = s.charged(costs.of(i));
+                    state.expires = now.saturating_add(l.limit().ttl());
+                }
+            }
+        }
+        Some(Observation {
+            now,
+            admitted,
+            enforced: true,
+            snapshots,
+            running: Vec::new(),
+            at: Vec::new(),
+        })
+    }
+
+    /// `limit`'s cell in this store, made (empty) if new: the one the limit remembers, or else
+    /// the one its shard's table holds, which the limit then remembers if it remembers none yet
+    /// (docs/design.md §2).
+    #[inline]
+    fn cell<'a>(&self, limit: &'a ChainLimit, sweep_at: Timestamp) -> CellRef<'a> {
+        match limit.cell().get(self.inner.id) {
+            Some(cell) => CellRef::Remembered(cell),
+            None => self.look_up(limit, sweep_at),
+        }
+    }
+
+    /// [`cell`](Self::cell) through the table.
+    #[cold]
+    fn look_up<'a>(&self, limit: &'a ChainLimit, sweep_at: Timestamp) -> CellRef<'a> {
+        let found = {
+            let mut shard = self.lock(self.shard_of_limit(limit));
+            match shard.cell(limit) {
+                Some(cell) => Arc::clone(cell),
+                None => {
+                    shard.grow(sweep_at);
+                    let cell = Arc::new(WindowCell::default());
+                    // The store's hasher is the limits' key hasher: a moved entry hashes as its
+                    // limit does.
+                    let hasher = &self.inner.hasher;
+                    let entry = (Arc::clone(limit.shared_key()), Arc::clone(&cell));
+                    shard
+                        .windows
+                        .insert_unique(limit.key_hash(), entry, |(k, _)| hasher.hash_one(&**k));
+                    cell
+                }
+            }
+        };
+        match limit.cell().remember(self.inner.id, &found) {
+            Some(cell) => CellRef::Remembered(cell),
+            None => CellRef::Found(found),
+        }
+    }
+
+    /// `limit`'s cell in this store if there is one, made by nothing: for reads and resets.
+    fn existing_cell<'a>(&self, limit: &'a ChainLimit) -> Option<CellRef<'a>> {
+        if let Some(cell) = limit.cell().get(self.inner.id) {
+            return Some(CellRef::Remembered(cell));
+        }
+        let shard = self.lock(self.shard_of_limit(limit));
+        shard.cell(limit).map(|c| CellRef::Found(Arc::clone(c)))
     }
 
     /// [`Store::release`], without the future.
@@ -495,11 +579,11 @@ impl MemoryStore {
         let (now, sweep_at) = self.times(now);
         // Each limit's write is atomic on its own; recording has no decision to keep whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reactive) {
-            let mut shard = self.lock(self.shard_of_limit(l));
-            let snapshot = Snapshot::at(shard.window(l, now), now, l.limit());
-            let expires = now.saturating_add(l.limit().ttl());
-            let state = snapshot.charged(units);
-            shard.put_window(&self.inner.hasher, l, state, expires, sweep_at);
+            let cell = self.cell(l, sweep_at);
+            let mut state = cell.lock();
+            let snapshot = Snapshot::at(state.live(now), now, l.limit());
+            state.window = snapshot.charged(units);
+            state.expires = now.saturating_add(l.limit().ttl());
         }
     }
 
@@ -521,12 +605,13 @@ impl MemoryStore {
         // Each limit's write is atomic on its own, as a record's: there is no decision to keep
         // whole.
         for l in limits.iter().filter(|l| l.charge() == Charge::Reserved) {
-            let mut shard = self.lock(self.shard_of_limit(l));
-            let snapshot = Snapshot::at(shard.window(l, now), now, l.limit());
+            let cell = self.cell(l, sweep_at);
+            let mut state = cell.lock();
+            let snapshot = Snapshot::at(state.live(now), now, l.limit());
             let reserved = reserved_at.as_micros() / l.limit().window_micros();
-            if let Some(state) = snapshot.reconciled(reserved, delta) {
-                let expires = now.saturating_add(l.limit().ttl());
-                shard.put_window(&self.inner.hasher, l, state, expires, sweep_at);
+            if let Some(window) = snapshot.reconciled(reserved, delta) {
+                state.window = window;
+                state.expires = now.saturating_add(l.limit().ttl());
             }
         }
         if refund {
@@ -754,11 +839,16 @@ impl MemoryStore {
         let snapshots = limits
             .iter()
             .map(|l| {
-                let mut shard = self.lock(self.shard_of_limit(l));
-                let state = shard.window(l, now);
-                if clear && let Ok(found) = shard.windows.find_entry(l.key_hash(), |s| s.is(l)) {
-                    found.remove();
-                }
+                let state = self.existing_cell(l).and_then(|cell| {
+                    let mut state = cell.lock();
+                    let live = state.live(now);
+                    if clear {
+                        // Emptied, not removed: a limit may remember the cell, and a key must
+                        // never have two. An unremembered empty cell is swept.
+                        *state = CellState::default();
+                    }
+                    live
+                });
                 Snapshot::at(state, now, l.limit())
             })
             .collect();
@@ -779,6 +869,39 @@ impl MemoryStore {
             snapshots,
             totals,
         }
+    }
+}
+
+/// A limit's cell, as a decision holds it: remembered by the limit, or found in a table (and
+/// kept alive by this reference meanwhile).
+enum CellRef<'a> {
+    Remembered(&'a WindowCell),
+    Found(Arc<WindowCell>),
+}
+
+impl std::ops::Deref for CellRef<'_> {
+    type Target = WindowCell;
+
+    fn deref(&self) -> &WindowCell {
+        match self {
+            CellRef::Remembered(cell) => cell,
+            CellRef::Found(cell) => cell,
+        }
+    }
+}
+
+impl CellRef<'_> {
+    /// The cell if the limit does not remember it: a reference to keep while it is used.
+    fn into_found(self) -> Option<Arc<WindowCell>> {
+        match self {
+            CellRef::Remembered(_) => None,
+            CellRef::Found(cell) => Some(cell),
+        }
+    }
+
+    /// The cell's address: the order cells are locked in.
+    fn address(&self) -> usize {
+        std::ptr::from_ref::<WindowCell>(self).addr()
     }
 }
 
