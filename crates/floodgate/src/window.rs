@@ -167,7 +167,14 @@ impl Snapshot {
         let w = limit.window_us;
         let t = now.as_micros();
         let bucket = t / w;
-        let elapsed = t - bucket * w;
+        Self::in_bucket(state, bucket, t - bucket * w)
+    }
+
+    /// [`at`](Self::at) an instant that lies `elapsed` microseconds into bucket `bucket` of the
+    /// limit's window: for limits of one window decided at one instant, which share the
+    /// division.
+    #[inline]
+    pub(crate) fn in_bucket(state: Option<WindowState>, bucket: u64, elapsed: u64) -> Snapshot {
         let (cur, prev) = match state {
             Some(s) if s.bucket == bucket => (s.cur, s.prev),
             Some(s) if s.bucket.wrapping_add(1) == bucket => (0, s.cur),
@@ -255,6 +262,10 @@ impl Snapshot {
         let Some(left) = limit.max.checked_sub(self.cur.saturating_add(charged)) else {
             return 0;
         };
+        if self.prev == 0 || left == 0 {
+            // Nothing carried from the previous bucket, or nothing left to carry it from.
+            return left;
+        }
         let weight = u128::from(self.prev) * u128::from(w - self.elapsed);
         let carried = match u64::try_from(weight) {
             Ok(weight) => weight.div_ceil(w),

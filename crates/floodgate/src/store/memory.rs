@@ -494,9 +494,16 @@ impl MemoryStore {
             guards[i] = cells[i].map(WindowCell::lock);
         }
         let mut snapshots = Vec::with_capacity(n);
+        // Limits of one window share the instant's bucket (a chain's are mostly per minute).
+        let mut split = (0, 0, 0);
         for (l, g) in limits.iter().zip(&guards) {
             let state = g.as_ref().and_then(|g| g.live(now));
-            snapshots.push(Snapshot::at(state, now, l.limit()));
+            let w = l.limit().window_micros();
+            if split.0 != w {
+                let t = now.as_micros();
+                split = (w, t / w, t % w);
+            }
+            snapshots.push(Snapshot::in_bucket(state, split.1, split.2));
         }
         let admitted = first_refusal(limits, &snapshots, costs).is_none();
         if admitted {

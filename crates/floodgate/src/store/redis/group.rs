@@ -54,12 +54,24 @@ pub(super) trait Queued: Send + 'static {
     fn keys(&self) -> usize;
     /// Answers it with `failure`.
     fn fail(self, failure: &Failure);
+    /// Whether it may wait, on a busy queue, for a call that cannot (a charge for the next
+    /// admission): see [`serve`].
+    fn lingers(&self) -> bool {
+        false
+    }
 }
 
-/// Calls waiting for the next batch, and whether a task is sending batches.
+/// The longest a busy queue holding only calls that linger waits for one that does not, before
+/// it sends them alone ([`serve`]).
+const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// Calls waiting for the next batch, whether a task is sending batches, and whether that task
+/// is lingering for a call that does not linger ([`serve`]), which wakes it.
 pub(super) struct Queue<T> {
     pending: Vec<T>,
     sending: bool,
+    lingering: bool,
+    wake: Arc<tokio::sync::Notify>,
 }
 
 impl<T> Default for Queue<T> {
@@ -67,6 +79,8 @@ impl<T> Default for Queue<T> {
         Queue {
             pending: Vec::new(),
             sending: false,
+            lingering: false,
+            wake: Arc::default(),
         }
     }
 }
@@ -128,9 +142,14 @@ pub(super) fn put_back<T>(queue: &Mutex<Queue<T>>, mut calls: Vec<T>) {
     q.pending = calls;
 }
 
-/// Queues `call`; says whether the caller must start a sender ([`serve`]).
-fn push<T>(queue: &Mutex<Queue<T>>, call: T) -> bool {
+/// Queues `call`; says whether the caller must start a sender ([`serve`]). A call that does not
+/// linger wakes a sender lingering for it.
+fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
     let mut q = lock(queue);
+    if q.lingering && !call.lingers() {
+        q.lingering = false;
+        q.wake.notify_one();
+    }
     q.pending.push(call);
     !std::mem::replace(&mut q.sending, true)
 }
@@ -138,6 +157,12 @@ fn push<T>(queue: &Mutex<Queue<T>>, call: T) -> bool {
 /// Sends batches with `send` until the queue is empty. A batch takes the queued calls in order
 /// while they share the first one's time argument and fit `bounds`; once one does not, none after
 /// it goes either (calls land in the order they came), and it waits for the next batch.
+///
+/// Once a batch has been sent, if everything queued since lingers (charges, which need no answer
+/// soon), the sender waits up to [`LINGER`] for a call that does not (the next admission), so
+/// that both go in one call: on a busy store the charges of the responses that ended during a
+/// call ride the next admissions' call instead of one of their own. An idle queue's first call
+/// never waits: a charge on a quiet store goes at once.
 ///
 /// If sending stops early (a panic, a runtime shutting down), the queue must not stay marked as
 /// served: the queued calls fail and the next call starts a sender again.
@@ -167,7 +192,21 @@ where
         }
     }
     let mut unmark = Unmark { queue, done: false };
+    let mut busy = false;
     loop {
+        if busy {
+            let wake = {
+                let mut q = lock(queue);
+                let lingers = !q.pending.is_empty() && q.pending.iter().all(Queued::lingers);
+                q.lingering = lingers;
+                lingers.then(|| Arc::clone(&q.wake))
+            };
+            if let Some(wake) = wake {
+                let _ = tokio::time::timeout(LINGER, wake.notified()).await;
+                lock(queue).lingering = false;
+            }
+        }
+        busy = true;
         let batch = {
             let mut q = lock(queue);
             let mut batch = Vec::new();

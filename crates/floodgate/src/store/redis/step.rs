@@ -62,6 +62,11 @@ impl Queued for Pending {
             Pending::Charge(p) => p.fail(failure),
         }
     }
+    fn lingers(&self) -> bool {
+        // A charge's caller awaits nothing but its landing: it can wait for the next admission's
+        // call (`group::serve`).
+        matches!(self, Pending::Charge(_))
+    }
 }
 
 /// The most one call carries: its calls, and the keys of all of them past its first (the script
