@@ -296,3 +296,103 @@ impl<'a> Counters<'a> {
         intern(&mut self.index, &mut self.list, counter.key(), counter)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::sync::{Notify, mpsc};
+
+    /// A queued call: an admission, or a charge (which lingers).
+    struct Call {
+        id: u32,
+        lingers: bool,
+    }
+
+    impl Queued for Call {
+        fn time(&self) -> Option<u64> {
+            None
+        }
+        fn keys(&self) -> usize {
+            1
+        }
+        fn fail(self, _: &Failure) {}
+        fn lingers(&self) -> bool {
+            self.lingers
+        }
+    }
+
+    const BOUNDS: Bounds = Bounds {
+        calls: 16,
+        keys: 16,
+    };
+
+    /// Starts a sender on `queue` whose every call reports its ids on the returned channel and
+    /// returns when `back` is notified.
+    fn sender(
+        queue: &Arc<Mutex<Queue<Call>>>,
+        back: &Arc<Notify>,
+    ) -> mpsc::UnboundedReceiver<Vec<u32>> {
+        let (sent, calls) = mpsc::unbounded_channel();
+        let (queue, back) = (Arc::clone(queue), Arc::clone(back));
+        tokio::spawn(async move {
+            serve(&queue, BOUNDS, |batch: Vec<Call>| {
+                let _ = sent.send(batch.iter().map(|c| c.id).collect());
+                let back = Arc::clone(&back);
+                async move { back.notified().await }
+            })
+            .await;
+        });
+        calls
+    }
+
+    fn call(id: u32, lingers: bool) -> Call {
+        Call { id, lingers }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_charge_queued_during_a_call_rides_the_next_admission() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        assert!(
+            push(&queue, call(1, false)),
+            "an idle queue starts a sender"
+        );
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![1]));
+        // While the first call is out, a response ends: its charge queues.
+        assert!(!push(&queue, call(2, true)));
+        back.notify_one();
+        // The sender waits for company; the next admission comes, and both go in one call.
+        tokio::task::yield_now().await;
+        assert!(!push(&queue, call(3, false)));
+        assert_eq!(calls.recv().await, Some(vec![2, 3]));
+        back.notify_one();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_charge_with_no_admission_after_it_goes_alone_after_the_linger() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        push(&queue, call(1, false));
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![1]));
+        push(&queue, call(2, true));
+        let start = tokio::time::Instant::now();
+        back.notify_one();
+        assert_eq!(calls.recv().await, Some(vec![2]));
+        assert_eq!(start.elapsed(), LINGER, "it waited the linger, no more");
+        back.notify_one();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_charge_on_an_idle_queue_goes_at_once() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        assert!(push(&queue, call(1, true)));
+        let start = tokio::time::Instant::now();
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![1]));
+        assert_eq!(start.elapsed(), std::time::Duration::ZERO);
+        back.notify_one();
+    }
+}
