@@ -161,6 +161,20 @@ impl Charger {
             return;
         }
         let held = held.unwrap_or_else(|| self.hold());
+        let reserving = chain.as_ref().is_some_and(|c| c.has_reserved());
+        if reconcile.is_none() && reserved.is_none() && !reserving {
+            // The common case, tokens and spend added: the store takes both as one charge and
+            // calls back where it lands (at once in memory, when the next call answers on
+            // Redis), without a future or a task per response (docs/design.md §6).
+            self.charge_then(
+                chain.as_deref(),
+                tokens,
+                budgets.as_deref(),
+                micro_usd,
+                held,
+            );
+            return;
+        }
         let charger = self.clone();
         let charge = Box::pin(async move {
             // Both at once: on Redis they then go out in one charge batch (one script call).
@@ -183,6 +197,52 @@ impl Charger {
         if !now_or_in_a_task(charge) {
             tracing::warn!(tokens, micro_usd, "no runtime to charge on: dropped");
         }
+    }
+
+    /// Adds `tokens` to `chain`'s reactive limits and `micro_usd` to `budgets` as one charge
+    /// ([`floodgate::store::AnyStore::charge_then`]); `held` is released, and the calls counted
+    /// and any failure logged, where it lands.
+    fn charge_then(
+        &self,
+        chain: Option<&Chain>,
+        tokens: u64,
+        budgets: Option<&Budgets>,
+        micro_usd: u64,
+        held: Held,
+    ) {
+        let limits = chain.map_or(&[][..], |c| c.limits());
+        let tokens = if chain.is_some_and(Chain::has_reactive) {
+            tokens
+        } else {
+            0
+        };
+        let counters = budgets.map_or(&[][..], |b| b.counters());
+        let micro_usd = if counters.is_empty() { 0 } else { micro_usd };
+        if micro_usd > 0 {
+            self.metrics.spend(micro_usd);
+        }
+        let metrics = self.metrics.clone();
+        let start = std::time::Instant::now();
+        let landed = move |done: Result<(), floodgate::Error>| {
+            let took = start.elapsed();
+            for (op, charged) in [(StoreOp::Record, tokens), (StoreOp::Spend, micro_usd)] {
+                if charged > 0 {
+                    metrics.store_call(op, took, done.is_err());
+                }
+            }
+            match done {
+                Ok(()) => {}
+                // The store logs an outage (or a dropped connection) once; a line for every
+                // metered response would flood the log for as long as it lasts.
+                Err(e @ floodgate::Error::Unavailable(_)) => {
+                    tracing::debug!(error = %e, tokens, micro_usd, "could not charge");
+                }
+                Err(e) => tracing::warn!(error = %e, tokens, micro_usd, "could not charge"),
+            }
+            drop(held);
+        };
+        self.store
+            .charge_then(limits, tokens, counters, micro_usd, landed);
     }
 
     /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned

@@ -203,8 +203,8 @@ impl Budgets {
         decide(&self.budgets, &seen.totals, seen.now)
     }
 
-    /// Every budget's counter, in order.
-    pub(crate) fn counters(&self) -> &[PeriodCounter] {
+    /// Every budget's counter, in order: where its spend is stored.
+    pub fn counters(&self) -> &[PeriodCounter] {
         &self.counters
     }
 

@@ -208,6 +208,18 @@ async fn shared_vectors_pass_on_redis() {
 }
 
 #[tokio::test]
+async fn charges_made_without_a_future_land_once_each_in_a_few_calls() {
+    let Some(url) = redis_url("charges_made_without_a_future_land_once_each_in_a_few_calls") else {
+        return;
+    };
+    let redis = store(&url).await;
+    let before = redis.stats().charge_batches;
+    common::run_charge_then(&AnyStore::from(redis.clone())).await;
+    let calls = redis.stats().charge_batches - before;
+    assert!(calls < 40, "40 charges in {calls} calls");
+}
+
+#[tokio::test]
 async fn a_cached_refusal_on_redis_is_the_stores_own() {
     let Some(url) = redis_url("a_cached_refusal_on_redis_is_the_stores_own") else {
         return;

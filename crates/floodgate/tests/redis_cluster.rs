@@ -82,6 +82,7 @@ async fn shared_vectors_pass_on_the_cluster_in_one_slot_and_across_slots() {
     common::run_period_vectors(&store(&seeds).await).await;
     common::run_admit_within(&store(&seeds).await, "org:acme").await;
     common::run_refusal_cache_sweep(&store(&seeds).await).await;
+    common::run_charge_then(&store(&seeds).await.into()).await;
 }
 
 #[tokio::test]

@@ -10,6 +10,11 @@ async fn memory_store_passes_the_shared_vectors() {
 }
 
 #[tokio::test]
+async fn charges_made_without_a_future_land_once_each_on_memory() {
+    common::run_charge_then(&MemoryStore::new().into()).await;
+}
+
+#[tokio::test]
 async fn a_cached_refusal_on_memory_is_the_stores_own() {
     common::run_refusal_cache_sweep(&MemoryStore::new()).await;
 }

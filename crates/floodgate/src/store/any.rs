@@ -40,6 +40,30 @@ impl From<RedisStore> for AnyStore {
     }
 }
 
+impl AnyStore {
+    /// Charges what a served request cost after the fact, without a future: `units` to every
+    /// reactive limit of `limits` (tokens) and `amount` to every counter of `counters` (a
+    /// budget's spend: [`Budgets::counters`](crate::Budgets::counters)), each once, and calls
+    /// `landed` with the outcome once the store has them: at once in memory
+    /// ([`MemoryStore::charge_then`]), once the next call has answered on Redis
+    /// ([`RedisStore::charge_then`], where `landed` must be quick).
+    pub fn charge_then<F>(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        counters: &[PeriodCounter],
+        amount: u64,
+        landed: F,
+    ) where
+        F: FnOnce(Result<(), Error>) + Send + 'static,
+    {
+        match self {
+            AnyStore::Memory(s) => s.charge_then(limits, units, counters, amount, landed),
+            AnyStore::Redis(s) => s.charge_then(limits, units, counters, amount, landed),
+        }
+    }
+}
+
 impl Store for AnyStore {
     fn lowered(&self) -> u64 {
         match self {

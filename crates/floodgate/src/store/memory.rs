@@ -594,6 +594,28 @@ impl MemoryStore {
         }
     }
 
+    /// Charges what a served request cost after the fact: `units` to every reactive limit of
+    /// `limits` and `amount` to every counter of `counters`, now, then calls `landed`, as the
+    /// Redis store's `charge_then` does once Redis has them.
+    pub fn charge_then<F>(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        counters: &[PeriodCounter],
+        amount: u64,
+        landed: F,
+    ) where
+        F: FnOnce(Result<(), Error>) + Send + 'static,
+    {
+        if units > 0 {
+            self.record_sync(limits, units, None);
+        }
+        if amount > 0 && !counters.is_empty() {
+            self.add_periods_sync(counters, amount, None);
+        }
+        landed(Ok(()));
+    }
+
     /// [`Store::reconcile`], without the future.
     pub fn reconcile_sync(
         &self,

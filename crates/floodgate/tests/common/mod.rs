@@ -1384,3 +1384,37 @@ pub async fn run_admit_within<S: Store>(store: &S, tenant: &str) {
         "the org's 10 less the 2 admitted, still carried"
     );
 }
+
+/// A served request's cost charged without a future (`AnyStore::charge_then`), 40 of them at
+/// once: each lands exactly once, the token window and the day's spend count every one, the
+/// request window none, and a charge of nothing lands at once. On Redis the charges ride a few
+/// calls, not one each.
+pub async fn run_charge_then(store: &floodgate::store::AnyStore) {
+    let requests = limit(ScopeKind::Key, "ct", Charge::Admission, 10);
+    let tokens = limit(ScopeKind::Key, "ct", Charge::Reactive, 1_000_000);
+    let limits = vec![requests, tokens];
+    let day = floodgate::PeriodCounter::new("{org:acme}:key:ct:budget:day", floodgate::Period::Day);
+    let counters = vec![day];
+    let (landed, mut lands) = tokio::sync::mpsc::unbounded_channel();
+    for _ in 0..40 {
+        let landed = landed.clone();
+        store.charge_then(&limits, 3, &counters, 7, move |done| {
+            let _ = landed.send(done);
+        });
+    }
+    for _ in 0..40 {
+        assert!(lands.recv().await.expect("every charge lands").is_ok());
+    }
+    let seen = store.read_state(&limits, &counters, None).await.unwrap();
+    assert_eq!(seen.snapshots[0].cur + seen.snapshots[0].prev, 0);
+    assert_eq!(seen.snapshots[1].cur + seen.snapshots[1].prev, 120);
+    assert_eq!(seen.totals, [280]);
+    // Nothing to charge: landed at once, nothing written.
+    store.charge_then(&limits, 0, &counters, 0, move |done| {
+        let _ = landed.send(done);
+    });
+    assert!(lands.recv().await.expect("landed").is_ok());
+    assert!(lands.recv().await.is_none(), "each charge landed once");
+    let again = store.read_state(&limits, &counters, None).await.unwrap();
+    assert_eq!(again.totals, [280]);
+}

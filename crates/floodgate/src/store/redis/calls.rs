@@ -8,9 +8,9 @@ use ::redis::cluster_routing::Slot;
 
 use super::RedisStore;
 use super::batch::PendingAdmit;
-use super::charges::{Charged, PendingCharge, Work};
+use super::charges::{Charged, PendingCharge, Reply, Work};
 use super::conn::Failure;
-use super::group::{self, Answer};
+use super::group::{self, Answer, Queued};
 use super::reads::PendingRead;
 use super::step::Pending;
 use crate::chain::{ChainLimit, Costs};
@@ -111,14 +111,14 @@ impl RedisStore {
         }
         if !self.is_cluster() {
             let slot = None;
-            return landed(self.charge(slot, Work::Record(reactive, units), now)?)
+            return landed(self.charge(slot, Work::record(reactive, units), now)?)
                 .await
                 .map(drop);
         }
         let mut waits = Vec::new();
         for (slot, part) in self.by_slot(&reactive, |l| l.key()) {
             let part = part.iter().map(|&i| reactive[i].clone()).collect();
-            waits.push(self.charge(slot, Work::Record(part, units), now)?);
+            waits.push(self.charge(slot, Work::record(part, units), now)?);
         }
         for wait in waits {
             landed(wait).await?;
@@ -135,7 +135,7 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Failure> {
         if !self.is_cluster() {
-            let work = Work::Periods(counters.to_vec(), amount);
+            let work = Work::periods(counters.to_vec(), amount);
             let (t, totals) = landed(self.charge(None, work, now)?).await?;
             return Ok(PeriodObservation {
                 now: Timestamp::from_micros(t),
@@ -147,7 +147,7 @@ impl RedisStore {
         let mut waits = Vec::with_capacity(parts.len());
         for (slot, part) in &parts {
             let list = part.iter().map(|&i| counters[i].clone()).collect();
-            waits.push(self.charge(*slot, Work::Periods(list, amount), now)?);
+            waits.push(self.charge(*slot, Work::periods(list, amount), now)?);
         }
         let mut at = None;
         let mut totals = vec![0; counters.len()];
@@ -174,8 +174,71 @@ impl RedisStore {
     ) -> Result<Answer<Charged>, Failure> {
         let time = now.map(Timestamp::as_micros);
         self.step(slot, |reply| {
-            Pending::Charge(PendingCharge { work, time, reply })
+            Pending::Charge(PendingCharge {
+                work,
+                time,
+                reply: Reply::Waiting(reply),
+            })
         })
+    }
+}
+
+impl RedisStore {
+    /// [`RedisStore::charge_then`], with `landed` given the store's failure.
+    pub(super) fn charge_then_inner<F>(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        counters: &[PeriodCounter],
+        amount: u64,
+        landed: F,
+    ) where
+        F: FnOnce(Result<(), Failure>) + Send + 'static,
+    {
+        let reactive: Vec<ChainLimit> = if units == 0 {
+            Vec::new()
+        } else {
+            let reactive = limits.iter().filter(|l| l.charge() == Charge::Reactive);
+            reactive.cloned().collect()
+        };
+        let work = Work {
+            record: (!reactive.is_empty()).then_some((reactive, units)),
+            periods: (amount > 0 && !counters.is_empty()).then(|| (counters.to_vec(), amount)),
+        };
+        if work.record.is_none() && work.periods.is_none() {
+            return landed(Ok(()));
+        }
+        if self.is_cluster() {
+            // The keys may lie in several slots: the record and the add, each by slot, in a
+            // task that awaits them.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+                return landed(Err(Failure::Unavailable("no runtime to charge on".into())));
+            };
+            let store = self.clone();
+            drop(runtime.spawn(async move {
+                let mut done = Ok(());
+                if let Some((limits, units)) = &work.record {
+                    done = store.record_inner(limits, *units, None).await;
+                }
+                if let Some((counters, amount)) = &work.periods {
+                    let added = store.add_periods_inner(counters, *amount, None).await;
+                    done = done.and(added.map(drop));
+                }
+                landed(done);
+            }));
+            return;
+        }
+        let reply = Reply::Then(Box::new(move |answer: Result<Charged, Failure>| {
+            landed(answer.map(drop));
+        }));
+        let call = Pending::Charge(PendingCharge {
+            work,
+            time: None,
+            reply,
+        });
+        if let Err(call) = self.queue_step(None, call) {
+            call.fail(&Failure::Unavailable("circuit breaker open".into()));
+        }
     }
 }
 

@@ -14,12 +14,49 @@ use super::group::{Counters, Windows};
 use crate::chain::ChainLimit;
 use crate::period::{MAX_TOTAL, PeriodCounter};
 
-/// What one charge adds.
-pub(super) enum Work {
+/// What one charge adds: units to reactive limits (tokens), an amount to counters (spend), or
+/// both (a response's tokens and spend, charged together).
+#[derive(Default)]
+pub(super) struct Work {
     /// `units` to each reactive limit.
-    Record(Vec<ChainLimit>, u64),
+    pub(super) record: Option<(Vec<ChainLimit>, u64)>,
     /// `amount` to each counter.
-    Periods(Vec<PeriodCounter>, u64),
+    pub(super) periods: Option<(Vec<PeriodCounter>, u64)>,
+}
+
+impl Work {
+    /// `units` to each of `limits`.
+    pub(super) fn record(limits: Vec<ChainLimit>, units: u64) -> Work {
+        Work {
+            record: Some((limits, units)),
+            periods: None,
+        }
+    }
+
+    /// `amount` to each of `counters`.
+    pub(super) fn periods(counters: Vec<PeriodCounter>, amount: u64) -> Work {
+        Work {
+            record: None,
+            periods: Some((counters, amount)),
+        }
+    }
+}
+
+/// Where a charge's answer goes: to a caller awaiting it, or to a function called with it
+/// where the call lands (on the batch's sender: it must be quick).
+pub(super) enum Reply {
+    Waiting(tokio::sync::oneshot::Sender<Result<Charged, Failure>>),
+    Then(Box<dyn FnOnce(Result<Charged, Failure>) + Send>),
+}
+
+impl Reply {
+    fn send(self, answer: Result<Charged, Failure>) {
+        match self {
+            // A caller that went away wants no answer: the charge went anyway.
+            Reply::Waiting(reply) => drop(reply.send(answer)),
+            Reply::Then(landed) => landed(answer),
+        }
+    }
 }
 
 /// One queued charge: what it adds, its time argument and where its answer goes.
@@ -27,21 +64,19 @@ pub(super) struct PendingCharge {
     pub(super) work: Work,
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     pub(super) time: Option<u64>,
-    pub(super) reply: tokio::sync::oneshot::Sender<Result<Charged, Failure>>,
+    pub(super) reply: Reply,
 }
 
 impl PendingCharge {
     /// How many keys it names.
     pub(super) fn keys(&self) -> usize {
-        match &self.work {
-            Work::Record(limits, _) => limits.len(),
-            Work::Periods(counters, _) => counters.len(),
-        }
+        let record = self.work.record.as_ref().map_or(0, |(l, _)| l.len());
+        record + self.work.periods.as_ref().map_or(0, |(c, _)| c.len())
     }
 
     /// Answers it with `failure`.
     pub(super) fn fail(self, failure: &Failure) {
-        let _ = self.reply.send(Err(failure.again()));
+        self.reply.send(Err(failure.again()));
     }
 }
 
@@ -74,17 +109,20 @@ pub(super) fn pack<'a>(
     // call of many distinct chains must not cost a scan of all per charge.
     let mut merged: HashMap<(bool, Vec<usize>), usize, foldhash::fast::RandomState> =
         HashMap::default();
-    for p in batch {
-        let (window, units, keys) = match &p.work {
-            Work::Record(limits, units) => {
-                let keys: Vec<usize> = limits.iter().map(|l| windows.intern(l)).collect();
-                (true, *units, keys)
-            }
-            Work::Periods(list, amount) => {
+    let parts = batch.iter().flat_map(|p| {
+        let record = p.work.record.as_ref().map(|(l, u)| (Some(l), None, *u));
+        let periods = p.work.periods.as_ref().map(|(c, a)| (None, Some(c), *a));
+        record.into_iter().chain(periods)
+    });
+    for (limits, list, units) in parts {
+        let (window, keys) = match (limits, list) {
+            (Some(limits), _) => (true, limits.iter().map(|l| windows.intern(l)).collect()),
+            (None, Some(list)) => {
                 let keys: Vec<usize> = list.iter().map(|c| counters.intern(c)).collect();
                 order.extend(&keys);
-                (false, *amount, keys)
+                (false, keys)
             }
+            (None, None) => continue,
         };
         match merged.entry((window, keys)) {
             Entry::Occupied(at) => {
@@ -127,9 +165,9 @@ impl Packed {
 pub(super) fn answer(batch: Vec<PendingCharge>, packed: &Packed, mut totals: Vec<u64>, now: u64) {
     let mut counters = packed.order.iter();
     for p in batch {
-        let seen = match &p.work {
-            Work::Record(..) => Vec::new(),
-            Work::Periods(list, amount) => {
+        let seen = match &p.work.periods {
+            None => Vec::new(),
+            Some((list, amount)) => {
                 let mut seen = Vec::with_capacity(list.len());
                 for &k in counters.by_ref().take(list.len()) {
                     let total = &mut totals[k];
@@ -139,7 +177,7 @@ pub(super) fn answer(batch: Vec<PendingCharge>, packed: &Packed, mut totals: Vec
                 seen
             }
         };
-        let _ = p.reply.send(Ok((now, seen)));
+        p.reply.send(Ok((now, seen)));
     }
 }
 
@@ -153,7 +191,7 @@ mod tests {
         PendingCharge {
             work,
             time: None,
-            reply: tokio::sync::oneshot::channel().0,
+            reply: Reply::Waiting(tokio::sync::oneshot::channel().0),
         }
     }
 
@@ -175,11 +213,11 @@ mod tests {
         );
         let day = PeriodCounter::new("{org:m}:budget:day", Period::Day);
         let batch = vec![
-            charge(Work::Record(vec![tokens.clone()], 3)),
-            charge(Work::Periods(vec![day.clone()], 7)),
-            charge(Work::Record(vec![tokens.clone()], 4)),
-            charge(Work::Record(vec![key, tokens.clone()], 5)),
-            charge(Work::Periods(vec![day.clone()], 8)),
+            charge(Work::record(vec![tokens.clone()], 3)),
+            charge(Work::periods(vec![day.clone()], 7)),
+            charge(Work::record(vec![tokens.clone()], 4)),
+            charge(Work::record(vec![key, tokens.clone()], 5)),
+            charge(Work::periods(vec![day.clone()], 8)),
         ];
         let (mut windows, mut counters) = (Windows::default(), Counters::default());
         let packed = pack(&mut windows, &mut counters, &batch);
@@ -200,7 +238,10 @@ mod tests {
         let batch = batch
             .into_iter()
             .zip(replies)
-            .map(|(p, reply)| PendingCharge { reply, ..p })
+            .map(|(p, reply)| PendingCharge {
+                reply: Reply::Waiting(reply),
+                ..p
+            })
             .collect();
         answer(batch, &packed, vec![100], 9);
         let seen: Vec<Charged> = answers

@@ -117,13 +117,30 @@ where
     Fut: Future<Output = ()> + Send,
 {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    if push(&lane, make(tx)) {
+    enqueue(ctx, lane, bounds, make(tx), send);
+    rx
+}
+
+/// Queues `call`, which answers itself (a charge calling back where it lands), as [`submit`]
+/// queues one it builds around a reply channel.
+pub(super) fn enqueue<T, S, F, Fut>(
+    ctx: &S,
+    lane: Arc<Mutex<Queue<T>>>,
+    bounds: Bounds,
+    call: T,
+    send: F,
+) where
+    T: Queued,
+    S: Clone + Send + Sync + 'static,
+    F: Fn(S, Vec<T>) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    if push(&lane, call) {
         let ctx = ctx.clone();
         tokio::spawn(async move {
             serve(&lane, bounds, |batch| send(ctx.clone(), batch)).await;
         });
     }
-    rx
 }
 
 /// The answer of a call queued with [`submit`]; `what` names its batch if the sender dropped it.

@@ -225,6 +225,33 @@ impl RedisStore {
         &self.inner.config
     }
 
+    /// Charges what a served request cost after the fact, without a future: `units` to every
+    /// reactive limit of `limits` (tokens) and `amount` to every counter of `counters` (spend),
+    /// each once, never replayed, and calls `landed` with the outcome once Redis has them. On one
+    /// server the two ride the next call of the step queue as one charge (docs/redis.md,
+    /// "Batching"), and `landed` is called on the call's sender, so it must be quick; on a
+    /// cluster they are made slot by slot in a task. The same as a `record` and an
+    /// `add_periods` awaited together, without a task or a reply channel per charge: what a
+    /// metered response costs the gateway.
+    pub fn charge_then<F>(
+        &self,
+        limits: &[ChainLimit],
+        units: u64,
+        counters: &[PeriodCounter],
+        amount: u64,
+        landed: F,
+    ) where
+        F: FnOnce(Result<(), Error>) + Send + 'static,
+    {
+        let inner = Arc::clone(&self.inner);
+        self.charge_then_inner(limits, units, counters, amount, move |done| {
+            landed(done.map_err(|f| {
+                bump(&inner.counters.errors);
+                f.into()
+            }));
+        });
+    }
+
     /// Whether this store is on a Redis Cluster.
     pub fn is_cluster(&self) -> bool {
         self.inner.config.is_cluster()

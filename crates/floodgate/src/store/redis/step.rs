@@ -84,20 +84,32 @@ impl RedisStore {
         slot: Option<Slot>,
         make: impl FnOnce(tokio::sync::oneshot::Sender<Result<R, Failure>>) -> Pending,
     ) -> Result<Answer<R>, Failure> {
+        let (reply, answer) = tokio::sync::oneshot::channel();
+        match self.queue_step(slot, make(reply)) {
+            Ok(()) => Ok(answer),
+            Err(_) => Err(Failure::Unavailable("circuit breaker open".into())),
+        }
+    }
+
+    /// Queues `call`, which answers itself, for `slot`'s next step, as [`step`](Self::step)
+    /// queues one it builds around a reply channel.
+    /// While the breaker is open the call is handed back, unsent: the breaker answers at once,
+    /// and the probe task closes it when Redis is back.
+    pub(super) fn queue_step(&self, slot: Option<Slot>, call: Pending) -> Result<(), Pending> {
         if self.inner.open.load(Ordering::Acquire) {
-            // The breaker answers at once; the probe task closes it when Redis is back.
-            return Err(Failure::Unavailable("circuit breaker open".into()));
+            return Err(call);
         }
         let lane = self.inner.steps.lane(slot);
-        Ok(group::submit(
+        group::enqueue(
             &(self.clone(), Arc::clone(&lane)),
             lane,
             BOUNDS,
-            make,
+            call,
             |(store, lane): (RedisStore, Arc<Mutex<StepQueue>>), batch| async move {
                 store.send_step(&lane, batch).await
             },
-        ))
+        );
+        Ok(())
     }
 
     /// Sends one step: `batch`'s admissions, reads and charges in one call, each answered from
