@@ -245,6 +245,27 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         }
         Some(_) => return Err("`stream` must be true or false.".into()),
     }
+    if options.is_none() {
+        // The common case, no options: the body as it came, one member added before its
+        // closing brace (the parse above proved it a JSON object, so its last byte but any
+        // trailing space is that brace).
+        let close = body.trim_ascii_end().len() - 1;
+        let mut out = Vec::with_capacity(body.len() + USAGE_OPTION.len() + 1);
+        out.extend_from_slice(&body[..close]);
+        if !fields.is_empty() {
+            out.push(b',');
+        }
+        out.extend_from_slice(USAGE_OPTION);
+        out.push(b'}');
+        return Ok(Prepared {
+            body: Bytes::from(out),
+            stream: Some(StreamRequest {
+                caller_wants_usage: false,
+            }),
+            model,
+            output,
+        });
+    }
     // The caller's options, with include_usage set; each field once (a duplicate
     // include_usage would leave the choice to the upstream's parser).
     let mut opts: serde_json::Map<String, serde_json::Value> = options
@@ -281,6 +302,9 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         output,
     })
 }
+
+/// The member a stream request without options gets, so that its stream reports usage.
+const USAGE_OPTION: &[u8] = br#""stream_options":{"include_usage":true}"#;
 
 /// The top-level field `name` of a request body, if present; an error (for a 400) if it is
 /// named twice, since servers differ on which one counts.
@@ -413,6 +437,14 @@ mod tests {
                 caller_wants_usage: true
             })
         );
+        // Spaces and key escapes stay as they came; the member goes before the brace.
+        let (b, _) = ask(b"{ \"str\\u0065am\" : true }\n").unwrap();
+        assert_eq!(
+            &b[..],
+            &b"{ \"str\\u0065am\" : true ,\"stream_options\":{\"include_usage\":true}}"[..]
+        );
+        let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
         // Other options stay; a non-object is replaced.
         let (b, _) =
             ask(br#"{"stream_options":{"x":1,"include_usage":false},"stream":true}"#).unwrap();

@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 use memchr::memmem::Finder;
 
 use super::json::{skip_space, string_end};
-use super::usage::{TokenUsage, UsageCarrier};
+use super::usage::{self, TokenUsage};
 
 /// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
 /// say) is forwarded as it arrives, uninspected, and filtering resumes with the next event.
@@ -42,6 +42,12 @@ pub(crate) struct SseFilter {
 /// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
 /// `event:` line does not).
 fn is_data_event(event: &[u8]) -> bool {
+    // The common event, one line of JSON: told by its first bytes, no line searched for.
+    if let Some(data) = event.strip_prefix(b"data:")
+        && data.trim_ascii_start().first() == Some(&b'{')
+    {
+        return true;
+    }
     lines(event)
         .filter_map(|line| line.strip_prefix(b"data:"))
         .any(|data| data.trim_ascii() != b"[DONE]")
@@ -111,10 +117,11 @@ impl SseFilter {
             return self.push_oversized(data);
         }
         if self.pending.is_empty() {
-            let end = last_event_end(&data, 0);
+            // Each event's end is found once, as it is filtered; what follows the last whole
+            // one waits for the next frame.
+            let (out, end) = self.filter(data.clone(), false);
             self.pending.extend_from_slice(&data[end..]);
             self.searched = self.pending.len();
-            let out = self.filter(data.slice(..end));
             if self.pending.len() > MAX_SSE_EVENT {
                 return self.overflow(out);
             }
@@ -127,7 +134,7 @@ impl SseFilter {
         );
         let complete = self.pending.split_to(end).freeze();
         self.searched = self.pending.len();
-        let out = self.filter(complete);
+        let (out, _) = self.filter(complete, true);
         if self.pending.len() > MAX_SSE_EVENT {
             return self.overflow(out);
         }
@@ -191,15 +198,21 @@ impl SseFilter {
             return Bytes::new();
         }
         let rest = self.pending.split().freeze();
-        self.filter(rest)
+        self.filter(rest, true).0
     }
 
-    /// Forwards whole events, inspecting those that mention `usage`.
-    fn filter(&mut self, events: Bytes) -> Bytes {
+    /// Forwards whole events, inspecting those that mention `usage`: every event of `events`
+    /// up to the first that does not end in it (with `rest_is_event`, that one too, as it is).
+    /// Returns what to forward and how much of `events` it came from.
+    fn filter(&mut self, events: Bytes, rest_is_event: bool) -> (Bytes, usize) {
         let mut out: Option<BytesMut> = None;
         let mut start = 0;
         while start < events.len() {
-            let end = event_end(&events[start..]).map_or(events.len(), |e| start + e);
+            let end = match event_end(&events[start..]) {
+                Some(e) => start + e,
+                None if rest_is_event => events.len(),
+                None => break,
+            };
             let event = &events[start..end];
             let action = self.inspect(event);
             if out.is_none() && !matches!(action, Action::Keep) {
@@ -217,7 +230,8 @@ impl SseFilter {
             }
             start = end;
         }
-        out.map_or(events, BytesMut::freeze)
+        let out = out.map_or_else(|| events.slice(..start), BytesMut::freeze);
+        (out, start)
     }
 
     /// Reads an event's usage; says what to forward.
@@ -254,22 +268,19 @@ impl SseFilter {
                 data.extend_from_slice(payload.strip_prefix(b" ").unwrap_or(payload));
             }
         }
-        let Ok(chunk) = serde_json::from_slice::<UsageCarrier>(&data) else {
-            return Action::Keep;
-        };
-        let Some(usage) = chunk.usage() else {
+        let chunk = usage::read(&data);
+        let Some(usage) = chunk.usage else {
             return Action::Keep;
         };
         self.tokens = Some(usage.total);
         self.usage = Some(usage);
-        let usage_only = chunk.choices.as_ref().is_none_or(Vec::is_empty) && chunk.usage.is_some();
         if self.want_model
-            && let Some(model) = chunk.into_model()
+            && let Some(model) = chunk.model
         {
             // The usage chunk's model wins: it is the one the usage is of.
             self.model = Some(model);
         }
-        if self.strip_usage && usage_only {
+        if self.strip_usage && chunk.usage_only {
             Action::Drop
         } else {
             Action::Keep

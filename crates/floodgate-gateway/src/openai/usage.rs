@@ -105,31 +105,54 @@ pub fn usage_from_json(body: &[u8]) -> Option<u64> {
     serde_json::from_slice::<UsageCarrier>(body).ok()?.tokens()
 }
 
-/// A JSON response body's usage and the model it names, if any.
-///
-/// Read by [`quick_usage_and_model`], which looks only at the members it needs; a body it cannot
-/// read that way is parsed whole, with the same result for any well-formed body.
-pub fn usage_and_model_from_json(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
-    if let Some(read) = quick_usage_and_model(body) {
-        return read;
-    }
-    full_usage_and_model(body)
+/// What metering reads of a JSON body or a stream chunk.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub(super) struct Read {
+    /// Its usage (a top-level `usage`, else the nested `response`'s; none for a run step's).
+    pub(super) usage: Option<TokenUsage>,
+    /// The model it names (its own, else the nested `response`'s).
+    pub(super) model: Option<String>,
+    /// Whether it has a top-level `usage` that is not `null`, and no choices (no `choices`, a
+    /// `null` or an empty list): a stream's usage-only chunk.
+    pub(super) usage_only: bool,
 }
 
-/// [`usage_and_model_from_json`] by a full parse of `body`.
-fn full_usage_and_model(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
-    match serde_json::from_slice::<UsageCarrier>(body) {
-        Ok(c) => (c.usage(), c.into_model()),
-        Err(_) => (None, None),
+impl Read {
+    /// What a full parse of `body` into [`UsageCarrier`] gives (nothing if it is not one).
+    fn full(body: &[u8]) -> Read {
+        match serde_json::from_slice::<UsageCarrier>(body) {
+            Ok(c) => Read {
+                usage: c.usage(),
+                usage_only: c.usage.is_some() && c.choices.as_ref().is_none_or(Vec::is_empty),
+                model: c.into_model(),
+            },
+            Err(_) => Read::default(),
+        }
     }
+}
+
+/// A JSON response body's or a stream chunk's usage, model and shape ([`Read`]).
+///
+/// Read by [`quick_read`], which looks only at the members it needs; a body it cannot read that
+/// way is parsed whole, with the same result for any well-formed body.
+pub(super) fn read(body: &[u8]) -> Read {
+    quick_read(body).unwrap_or_else(|| Read::full(body))
+}
+
+/// A JSON response body's usage and the model it names, if any ([`read`]).
+pub fn usage_and_model_from_json(body: &[u8]) -> (Option<TokenUsage>, Option<String>) {
+    let read = read(body);
+    (read.usage, read.model)
 }
 
 /// What a full parse into [`UsageCarrier`] gives, read from `body`'s top-level `usage`,
-/// `response`, `model` and `object` alone (the others skipped, not validated: docs/design.md
-/// §6); `None` where this cannot tell what that parse would give (an escaped key, a member read
-/// twice, a value not of the plain shape read here): then the caller parses the body whole.
-fn quick_usage_and_model(body: &[u8]) -> Option<(Option<TokenUsage>, Option<String>)> {
-    let (mut usage, mut response, mut model, mut object) = (None, None, None, None);
+/// `response`, `model`, `object` and `choices` alone (the others skipped, not validated:
+/// docs/design.md §6; of `choices`, only whether it is a list with anything in it); `None` where
+/// this cannot tell what that parse would give (an escaped key, a member read twice, a value not
+/// of the plain shape read here): then the caller parses the body whole.
+fn quick_read(body: &[u8]) -> Option<Read> {
+    let (mut usage, mut response, mut model, mut object, mut choices) =
+        (None, None, None, None, None);
     for member in json::members(body) {
         let member = member.ok()?;
         if member.escaped {
@@ -140,6 +163,7 @@ fn quick_usage_and_model(body: &[u8]) -> Option<(Option<TokenUsage>, Option<Stri
             b"response" => &mut response,
             b"model" => &mut model,
             b"object" => &mut object,
+            b"choices" => &mut choices,
             _ => continue,
         };
         if slot.replace(member.value).is_some() {
@@ -147,10 +171,17 @@ fn quick_usage_and_model(body: &[u8]) -> Option<(Option<TokenUsage>, Option<Stri
             return None;
         }
     }
+    let no_choices = match choices {
+        None | Some(b"null") => true,
+        // A list: empty or not (its items are skipped, as other members are).
+        Some([b'[', rest @ ..]) => rest.get(json::skip_space(rest, 0)) == Some(&b']'),
+        Some(_) => return None,
+    };
     let usage = match usage {
         None => None,
         Some(raw) => quick_usage(raw)?,
     };
+    let usage_only = usage.is_some() && no_choices;
     let response = match response {
         None | Some(b"null") => None,
         Some(raw) => Some(serde_json::from_slice::<NestedResponse>(raw).ok()?),
@@ -173,7 +204,11 @@ fn quick_usage_and_model(body: &[u8]) -> Option<(Option<TokenUsage>, Option<Stri
             .map(Usage::detail)
     };
     let model = model.or_else(|| response.and_then(|r| r.model));
-    Some((usage, model))
+    Some(Read {
+        usage,
+        model,
+        usage_only,
+    })
 }
 
 /// A `usage` value: `null`, or an object of counts each a plain integer or `null`; `None` for
@@ -347,21 +382,39 @@ mod tests {
             b"[]",
             b"not json",
             b"",
+            // Stream chunks: with choices, with none, the usage-only one in its shapes.
+            br#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#,
+            br#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[],"usage":{"prompt_tokens":9,"completion_tokens":20,"total_tokens":29}}"#,
+            br#"{"choices":[ ],"usage":{"total_tokens":3}}"#,
+            br#"{"choices":null,"usage":{"total_tokens":3}}"#,
+            br#"{"usage":{"total_tokens":3}}"#,
+            br#"{"choices":[],"usage":null}"#,
+            br#"{"choices":[{"index":0}],"usage":{"total_tokens":3}}"#,
+            br#"{"choices":[7],"usage":{"total_tokens":3}}"#,
+            br#"{"choices":{},"usage":{"total_tokens":3}}"#,
+            br#"{"choices":"none","usage":{"total_tokens":3}}"#,
+            br#"{"choices":[],"choices":[],"usage":{"total_tokens":3}}"#,
         ];
         for body in bodies {
-            let full = full_usage_and_model(body);
-            assert_eq!(
-                usage_and_model_from_json(body),
-                full,
-                "{}",
-                String::from_utf8_lossy(body)
-            );
-            if let Some(quick) = quick_usage_and_model(body) {
+            let full = Read::full(body);
+            assert_eq!(read(body), full, "{}", String::from_utf8_lossy(body));
+            if let Some(quick) = quick_read(body) {
                 assert_eq!(quick, full, "{}", String::from_utf8_lossy(body));
             }
         }
-        // The common shape is read quickly, not deferred.
-        assert!(quick_usage_and_model(bodies[0]).is_some());
+        // The common shapes are read quickly, not deferred: a body, a chunk, the usage chunk.
+        for body in [
+            bodies[0],
+            bodies[bodies.len() - 11],
+            bodies[bodies.len() - 10],
+        ] {
+            assert!(
+                quick_read(body).is_some(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+        assert!(read(bodies[bodies.len() - 10]).usage_only);
     }
 
     #[test]
