@@ -219,6 +219,38 @@ async fn charges_made_without_a_future_land_once_each_in_a_few_calls() {
     assert!(calls < 40, "40 charges in {calls} calls");
 }
 
+#[test]
+fn a_charge_made_outside_a_runtime_fails_and_leaves_the_queue_working() {
+    let Some(url) = redis_url("a_charge_made_outside_a_runtime_fails_and_leaves_the_queue_working")
+    else {
+        return;
+    };
+    let runtime = tokio::runtime::Runtime::new().unwrap();
+    let redis = runtime.block_on(store(&url));
+    // A key of this run's own: the server may keep an earlier run's.
+    let limits = [ChainLimit::new(
+        "org:nr",
+        ScopeKind::Key,
+        &format!("nr{}", std::process::id()),
+        Charge::Reactive,
+        WindowLimit::per_minute(100),
+    )];
+    // From a thread with no runtime (a drop at shutdown, say): answered at once, as failed.
+    let (landed, lands) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| redis.charge_then(&limits, 5, &[], 0, move |done| landed.send(done).unwrap()));
+    });
+    assert!(lands.recv().unwrap().is_err());
+    // The queue was left as it was: the next charge and admission go.
+    runtime.block_on(async {
+        let (landed, mut lands) = tokio::sync::mpsc::unbounded_channel();
+        redis.charge_then(&limits, 5, &[], 0, move |done| landed.send(done).unwrap());
+        assert!(lands.recv().await.unwrap().is_ok());
+        let seen = redis.read_state(&limits, &[], None).await.unwrap();
+        assert_eq!(seen.snapshots[0].cur + seen.snapshots[0].prev, 5);
+    });
+}
+
 #[tokio::test]
 async fn a_cached_refusal_on_redis_is_the_stores_own() {
     let Some(url) = redis_url("a_cached_refusal_on_redis_is_the_stores_own") else {

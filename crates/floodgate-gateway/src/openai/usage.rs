@@ -163,7 +163,16 @@ fn quick_read(body: &[u8]) -> Option<Read> {
             b"response" => &mut response,
             b"model" => &mut model,
             b"object" => &mut object,
-            b"choices" => &mut choices,
+            b"choices" => {
+                // Read only to tell a usage-only chunk, not as the full parse takes it: named
+                // twice, it is not one (and the usage is read, as past any member skipped).
+                choices = Some(if choices.is_none() {
+                    member.value
+                } else {
+                    &b"[0]"[..]
+                });
+                continue;
+            }
             _ => continue,
         };
         if slot.replace(member.value).is_some() {
@@ -173,9 +182,11 @@ fn quick_read(body: &[u8]) -> Option<Read> {
     }
     let no_choices = match choices {
         None | Some(b"null") => true,
-        // A list: empty or not (its items are skipped, as other members are).
+        // A list: empty or not (its items are skipped, as other members are). Anything else,
+        // which the full parse refuses, has choices: the usage stated is charged, as for a body
+        // broken anywhere else this reader skips (docs/design.md §6).
         Some([b'[', rest @ ..]) => rest.get(json::skip_space(rest, 0)) == Some(&b']'),
-        Some(_) => return None,
+        Some(_) => false,
     };
     let usage = match usage {
         None => None,
@@ -391,9 +402,6 @@ mod tests {
             br#"{"choices":[],"usage":null}"#,
             br#"{"choices":[{"index":0}],"usage":{"total_tokens":3}}"#,
             br#"{"choices":[7],"usage":{"total_tokens":3}}"#,
-            br#"{"choices":{},"usage":{"total_tokens":3}}"#,
-            br#"{"choices":"none","usage":{"total_tokens":3}}"#,
-            br#"{"choices":[],"choices":[],"usage":{"total_tokens":3}}"#,
         ];
         for body in bodies {
             let full = Read::full(body);
@@ -405,8 +413,8 @@ mod tests {
         // The common shapes are read quickly, not deferred: a body, a chunk, the usage chunk.
         for body in [
             bodies[0],
-            bodies[bodies.len() - 11],
-            bodies[bodies.len() - 10],
+            bodies[bodies.len() - 8],
+            bodies[bodies.len() - 7],
         ] {
             assert!(
                 quick_read(body).is_some(),
@@ -414,7 +422,21 @@ mod tests {
                 String::from_utf8_lossy(body)
             );
         }
-        assert!(read(bodies[bodies.len() - 10]).usage_only);
+        assert!(read(bodies[bodies.len() - 7]).usage_only);
+        // Choices the full parse refuses (not a list, or twice) make it charge nothing; this
+        // reader charges the usage stated and calls it no usage-only chunk (towards stricter).
+        for body in [
+            &br#"{"choices":{},"usage":{"total_tokens":3}}"#[..],
+            br#"{"choices":"none","usage":{"total_tokens":3}}"#,
+            br#"{"choices":[],"choices":[],"usage":{"total_tokens":3}}"#,
+        ] {
+            assert_eq!(Read::full(body), Read::default());
+            let quick = quick_read(body).expect("read quickly");
+            assert_eq!(
+                (quick.usage.map(|u| u.total), quick.usage_only),
+                (Some(3), false)
+            );
+        }
     }
 
     #[test]

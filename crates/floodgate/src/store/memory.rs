@@ -855,8 +855,9 @@ impl MemoryStore {
         cleared
     }
 
-    /// Reads each window and counter at `now` under its shard's lock, and with `clear` removes
-    /// it under the same lock: what is answered is what went.
+    /// Reads each window (under its cell's lock) and counter (under its shard's) at `now`, and
+    /// with `clear` empties the window's cell and removes the counter under the same lock: what
+    /// is answered is what went.
     fn state_sync(
         &self,
         limits: &[ChainLimit],

@@ -1390,10 +1390,15 @@ pub async fn run_admit_within<S: Store>(store: &S, tenant: &str) {
 /// request window none, and a charge of nothing lands at once. On Redis the charges ride a few
 /// calls, not one each.
 pub async fn run_charge_then(store: &floodgate::store::AnyStore) {
-    let requests = limit(ScopeKind::Key, "ct", Charge::Admission, 10);
-    let tokens = limit(ScopeKind::Key, "ct", Charge::Reactive, 1_000_000);
+    // On the store's clock, so on keys of this run's own: a server may keep an earlier run's.
+    let id = format!("ct{}", std::process::id());
+    let requests = limit(ScopeKind::Key, &id, Charge::Admission, 10);
+    let tokens = limit(ScopeKind::Key, &id, Charge::Reactive, 1_000_000);
     let limits = vec![requests, tokens];
-    let day = floodgate::PeriodCounter::new("{org:acme}:key:ct:budget:day", floodgate::Period::Day);
+    let day = floodgate::PeriodCounter::new(
+        format!("{{org:acme}}:key:{id}:budget:day"),
+        floodgate::Period::Day,
+    );
     let counters = vec![day];
     let (landed, mut lands) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..40 {

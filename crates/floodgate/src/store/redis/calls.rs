@@ -205,14 +205,19 @@ impl RedisStore {
             record: (!reactive.is_empty()).then_some((reactive, units)),
             periods: (amount > 0 && !counters.is_empty()).then(|| (counters.to_vec(), amount)),
         };
+        // Answered exactly once, whatever happens to it: dropped unanswered (a task cancelled
+        // at shutdown), it answers that the charge was abandoned.
+        let reply = Reply::then(move |answer: Result<Charged, Failure>| {
+            landed(answer.map(drop));
+        });
         if work.record.is_none() && work.periods.is_none() {
-            return landed(Ok(()));
+            return reply.send(Ok((0, Vec::new())));
         }
         if self.is_cluster() {
             // The keys may lie in several slots: the record and the add, each by slot, in a
             // task that awaits them.
             let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-                return landed(Err(Failure::Unavailable("no runtime to charge on".into())));
+                return reply.send(Err(Failure::Unavailable("no runtime to charge on".into())));
             };
             let store = self.clone();
             drop(runtime.spawn(async move {
@@ -224,13 +229,10 @@ impl RedisStore {
                     let added = store.add_periods_inner(counters, *amount, None).await;
                     done = done.and(added.map(drop));
                 }
-                landed(done);
+                reply.send(done.map(|()| (0, Vec::new())));
             }));
             return;
         }
-        let reply = Reply::Then(Box::new(move |answer: Result<Charged, Failure>| {
-            landed(answer.map(drop));
-        }));
         let call = Pending::Charge(PendingCharge {
             work,
             time: None,

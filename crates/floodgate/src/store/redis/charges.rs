@@ -46,16 +46,44 @@ impl Work {
 /// where the call lands (on the batch's sender: it must be quick).
 pub(super) enum Reply {
     Waiting(tokio::sync::oneshot::Sender<Result<Charged, Failure>>),
-    Then(Box<dyn FnOnce(Result<Charged, Failure>) + Send>),
+    Then(Landing),
 }
 
 impl Reply {
-    fn send(self, answer: Result<Charged, Failure>) {
+    /// A reply to `landed`.
+    pub(super) fn then(landed: impl FnOnce(Result<Charged, Failure>) + Send + 'static) -> Reply {
+        Reply::Then(Landing(Some(Box::new(landed))))
+    }
+
+    /// Answers the charge.
+    pub(super) fn send(self, answer: Result<Charged, Failure>) {
         match self {
             // A caller that went away wants no answer: the charge went anyway.
             Reply::Waiting(reply) => drop(reply.send(answer)),
-            Reply::Then(landed) => landed(answer),
+            Reply::Then(mut landing) => landing.call(answer),
         }
+    }
+}
+
+/// A function to call with a charge's answer, called exactly once: dropped unanswered (its
+/// call abandoned by a sender that stopped mid-call: a runtime shutting down, a panic), it is
+/// called with that failure, as an awaiting caller would have been told.
+pub(super) struct Landing(Option<Landed>);
+
+/// What a [`Landing`] calls.
+type Landed = Box<dyn FnOnce(Result<Charged, Failure>) + Send>;
+
+impl Landing {
+    fn call(&mut self, answer: Result<Charged, Failure>) {
+        if let Some(landed) = self.0.take() {
+            landed(answer);
+        }
+    }
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        self.call(Err(Failure::Unavailable("charge batch abandoned".into())));
     }
 }
 
@@ -193,6 +221,19 @@ mod tests {
             time: None,
             reply: Reply::Waiting(tokio::sync::oneshot::channel().0),
         }
+    }
+
+    #[test]
+    fn a_landing_is_called_once_and_dropped_unanswered_it_says_abandoned() {
+        use std::sync::{Arc, Mutex};
+        let calls = Arc::new(Mutex::new(Vec::new()));
+        let record = |calls: &Arc<Mutex<Vec<bool>>>| {
+            let calls = Arc::clone(calls);
+            Reply::then(move |answer| calls.lock().unwrap().push(answer.is_ok()))
+        };
+        record(&calls).send(Ok((1, Vec::new())));
+        drop(record(&calls));
+        assert_eq!(*calls.lock().unwrap(), [true, false]);
     }
 
     #[test]

@@ -135,11 +135,19 @@ pub(super) fn enqueue<T, S, F, Fut>(
     F: Fn(S, Vec<T>) -> Fut + Send + Sync + 'static,
     Fut: Future<Output = ()> + Send,
 {
+    // The sender is a task: outside a runtime (a charge made from a drop at shutdown, say) the
+    // call fails at once rather than wait in a queue no sender would ever serve.
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        call.fail(&Failure::Unavailable(
+            "no runtime to send the call on".into(),
+        ));
+        return;
+    };
     if push(&lane, call) {
         let ctx = ctx.clone();
-        tokio::spawn(async move {
+        drop(runtime.spawn(async move {
             serve(&lane, bounds, |batch| send(ctx.clone(), batch)).await;
-        });
+        }));
     }
 }
 
@@ -199,6 +207,7 @@ where
                 let queued = {
                     let mut q = lock(self.queue);
                     q.sending = false;
+                    q.lingering = false;
                     std::mem::take(&mut q.pending)
                 };
                 let why = Failure::Unavailable("the batch sender stopped".into());
@@ -214,7 +223,10 @@ where
         if busy {
             let wake = {
                 let mut q = lock(queue);
-                let lingers = !q.pending.is_empty() && q.pending.iter().all(Queued::lingers);
+                // A full batch of charges goes at once: waiting would only delay the next.
+                let lingers = !q.pending.is_empty()
+                    && q.pending.len() < bounds.calls
+                    && q.pending.iter().all(Queued::lingers);
                 q.lingering = lingers;
                 lingers.then(|| Arc::clone(&q.wake))
             };

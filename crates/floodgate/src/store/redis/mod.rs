@@ -243,10 +243,17 @@ impl RedisStore {
     ) where
         F: FnOnce(Result<(), Error>) + Send + 'static,
     {
+        // A failure counts as one error for each part that failed, as a `record` and an
+        // `add_periods` made apart would.
+        let reactive = limits.iter().any(|l| l.charge() == Charge::Reactive);
+        let parts =
+            u64::from(units > 0 && reactive) + u64::from(amount > 0 && !counters.is_empty());
         let inner = Arc::clone(&self.inner);
         self.charge_then_inner(limits, units, counters, amount, move |done| {
             landed(done.map_err(|f| {
-                bump(&inner.counters.errors);
+                for _ in 0..parts {
+                    bump(&inner.counters.errors);
+                }
                 f.into()
             }));
         });
