@@ -18,6 +18,7 @@
 //! That is never later than the store's clock (the answer took time to arrive), so the cache
 //! errs stricter, by at most one round trip, and never by a clock step.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
@@ -27,9 +28,19 @@ use crate::in_flight::InFlightStatus;
 use crate::window::{Snapshot, WindowState};
 
 /// A chain's remembered refusal, if any.
+///
+/// `held` says, without the lock, whether one is remembered: a chain that is not being refused
+/// (most of them, most of the time) is asked and told of every admission, and its requests, on
+/// every core, then read one flag instead of taking one lock twice a request. It is written
+/// only under the lock, as the entry changes. A request that reads it just before a refusal is
+/// remembered asks the store, as it would have a moment earlier; an admission that finds
+/// nothing remembered leaves a refusal remembered meanwhile in place, which is still exact: a
+/// remembered refusal answers only while its counts, carried forward, still refuse, and an
+/// admission only adds to counts.
 #[derive(Debug, Default)]
 pub(crate) struct Refusals {
     last: Mutex<Option<Remembered>>,
+    held: AtomicBool,
 }
 
 /// What a refusal saw: enough to decide again at a later instant as the store would.
@@ -65,11 +76,14 @@ impl Refusals {
         now: Option<Timestamp>,
         lowered: u64,
     ) -> Option<ChainDecision> {
+        if !self.held.load(Ordering::Acquire) {
+            return None;
+        }
         let mut last = self.last();
         let seen = last.as_ref()?;
         if seen.lowered != lowered {
             // A refund or a reset since: the counts may now be below what the refusal saw.
-            *last = None;
+            self.put(&mut last, None);
             return None;
         }
         let t = now.unwrap_or_else(|| seen.now.saturating_add(seen.arrived.elapsed()));
@@ -90,7 +104,7 @@ impl Refusals {
             })
             .collect();
         if first_refusal(limits, &carried, costs).is_none() {
-            *last = None;
+            self.put(&mut last, None);
             return None;
         }
         let mut decision = ChainDecision::from_snapshots(limits, &carried, t, costs, false);
@@ -107,6 +121,10 @@ impl Refusals {
             && !decision.admitted
             && decision.refused_by.is_some()
             && decision.retry_after.is_some();
+        if !cacheable && !self.held.load(Ordering::Acquire) {
+            // Nothing to forget: the common admission takes no lock.
+            return;
+        }
         let entry = cacheable.then(|| Remembered {
             now: decision.now,
             arrived: Instant::now(),
@@ -114,11 +132,17 @@ impl Refusals {
             in_flight: decision.in_flight.clone(),
             lowered,
         });
-        *self.last() = entry;
+        self.put(&mut self.last(), entry);
     }
 
     /// Forgets the remembered refusal.
     pub(crate) fn forget(&self) {
-        *self.last() = None;
+        self.put(&mut self.last(), None);
+    }
+
+    /// Writes the entry, under the lock (`last`), and whether there is one.
+    fn put(&self, last: &mut Option<Remembered>, entry: Option<Remembered>) {
+        self.held.store(entry.is_some(), Ordering::Release);
+        *last = entry;
     }
 }
