@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Waker};
 
+use floodgate::store::Spent;
 use floodgate::{Budgets, Chain, Timestamp};
 use tokio::sync::Notify;
 
@@ -210,14 +211,15 @@ impl Charger {
         micro_usd: u64,
         held: Held,
     ) {
-        let limits = chain.map_or(&[][..], |c| c.limits());
-        let tokens = if chain.is_some_and(Chain::has_reactive) {
-            tokens
-        } else {
-            0
+        let spent = Spent {
+            limits: chain.map_or(&[][..], |c| c.limits()),
+            units: tokens,
+            counters: budgets.map_or(&[][..], |b| b.counters()),
+            amount: micro_usd,
         };
-        let counters = budgets.map_or(&[][..], |b| b.counters());
-        let micro_usd = if counters.is_empty() { 0 } else { micro_usd };
+        // What is counted is what the store charges.
+        let tokens = if spent.records() { tokens } else { 0 };
+        let micro_usd = if spent.adds() { micro_usd } else { 0 };
         if micro_usd > 0 {
             self.metrics.spend(micro_usd);
         }
@@ -241,8 +243,7 @@ impl Charger {
             }
             drop(held);
         };
-        self.store
-            .charge_then(limits, tokens, counters, micro_usd, landed);
+        self.store.charge_then(spent, landed);
     }
 
     /// Charges `tokens` to `chain`'s token limits now, once; a failure is logged, not returned

@@ -238,13 +238,19 @@ fn a_charge_made_outside_a_runtime_fails_and_leaves_the_queue_working() {
     // From a thread with no runtime (a drop at shutdown, say): answered at once, as failed.
     let (landed, lands) = std::sync::mpsc::channel();
     std::thread::scope(|s| {
-        s.spawn(|| redis.charge_then(&limits, 5, &[], 0, move |done| landed.send(done).unwrap()));
+        s.spawn(|| {
+            redis.charge_then(common::spent(&limits, 5, &[], 0), move |done| {
+                landed.send(done).unwrap()
+            })
+        });
     });
     assert!(lands.recv().unwrap().is_err());
     // The queue was left as it was: the next charge and admission go.
     runtime.block_on(async {
         let (landed, mut lands) = tokio::sync::mpsc::unbounded_channel();
-        redis.charge_then(&limits, 5, &[], 0, move |done| landed.send(done).unwrap());
+        redis.charge_then(common::spent(&limits, 5, &[], 0), move |done| {
+            landed.send(done).unwrap()
+        });
         assert!(lands.recv().await.unwrap().is_ok());
         let seen = redis.read_state(&limits, &[], None).await.unwrap();
         assert_eq!(seen.snapshots[0].cur + seen.snapshots[0].prev, 5);

@@ -2,8 +2,8 @@
 
 use super::redis::RedisStore;
 use super::{
-    BucketKey, BucketObservation, MemoryStore, Observation, PeriodObservation, StateObservation,
-    Store,
+    BucketKey, BucketObservation, MemoryStore, Observation, PeriodObservation, Spent,
+    StateObservation, Store,
 };
 use crate::Error;
 use crate::bucket::BucketLimit;
@@ -41,25 +41,17 @@ impl From<RedisStore> for AnyStore {
 }
 
 impl AnyStore {
-    /// Charges what a served request cost after the fact, without a future: `units` to every
-    /// reactive limit of `limits` (tokens) and `amount` to every counter of `counters` (a
-    /// budget's spend: [`Budgets::counters`](crate::Budgets::counters)), each once, and calls
-    /// `landed` with the outcome once the store has them: at once in memory
-    /// ([`MemoryStore::charge_then`]), once the next call has answered on Redis
+    /// Charges what a served request cost after the fact ([`Spent`]), without a future, each
+    /// part once, and calls `landed` with the outcome once the store has them: at once in
+    /// memory ([`MemoryStore::charge_then`]), once the next call has answered on Redis
     /// ([`RedisStore::charge_then`], where `landed` must be quick).
-    pub fn charge_then<F>(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        counters: &[PeriodCounter],
-        amount: u64,
-        landed: F,
-    ) where
+    pub fn charge_then<F>(&self, spent: Spent<'_>, landed: F)
+    where
         F: FnOnce(Result<(), Error>) + Send + 'static,
     {
         match self {
-            AnyStore::Memory(s) => s.charge_then(limits, units, counters, amount, landed),
-            AnyStore::Redis(s) => s.charge_then(limits, units, counters, amount, landed),
+            AnyStore::Memory(s) => s.charge_then(spent, landed),
+            AnyStore::Redis(s) => s.charge_then(spent, landed),
         }
     }
 }

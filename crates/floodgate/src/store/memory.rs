@@ -12,7 +12,8 @@ use hashbrown::HashTable;
 use smallvec::SmallVec;
 
 use super::{
-    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
+    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Spent, StateObservation,
+    Store,
 };
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
@@ -594,24 +595,17 @@ impl MemoryStore {
         }
     }
 
-    /// Charges what a served request cost after the fact: `units` to every reactive limit of
-    /// `limits` and `amount` to every counter of `counters`, now, then calls `landed`, as the
-    /// Redis store's `charge_then` does once Redis has them.
-    pub fn charge_then<F>(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        counters: &[PeriodCounter],
-        amount: u64,
-        landed: F,
-    ) where
+    /// Charges what a served request cost after the fact ([`Spent`]), now, then calls
+    /// `landed`, as the Redis store's `charge_then` does once Redis has it.
+    pub fn charge_then<F>(&self, spent: Spent<'_>, landed: F)
+    where
         F: FnOnce(Result<(), Error>) + Send + 'static,
     {
-        if units > 0 {
-            self.record_sync(limits, units, None);
+        if spent.records() {
+            self.record_sync(spent.limits, spent.units, None);
         }
-        if amount > 0 && !counters.is_empty() {
-            self.add_periods_sync(counters, amount, None);
+        if spent.adds() {
+            self.add_periods_sync(spent.counters, spent.amount, None);
         }
         landed(Ok(()));
     }

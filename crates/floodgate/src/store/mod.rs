@@ -49,6 +49,38 @@ pub struct Observation {
     pub at: Vec<Timestamp>,
 }
 
+/// What a served request cost after the fact, to charge in one go (`charge_then` on
+/// [`AnyStore`](crate::store::AnyStore), [`MemoryStore`] and the Redis store): `units` to every
+/// reactive limit of `limits` (tokens), `amount` to every counter of `counters` (a budget's
+/// spend: [`Budgets::counters`](crate::Budgets::counters)).
+#[derive(Clone, Copy, Debug)]
+pub struct Spent<'a> {
+    /// The limits the units go to (only the reactive ones are charged).
+    pub limits: &'a [ChainLimit],
+    /// The units (tokens).
+    pub units: u64,
+    /// The period counters the amount goes to.
+    pub counters: &'a [PeriodCounter],
+    /// The amount (micro-USD).
+    pub amount: u64,
+}
+
+impl Spent<'_> {
+    /// Whether it charges units: some, and a reactive limit to take them.
+    pub fn records(&self) -> bool {
+        self.units > 0
+            && self
+                .limits
+                .iter()
+                .any(|l| l.charge() == crate::window::Charge::Reactive)
+    }
+
+    /// Whether it adds an amount: some, and a counter to take it.
+    pub fn adds(&self) -> bool {
+        self.amount > 0 && !self.counters.is_empty()
+    }
+}
+
 /// What a store saw and did for one token-bucket request.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BucketObservation {

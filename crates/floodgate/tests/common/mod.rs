@@ -1385,6 +1385,21 @@ pub async fn run_admit_within<S: Store>(store: &S, tenant: &str) {
     );
 }
 
+/// What a served request cost: `units` to `limits`, `amount` to `counters`.
+pub fn spent<'a>(
+    limits: &'a [ChainLimit],
+    units: u64,
+    counters: &'a [floodgate::PeriodCounter],
+    amount: u64,
+) -> floodgate::store::Spent<'a> {
+    floodgate::store::Spent {
+        limits,
+        units,
+        counters,
+        amount,
+    }
+}
+
 /// A served request's cost charged without a future (`AnyStore::charge_then`), 40 of them at
 /// once: each lands exactly once, the token window and the day's spend count every one, the
 /// request window none, and a charge of nothing lands at once. On Redis the charges ride a few
@@ -1403,7 +1418,7 @@ pub async fn run_charge_then(store: &floodgate::store::AnyStore) {
     let (landed, mut lands) = tokio::sync::mpsc::unbounded_channel();
     for _ in 0..40 {
         let landed = landed.clone();
-        store.charge_then(&limits, 3, &counters, 7, move |done| {
+        store.charge_then(spent(&limits, 3, &counters, 7), move |done| {
             let _ = landed.send(done);
         });
     }
@@ -1415,7 +1430,7 @@ pub async fn run_charge_then(store: &floodgate::store::AnyStore) {
     assert_eq!(seen.snapshots[1].cur + seen.snapshots[1].prev, 120);
     assert_eq!(seen.totals, [280]);
     // Nothing to charge: landed at once, nothing written.
-    store.charge_then(&limits, 0, &counters, 0, move |done| {
+    store.charge_then(spent(&limits, 0, &counters, 0), move |done| {
         let _ = landed.send(done);
     });
     assert!(lands.recv().await.expect("landed").is_ok());

@@ -16,7 +16,7 @@ use super::step::Pending;
 use crate::chain::{ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::period::PeriodCounter;
-use crate::store::{Observation, PeriodObservation};
+use crate::store::{Observation, PeriodObservation, Spent};
 use crate::window::{Charge, Snapshot};
 
 impl RedisStore {
@@ -185,25 +185,21 @@ impl RedisStore {
 
 impl RedisStore {
     /// [`RedisStore::charge_then`], with `landed` given the store's failure.
-    pub(super) fn charge_then_inner<F>(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        counters: &[PeriodCounter],
-        amount: u64,
-        landed: F,
-    ) where
+    pub(super) fn charge_then_inner<F>(&self, spent: Spent<'_>, landed: F)
+    where
         F: FnOnce(Result<(), Failure>) + Send + 'static,
     {
-        let reactive: Vec<ChainLimit> = if units == 0 {
-            Vec::new()
-        } else {
-            let reactive = limits.iter().filter(|l| l.charge() == Charge::Reactive);
-            reactive.cloned().collect()
-        };
+        let reactive = spent
+            .limits
+            .iter()
+            .filter(|l| l.charge() == Charge::Reactive);
         let work = Work {
-            record: (!reactive.is_empty()).then_some((reactive, units)),
-            periods: (amount > 0 && !counters.is_empty()).then(|| (counters.to_vec(), amount)),
+            record: spent
+                .records()
+                .then(|| (reactive.cloned().collect(), spent.units)),
+            periods: spent
+                .adds()
+                .then(|| (spent.counters.to_vec(), spent.amount)),
         };
         // Answered exactly once, whatever happens to it: dropped unanswered (a task cancelled
         // at shutdown), it answers that the charge was abandoned.

@@ -82,7 +82,8 @@ use stats::{Counters, bump};
 use step::StepQueue;
 
 use super::{
-    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, StateObservation, Store,
+    BucketKey, BucketObservation, NameRef, Observation, PeriodObservation, Spent, StateObservation,
+    Store,
 };
 use crate::Error;
 use crate::bucket::BucketLimit;
@@ -225,31 +226,22 @@ impl RedisStore {
         &self.inner.config
     }
 
-    /// Charges what a served request cost after the fact, without a future: `units` to every
-    /// reactive limit of `limits` (tokens) and `amount` to every counter of `counters` (spend),
-    /// each once, never replayed, and calls `landed` with the outcome once Redis has them. On one
+    /// Charges what a served request cost after the fact ([`Spent`]), without a future, each
+    /// part once, never replayed, and calls `landed` with the outcome once Redis has them. On one
     /// server the two ride the next call of the step queue as one charge (docs/redis.md,
     /// "Batching"), and `landed` is called on the call's sender, so it must be quick; on a
     /// cluster they are made slot by slot in a task. The same as a `record` and an
     /// `add_periods` awaited together, without a task or a reply channel per charge: what a
     /// metered response costs the gateway.
-    pub fn charge_then<F>(
-        &self,
-        limits: &[ChainLimit],
-        units: u64,
-        counters: &[PeriodCounter],
-        amount: u64,
-        landed: F,
-    ) where
+    pub fn charge_then<F>(&self, spent: Spent<'_>, landed: F)
+    where
         F: FnOnce(Result<(), Error>) + Send + 'static,
     {
         // A failure counts as one error for each part that failed, as a `record` and an
         // `add_periods` made apart would.
-        let reactive = limits.iter().any(|l| l.charge() == Charge::Reactive);
-        let parts =
-            u64::from(units > 0 && reactive) + u64::from(amount > 0 && !counters.is_empty());
+        let parts = u64::from(spent.records()) + u64::from(spent.adds());
         let inner = Arc::clone(&self.inner);
-        self.charge_then_inner(limits, units, counters, amount, move |done| {
+        self.charge_then_inner(spent, move |done| {
             landed(done.map_err(|f| {
                 for _ in 0..parts {
                     bump(&inner.counters.errors);
