@@ -207,6 +207,10 @@ impl SseFilter {
     fn filter(&mut self, events: Bytes, rest_is_event: bool) -> (Bytes, usize) {
         let mut out: Option<BytesMut> = None;
         let mut start = 0;
+        // The keys are searched for once over all the events, not event by event: a frame
+        // usually carries many small events, and each search pays its setup once.
+        let mut usage_keys = Hits::new(&USAGE_KEY, &events);
+        let mut finish_keys = (!self.answered).then(|| Hits::new(&FINISH_REASON_KEY, &events));
         while start < events.len() {
             let end = match event_end(&events[start..]) {
                 Some(e) => start + e,
@@ -214,7 +218,18 @@ impl SseFilter {
                 None => break,
             };
             let event = &events[start..end];
-            let action = self.inspect(event);
+            let finished = finish_keys
+                .as_mut()
+                .is_some_and(|k| k.fields_in(&events, start, end).any(|(_, v)| event.get(v) == Some(&b'"')));
+            let usage: Vec<UsageField> = usage_keys
+                .fields_in(&events, start, end)
+                .filter(|&(_, value)| value < event.len())
+                .map(|(key, value)| UsageField { key, value })
+                .collect();
+            let action = self.inspect(event, finished, usage);
+            if self.answered {
+                finish_keys = None;
+            }
             if out.is_none() && !matches!(action, Action::Keep) {
                 // The first change: copy what came before, then build the rest.
                 let mut b = BytesMut::with_capacity(events.len());
@@ -234,19 +249,18 @@ impl SseFilter {
         (out, start)
     }
 
-    /// Reads an event's usage; says what to forward.
-    fn inspect(&mut self, event: &[u8]) -> Action {
+    /// Reads an event's usage; says what to forward. `finished`: the event has a
+    /// `"finish_reason"` field whose value is a string (not `null`): a choice of the answer is
+    /// complete. `fields`: its `"usage"` fields, each followed by a value.
+    fn inspect(&mut self, event: &[u8], finished: bool, fields: Vec<UsageField>) -> Action {
         if is_data_event(event) {
             self.events += 1;
         }
-        if !self.answered {
-            self.answered = has_finish_reason(event);
-        }
+        self.answered |= finished;
         if self.want_model && self.model.is_none() {
             // Until one chunk names it: the first chunk usually does, so this is one search.
             self.model = model_in(event);
         }
-        let fields = usage_fields(event);
         if fields.is_empty() {
             return Action::Keep;
         }
@@ -317,12 +331,6 @@ static USAGE_KEY: Key = LazyLock::new(|| Finder::new(b"\"usage\""));
 static FINISH_REASON_KEY: Key = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
 
-/// Whether `event` has a `"finish_reason"` whose value is a string (not `null`): a choice of the
-/// answer is complete.
-fn has_finish_reason(event: &[u8]) -> bool {
-    fields(event, &FINISH_REASON_KEY).any(|(_, value)| event.get(value) == Some(&b'"'))
-}
-
 /// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
 /// the key and of its value (`event.len()` if the event ends there). (A key inside a string
 /// value has its quotes escaped, so it is not found.)
@@ -355,13 +363,53 @@ pub(super) fn model_in(event: &[u8]) -> Option<String> {
     serde_json::from_slice(&event[value..end]).ok()
 }
 
-/// Every `"usage"` followed by a colon in `event`: a field, with any spacing JSON allows. (A
-/// `"usage"` inside a string value has its quotes escaped, so it is not found.)
-fn usage_fields(event: &[u8]) -> Vec<UsageField> {
-    fields(event, &USAGE_KEY)
-        .filter(|&(_, value)| value < event.len())
-        .map(|(key, value)| UsageField { key, value })
-        .collect()
+/// A key's fields (as [`fields`] finds them) in a run of events, searched for once over the run
+/// and handed out event by event, in order. (A key never spans two events: it holds no line
+/// terminator.)
+struct Hits<'a> {
+    found: memchr::memmem::FindIter<'a, 'static>,
+    /// The next occurrence not handed out yet.
+    next: Option<usize>,
+    /// The key's length.
+    len: usize,
+}
+
+impl<'a> Hits<'a> {
+    fn new(key: &'static Key, events: &'a [u8]) -> Hits<'a> {
+        let finder: &'static Finder<'static> = key;
+        let mut found = finder.find_iter(events);
+        let next = found.next();
+        Hits {
+            found,
+            next,
+            len: finder.needle().len(),
+        }
+    }
+
+    /// The fields of the event `events[start..end]`, as positions in it of the key and of its
+    /// value (the event's length if it ends there). Occurrences before `start` (in an event
+    /// whose fields were not all asked for) are passed over.
+    fn fields_in<'s>(
+        &'s mut self,
+        events: &'s [u8],
+        start: usize,
+        end: usize,
+    ) -> impl Iterator<Item = (usize, usize)> + 's {
+        let event = &events[start..end];
+        std::iter::from_fn(move || {
+            while let Some(at) = self.next.filter(|&at| at < end) {
+                self.next = self.found.next();
+                let Some(key) = at.checked_sub(start) else {
+                    continue;
+                };
+                let colon = skip_space(event, key + self.len);
+                if event.get(colon) == Some(&b':') {
+                    return Some((key, skip_space(event, colon + 1)));
+                }
+            }
+            None
+        })
+    }
 }
 
 /// The lines of `event`, split at each CR or LF (a CRLF gives an empty line between: no line
@@ -414,16 +462,36 @@ fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
 mod tests {
     use super::*;
 
+    /// Whether a stream of `events` (each ended here) has given a choice its `finish_reason`.
+    fn has_finish_reason(events: &[&[u8]]) -> bool {
+        let mut f = SseFilter::new(false);
+        let stream: Vec<u8> = events.iter().flat_map(|e| [*e, b"\n\n"].concat()).collect();
+        f.push(Bytes::from(stream));
+        f.answered
+    }
+
     #[test]
     fn a_finished_choice_is_found_at_any_spacing_and_null_is_not_one() {
-        assert!(has_finish_reason(
+        assert!(has_finish_reason(&[
             br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#
-        ));
-        assert!(has_finish_reason(br#"data: {"finish_reason" : "length"}"#));
-        assert!(!has_finish_reason(br#"data: {"finish_reason":null}"#));
-        assert!(!has_finish_reason(
+        ]));
+        assert!(has_finish_reason(&[br#"data: {"finish_reason" : "length"}"#]));
+        assert!(!has_finish_reason(&[br#"data: {"finish_reason":null}"#]));
+        assert!(!has_finish_reason(&[
             br#"data: {"delta":{"content":"say \"finish_reason\":\"stop\""},"finish_reason":null}"#
-        ));
+        ]));
+        // Searched for once over a frame of many events: each event's own fields are read, a
+        // key whose colon is in the next event is none.
+        assert!(!has_finish_reason(&[
+            br#"data: {"finish_reason":null}"#,
+            br#"data: {"x":"finish_reason"}"#,
+            br#"data: {"y":["finish_reason"]}"#,
+        ]));
+        assert!(has_finish_reason(&[
+            br#"data: {"finish_reason":null}"#,
+            br#": "finish_reason""#,
+            br#"data: {"choices":[{"finish_reason":null},{"finish_reason":"stop"}]}"#,
+        ]));
     }
 
     #[test]
