@@ -218,9 +218,10 @@ impl SseFilter {
                 None => break,
             };
             let event = &events[start..end];
-            let finished = finish_keys
-                .as_mut()
-                .is_some_and(|k| k.fields_in(&events, start, end).any(|(_, v)| event.get(v) == Some(&b'"')));
+            let finished = finish_keys.as_mut().is_some_and(|k| {
+                k.fields_in(&events, start, end)
+                    .any(|(_, v)| event.get(v) == Some(&b'"'))
+            });
             let usage: Vec<UsageField> = usage_keys
                 .fields_in(&events, start, end)
                 .filter(|&(_, value)| value < event.len())
@@ -475,7 +476,9 @@ mod tests {
         assert!(has_finish_reason(&[
             br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#
         ]));
-        assert!(has_finish_reason(&[br#"data: {"finish_reason" : "length"}"#]));
+        assert!(has_finish_reason(&[
+            br#"data: {"finish_reason" : "length"}"#
+        ]));
         assert!(!has_finish_reason(&[br#"data: {"finish_reason":null}"#]));
         assert!(!has_finish_reason(&[
             br#"data: {"delta":{"content":"say \"finish_reason\":\"stop\""},"finish_reason":null}"#
