@@ -1749,7 +1749,8 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .set(&key, format!("{bucket} {cur} {prev}"))
             .await
             .unwrap();
-        let reply: Vec<i64> = script
+        // The reply packs its values as little-endian doubles (admit.lua).
+        let reply: Vec<u8> = script
             .key(&key)
             .arg(bucket * w + elapsed)
             // No period counters; the key's window; one group.
@@ -1768,8 +1769,9 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .invoke_async(&mut con)
             .await
             .unwrap();
+        let admitted = f64::from_le_bytes(reply[24..32].try_into().unwrap());
         assert_eq!(
-            reply[3] as u64, exact,
+            admitted as u64, exact,
             "case {case}: W {w}, max {max}, cost {cost}, state {cur} {prev} at {elapsed}"
         );
     }

@@ -19,12 +19,13 @@ use ::redis::cluster_routing::Slot;
 
 use super::batch::{self, Group, PendingAdmit};
 use super::charges::{self, PendingCharge};
-use super::conn::{Failure, bad_reply, int};
+use super::conn::{Failure, bad_reply};
 use super::group::{self, Answer, Bounds, Counters, Queue, Queued, Windows};
 use super::reads::{self, PendingRead};
 use super::scripts::{ADMIT, ADMIT_CHARGING};
 use super::stats::bump;
 use super::{RedisStore, period_arg};
+use crate::window::MAX_COUNT;
 
 /// A slot's queue of calls for the next step.
 pub(super) type StepQueue = Queue<Pending>;
@@ -190,9 +191,12 @@ impl RedisStore {
         }
         let answer = self
             .inner
-            .attempt::<Vec<::redis::Value>>(op, &cmd)
+            .attempt::<::redis::Value>(op, &cmd)
             .await
-            .and_then(|reply| step_reply(&reply, nw, nc, &groups).map_err(|f| (f, false)));
+            .and_then(|reply| {
+                let values = doubles(&reply).map_err(|f| (f, false))?;
+                step_reply(&values, nw, nc, &groups).map_err(|f| (f, false))
+            });
         let StepReply {
             now,
             mut counts,
@@ -288,39 +292,51 @@ struct StepReply {
     admitted: Vec<usize>,
 }
 
-/// Reads the step script's reply for a call of `nw` windows, `nc` counters and `groups`.
-fn step_reply(
-    reply: &[::redis::Value],
-    nw: usize,
-    nc: usize,
-    groups: &[Group],
-) -> Result<StepReply, Failure> {
+/// The values of the step script's reply: a string of little-endian doubles (admit.lua), each a
+/// whole number from 0 to 2^53 (counts stop there: window.rs `MAX_COUNT`), as integers.
+fn doubles(reply: &::redis::Value) -> Result<Vec<u64>, Failure> {
+    let ::redis::Value::BulkString(bytes) = reply else {
+        return Err(bad_reply());
+    };
+    if bytes.len() % 8 != 0 {
+        return Err(bad_reply());
+    }
+    bytes
+        .chunks_exact(8)
+        .map(|b| {
+            let v = f64::from_le_bytes(b.try_into().map_err(|_| bad_reply())?);
+            // `as` is exact for a whole number in this range; anything else is no count.
+            if (0.0..=MAX_COUNT as f64).contains(&v) && v.fract() == 0.0 {
+                Ok(v as u64)
+            } else {
+                Err(bad_reply())
+            }
+        })
+        .collect()
+}
+
+/// Reads the step script's reply (its [`doubles`]) for a call of `nw` windows, `nc` counters and
+/// `groups`.
+fn step_reply(reply: &[u64], nw: usize, nc: usize, groups: &[Group]) -> Result<StepReply, Failure> {
     if reply.len() != 1 + 2 * nw + nc + groups.len() {
         return Err(bad_reply());
     }
-    let (now, rest) = reply.split_first().ok_or_else(bad_reply)?;
+    let (&now, rest) = reply.split_first().ok_or_else(bad_reply)?;
     let (counts, rest) = rest.split_at(2 * nw);
     let (totals, admitted) = rest.split_at(nc);
-    let counts = counts
-        .chunks_exact(2)
-        .map(|c| Ok([int(&c[0])?, int(&c[1])?]))
-        .collect::<Result<Vec<_>, Failure>>()?;
-    let totals = totals
-        .iter()
-        .map(int)
-        .collect::<Result<Vec<_>, Failure>>()?;
+    let counts = counts.chunks_exact(2).map(|c| [c[0], c[1]]).collect();
     let admitted = admitted
         .iter()
         .zip(groups)
-        .map(|(a, g)| match usize::try_from(int(a)?) {
+        .map(|(&a, g)| match usize::try_from(a) {
             Ok(a) if a <= g.members.len() => Ok(a),
             _ => Err(bad_reply()),
         })
         .collect::<Result<Vec<_>, Failure>>()?;
     Ok(StepReply {
-        now: int(now)?,
+        now,
         counts,
-        totals,
+        totals: totals.to_vec(),
         admitted,
     })
 }
@@ -330,36 +346,43 @@ mod tests {
     use super::*;
     use crate::store::redis::batch::GroupCost;
 
+    /// A reply as admit.lua packs it.
+    fn packed(values: &[f64]) -> ::redis::Value {
+        ::redis::Value::BulkString(values.iter().flat_map(|v| v.to_le_bytes()).collect())
+    }
+
     #[test]
     fn a_malformed_step_reply_is_an_error() {
-        use ::redis::Value::{BulkString, Int};
         let groups = [Group {
             cost: GroupCost::Each(1),
             chain: vec![1],
             gate: Vec::new(),
             members: vec![0, 1],
         }];
-        let reply = |v: Vec<::redis::Value>| step_reply(&v, 1, 1, &groups);
-        let ok = reply(vec![Int(7), Int(3), Int(0), Int(40), Int(2)])
+        let reply = |v: ::redis::Value| step_reply(&doubles(&v)?, 1, 1, &groups);
+        let ok = reply(packed(&[7.0, 3.0, 0.0, 40.0, 2.0]))
             .ok()
             .expect("a well-formed reply");
         assert_eq!(
             (ok.now, ok.counts, ok.totals, ok.admitted),
             (7, vec![[3, 0]], vec![40], vec![2])
         );
-        // One value short, more admitted than the group holds, a negative count, a string.
-        assert!(reply(vec![Int(7), Int(3), Int(0), Int(40)]).is_err());
-        assert!(reply(vec![Int(7), Int(3), Int(0), Int(40), Int(3)]).is_err());
-        assert!(reply(vec![Int(7), Int(-3), Int(0), Int(40), Int(1)]).is_err());
-        assert!(
-            reply(vec![
-                Int(7),
-                Int(3),
-                Int(0),
-                BulkString(b"4".to_vec()),
-                Int(1)
-            ])
-            .is_err()
-        );
+        let most = MAX_COUNT as f64;
+        let ok = reply(packed(&[1.8e15, most, 0.0, most, 0.0])).ok();
+        assert_eq!(ok.map(|r| r.counts), Some(vec![[MAX_COUNT, 0]]));
+        // One value short, more admitted than the group holds, a negative count, a fraction, a
+        // count past 2^53, not a whole number of doubles, an array of integers.
+        for bad in [
+            packed(&[7.0, 3.0, 0.0, 40.0]),
+            packed(&[7.0, 3.0, 0.0, 40.0, 3.0]),
+            packed(&[7.0, -3.0, 0.0, 40.0, 1.0]),
+            packed(&[7.0, 3.5, 0.0, 40.0, 1.0]),
+            packed(&[7.0, most * 2.0, 0.0, 40.0, 1.0]),
+            packed(&[f64::NAN, 3.0, 0.0, 40.0, 1.0]),
+            ::redis::Value::BulkString(vec![0; 39]),
+            ::redis::Value::Array(vec![::redis::Value::Int(7); 5]),
+        ] {
+            assert!(reply(bad).is_err());
+        }
     }
 }
