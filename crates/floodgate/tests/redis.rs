@@ -1749,23 +1749,17 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .set(&key, format!("{bucket} {cur} {prev}"))
             .await
             .unwrap();
-        // The reply packs its values as little-endian doubles (admit.lua).
+        // The script's numbers go as one string of little-endian doubles, and its reply comes
+        // as one (admit.lua): no period counters; the key's window (charged at admission: kind
+        // 1); one group of `count` requests of `cost` on the key, no gate.
+        let numbers: Vec<u8> = [0, w, max, 1, 2 * w / 1000, 1, cost, count, 1, 0, 1]
+            .iter()
+            .flat_map(|&n| (n as f64).to_le_bytes())
+            .collect();
         let reply: Vec<u8> = script
             .key(&key)
             .arg(bucket * w + elapsed)
-            // No period counters; the key's window; one group.
-            .arg(0)
-            .arg(w)
-            .arg(max)
-            .arg("a")
-            .arg(2 * w / 1000)
-            .arg(1)
-            .arg(cost)
-            .arg(count)
-            .arg(1)
-            // No gate.
-            .arg(0)
-            .arg(1)
+            .arg(numbers)
             .invoke_async(&mut con)
             .await
             .unwrap();
@@ -1777,6 +1771,69 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
     }
     eprintln!("first guesses too low: {low}, too high: {high}");
     assert!(low >= 3 && high >= 8, "too low {low}, too high {high}");
+}
+
+#[tokio::test]
+async fn a_call_of_more_numbers_than_one_unpack_takes_is_read_whole() {
+    let Some(url) = redis_url("a_call_of_more_numbers_than_one_unpack_takes_is_read_whole") else {
+        return;
+    };
+    // The script unpacks its numbers 200 at a time past 200 (admit.lua): 80 keys, each with its
+    // own run of 3 requests, send 722. Key i holds i % 10 of its 10: each run is admitted as far
+    // as its key has room, the reply and the stored counts say so for every key.
+    let script = redis::Script::new(floodgate::store::redis::script_source("admit").unwrap());
+    let mut con = raw(&url).await;
+    let prefix = fresh_prefix();
+    let (w, max, keys) = (60_000_000u64, 10u64, 80u64);
+    let bucket = common::T0 / w;
+    let key = |i: u64| format!("{prefix}wide{i}");
+    for i in 0..keys {
+        let _: () = con
+            .set(key(i), format!("{bucket} {} 0", i % 10))
+            .await
+            .unwrap();
+    }
+    let mut numbers = vec![0];
+    for _ in 0..keys {
+        numbers.extend([w, max, 1, 2 * w / 1000]);
+    }
+    numbers.push(keys);
+    for i in 0..keys {
+        // Cost 1, 3 requests, a chain of one key (its 1-based index), no gate.
+        numbers.extend([1, 3, 1, 0, i + 1]);
+    }
+    assert_eq!(numbers.len(), 722);
+    let packed: Vec<u8> = numbers
+        .iter()
+        .flat_map(|&n| (n as f64).to_le_bytes())
+        .collect();
+    let mut call = script.prepare_invoke();
+    for i in 0..keys {
+        call.key(key(i));
+    }
+    let reply: Vec<u8> = call
+        .arg(bucket * w)
+        .arg(packed)
+        .invoke_async(&mut con)
+        .await
+        .unwrap();
+    let reply: Vec<u64> = reply
+        .chunks_exact(8)
+        .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as u64)
+        .collect();
+    assert_eq!(reply.len(), (1 + 2 * keys + keys) as usize);
+    for i in 0..keys {
+        let held = i % 10;
+        let admitted = 3.min(max - held);
+        assert_eq!(reply[1 + 2 * i as usize], held, "key {i}'s count before");
+        assert_eq!(
+            reply[(1 + 2 * keys + i) as usize],
+            admitted,
+            "key {i}'s run"
+        );
+        let stored: String = con.get(key(i)).await.unwrap();
+        assert_eq!(stored, format!("{bucket} {} 0", held + admitted), "key {i}");
+    }
 }
 
 #[tokio::test]

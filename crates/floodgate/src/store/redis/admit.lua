@@ -10,21 +10,24 @@
 --
 -- KEYS: every distinct limit state the batch touches (nw windows), then every distinct period
 -- counter (nc: a budget's spend in its period).
--- ARGV[1]: the time (clock.lua); ARGV[2]: nc; then per window j, ARGV[a + 1..a + 4] with a = 2 +
--- 4 * (j - 1): window W (µs), max, kind ('a' for a limit charged at admission, 'r' for a
--- reactive one, 's' appended for a shadow limit, decided and charged as usual but never
--- refusing: 'as', 'rs'), the state's TTL (ms, 2W); then per counter its period, 'day' or
--- 'month'; then how many admission groups follow, and the admissions in the order they came, in
--- groups: a group is a run of requests of one cost on one chain: cost, count, n, g, the chain's
--- n key indices (into KEYS, in chain order), and last its gate's g pairs of a counter's index
--- (into KEYS) and a cap: the group is admitted only if each such counter is under its cap as the
--- call found it (a budget check in the same step; Store::admit_within). A batch of like requests (many callers of one key)
--- thus sends its chain once: each argument costs Redis a string and the script a tonumber. A
--- group whose requests cost each limit its own units (a token estimate on a reserving token
--- limit beside 1 on the request limits; chain.rs Costs::PerLimit) sends a cost of -1 and, after
--- its key indices, the n costs in chain order (before the gate). Then, to the end, the charges in the order they
--- came, applied after the admissions: kind ('r' tokens to windows, 'p' an amount to counters),
--- units, n, and its n key indices (into KEYS).
+-- ARGV[1]: the time (clock.lua). ARGV[2]: every other argument, numbers packed as one string of
+-- little-endian doubles (exact for the integers sent, all below 2^53 but caps and units past
+-- it, which compare and saturate as before), read into A (below): a call's arguments as strings
+-- cost Redis an object each and the script a tonumber each, more than the arithmetic they feed.
+-- A[1]: nc; then per window j, A[a + 1..a + 4] with a = 1 + 4 * (j - 1): window W (µs), max,
+-- kind (1 for a limit charged at admission, 2 for a reactive one, 3 and 4 for the same as
+-- shadow limits, decided and charged as usual but never refusing), the state's TTL (ms, 2W);
+-- then per counter its period, 1 for a day, 2 for a month; then how many admission groups
+-- follow, and the admissions in the order they came, in groups: a group is a run of requests of
+-- one cost on one chain: cost, count, n, g, the chain's n key indices (into KEYS, in chain
+-- order), and last its gate's g pairs of a counter's index (into KEYS) and a cap: the group is
+-- admitted only if each such counter is under its cap as the call found it (a budget check in
+-- the same step; Store::admit_within). A batch of like requests (many callers of one key) thus
+-- sends its chain once. A group whose requests cost each limit its own units (a token estimate
+-- on a reserving token limit beside 1 on the request limits; chain.rs Costs::PerLimit) sends a
+-- cost of -1 and, after its key indices, the n costs in chain order (before the gate). Then, to
+-- the end, the charges in the order they came, applied after the admissions: kind (1 tokens to
+-- windows, 2 an amount to counters), units, n, and its n key indices (into KEYS).
 -- State: windows "bucket cur prev"; counters "label total", a counter of an earlier period
 -- starting again from 0, each kept until a day (period.rs GRACE) after its period ends. Every
 -- comparison mirrors window.rs operation for operation, and the refusal chain.rs's
@@ -42,44 +45,58 @@
 -- each cost about what a whole check does), so the script converts each argument once, sizes
 -- its per-key tables once ({unpack(KEYS)}: one array of the right length) and decides a group
 -- per key rather than per request (below).
+local A
+local nargs = #ARGV[2] / 8
+if nargs <= 200 then
+  -- The common call, unpacked at once (A's last value, past nargs, is unpack's position).
+  A = {struct.unpack('<' .. string.rep('d', nargs), ARGV[2])}
+else
+  -- 200 at a time: unpack's values go on Lua's stack.
+  A = {}
+  local at = 1
+  for i = 1, nargs, 200 do
+    local m = math.min(200, nargs - i + 1)
+    local v = {struct.unpack('<' .. string.rep('d', m), ARGV[2], at)}
+    for k = 1, m do A[i + k - 1] = v[k] end
+    at = v[m + 1]
+  end
+end
 local nk = #KEYS
-local nc = tonumber(ARGV[2])
+local nc = A[1]
 local nw = nk - nc
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
--- Per window: window, max, kind (as sent: comparing interned strings costs no more than a
--- flag), its bucket, count, the previous window's count, and the part of it still carried at
+-- Per window: window, max, kind (as sent), its bucket, count, the previous window's count, and the part of it still carried at
 -- `now` (prev * (W - elapsed), as Snapshot::admits has it). Per counter: its period's label
 -- and end, and its total in that period.
 local W, MAX, KIND, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
   {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
 for j = 1, nw do
-  local a = 4 * j - 2
-  local w = tonumber(ARGV[a + 1])
+  local a = 4 * j - 3
+  local w = A[a + 1]
   local b, cur, prev = window_at(stored[j], w)
-  W[j], MAX[j], KIND[j], B[j], CUR[j] = w, tonumber(ARGV[a + 2]), ARGV[a + 3], b, cur
+  W[j], MAX[j], KIND[j], B[j], CUR[j] = w, A[a + 2], A[a + 3], b, cur
   CARRIED[j] = prev * (w - (now - b * w))
   reply[2 * j] = cur
   reply[2 * j + 1] = prev
 end
-local pos = 3 + 4 * nw
+local pos = 2 + 4 * nw
 local LABEL, ENDS, TOTAL = {}, {}, {}
 for k = nw + 1, nk do
-  LABEL[k], ENDS[k] = period_at(ARGV[pos])
+  if A[pos] == 1 then LABEL[k], ENDS[k] = period_at('day') else LABEL[k], ENDS[k] = period_at('month') end
   TOTAL[k] = total_in(stored[k], LABEL[k])
   reply[#reply + 1] = TOTAL[k]
   pos = pos + 1
 end
-local groups = tonumber(ARGV[pos])
+local groups = A[pos]
 pos = pos + 1
 local dirty = {}
 local chain = {}
 -- A per-limit group's costs, in chain order.
 local COST = {}
 for _ = 1, groups do
-  local cost, count, n = tonumber(ARGV[pos]), tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
-  local g = tonumber(ARGV[pos + 3])
+  local cost, count, n, g = A[pos], A[pos + 1], A[pos + 2], A[pos + 3]
   pos = pos + 1
   local last = pos + 2 + n
   -- Per-limit costs follow the key indices; the chain of one cost (the common case) pays one
@@ -95,24 +112,24 @@ for _ = 1, groups do
   -- The group's gate: counters that must each be under its cap (a budget check in the same
   -- step), read as the call found them; a group stopped by one is refused whole.
   for i = 1, g do
-    if TOTAL[tonumber(ARGV[last + 2 * i - 1])] >= tonumber(ARGV[last + 2 * i]) then admitted = 0 end
+    if TOTAL[A[last + 2 * i - 1]] >= A[last + 2 * i] then admitted = 0 end
   end
   last = last + 2 * g
   for i = 1, n do
     if admitted == 0 then break end
-    local j = tonumber(ARGV[pos + 2 + i])
+    local j = A[pos + 2 + i]
     chain[i] = j
     local w, carried, cur, max = W[j], CARRIED[j], CUR[j], MAX[j]
     local kind = KIND[j]
     local cost = cost
     if per then
-      cost = tonumber(ARGV[pos + 2 + n + i])
+      cost = A[pos + 2 + n + i]
       COST[i] = cost
     end
     local passes
-    if kind == 'r' then
+    if kind == 2 then
       if (cur - max) * w + carried >= 0 then passes = 0 else passes = admitted end
-    elseif kind ~= 'a' then
+    elseif kind ~= 1 then
       -- A shadow limit never refuses (chain.rs first_refusal); the client tells from the counts
       -- in the reply whether it was over.
       passes = admitted
@@ -137,7 +154,7 @@ for _ = 1, groups do
     for i = 1, n do
       local j = chain[i]
       local kind = KIND[j]
-      if kind == 'a' or kind == 'as' then
+      if kind == 1 or kind == 3 then
         local c = cost
         if per then c = COST[i] end
         -- Counts stop at 2^53 (window.rs MAX_COUNT): only a shadow limit, which admits past its
@@ -151,14 +168,13 @@ for _ = 1, groups do
   reply[#reply + 1] = admitted
 end
 -- The charges, after the admissions.
-local nargs = #ARGV
 while pos <= nargs do
-  local kind, units, n = ARGV[pos], tonumber(ARGV[pos + 1]), tonumber(ARGV[pos + 2])
+  local kind, units, n = A[pos], A[pos + 1], A[pos + 2]
   for i = 1, n do
-    local j = tonumber(ARGV[pos + 2 + i])
+    local j = A[pos + 2 + i]
     -- Counts and totals stop at 2^53 (window.rs MAX_COUNT, period.rs MAX_TOTAL): exact in a
     -- double, printable by %d.
-    if kind == 'r' then
+    if kind == 1 then
       CUR[j] = math.min(CUR[j] + units, 9007199254740992)
     else
       TOTAL[j] = math.min(TOTAL[j] + units, 9007199254740992)
@@ -170,7 +186,7 @@ end
 for j = 1, nw do
   if dirty[j] then
     redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1]), 'PX',
-      ARGV[4 * j + 2])
+      A[4 * j + 1])
   end
 end
 for k = nw + 1, nk do

@@ -3,11 +3,10 @@
 //! gets back what the script saw for it. This file packs a batch's admissions into the call
 //! (`admit.lua`'s groups) and replays each one's view from the reply.
 
-use ::redis::Cmd;
-
 use super::conn::Failure;
+use super::doubles::Doubles;
 use super::group::{Counters, Windows};
-use super::{kind_arg, ttl_millis};
+use super::{kind_code, ttl_millis};
 use crate::chain::{ChainLimit, Costs};
 use crate::period::PeriodCounter;
 use crate::window::{Charge, MAX_COUNT, WindowLimit};
@@ -116,35 +115,40 @@ pub(super) fn group_args(groups: &[Group]) -> usize {
 /// Appends the groups as admit.lua takes them: how many, then each one's cost, count, chain
 /// length, gate length, chain, (per-limit costs) its costs, and its gate's counters (1-based
 /// `KEYS` indices, after the call's `nw` windows) and caps.
-pub(super) fn write_groups(cmd: &mut Cmd, groups: &[Group], nw: usize) {
-    cmd.arg(groups.len());
+pub(super) fn write_groups(args: &mut Doubles, groups: &[Group], nw: usize) {
+    args.push(count(groups.len()));
     for g in groups {
         match &g.cost {
-            GroupCost::Each(cost) => cmd.arg(*cost),
-            GroupCost::PerLimit(_) => cmd.arg(-1),
+            GroupCost::Each(cost) => args.push(*cost),
+            GroupCost::PerLimit(_) => args.push_signed(-1),
         };
-        cmd.arg(g.members.len())
-            .arg(g.chain.len())
-            .arg(g.gate.len());
+        args.push(count(g.members.len()))
+            .push(count(g.chain.len()))
+            .push(count(g.gate.len()));
         for j in &g.chain {
-            cmd.arg(*j);
+            args.push(count(*j));
         }
         if let GroupCost::PerLimit(costs) = &g.cost {
             for c in costs.iter() {
-                cmd.arg(*c);
+                args.push(*c);
             }
         }
         for (k, cap) in &g.gate {
-            cmd.arg(1 + nw + k).arg(*cap);
+            args.push(count(1 + nw + k)).push(*cap);
         }
     }
 }
 
 /// Appends a window's arguments as admit.lua takes them: window, max, kind, TTL.
-pub(super) fn write_window(cmd: &mut Cmd, l: &ChainLimit) {
+pub(super) fn write_window(args: &mut Doubles, l: &ChainLimit) {
     let w = l.limit().window_micros();
-    cmd.arg(w).arg(l.limit().max()).arg(kind_arg(l));
-    cmd.arg(ttl_millis(w));
+    args.push(w).push(l.limit().max()).push(kind_code(l));
+    args.push(ttl_millis(w));
+}
+
+/// A length or an index as a number for the script.
+pub(super) fn count(n: usize) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
 }
 
 /// Answers each admission of `batch` (grouped as `groups`) with what the script saw for it:

@@ -7,9 +7,9 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use ::redis::Cmd;
-
+use super::batch::count;
 use super::conn::Failure;
+use super::doubles::Doubles;
 use super::group::{Counters, Windows};
 use crate::chain::ChainLimit;
 use crate::period::{MAX_TOTAL, PeriodCounter};
@@ -174,14 +174,14 @@ impl Packed {
 
     /// Appends the charges as admit.lua takes them: each one's kind, units, how many keys, and
     /// their 1-based indices into `KEYS` (the counters after the call's `nw` windows).
-    pub(super) fn write(&self, cmd: &mut Cmd, nw: usize) {
+    pub(super) fn write(&self, args: &mut Doubles, nw: usize) {
         for (window, units, keys) in &self.charges {
-            cmd.arg(if *window { "r" } else { "p" })
-                .arg(*units)
-                .arg(keys.len());
+            args.push(if *window { 1 } else { 2 })
+                .push(*units)
+                .push(count(keys.len()));
             let offset = if *window { 1 } else { 1 + nw };
             for k in keys {
-                cmd.arg(k + offset);
+                args.push(count(k + offset));
             }
         }
     }

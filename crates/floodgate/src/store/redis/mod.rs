@@ -61,6 +61,7 @@ mod charges;
 mod cluster;
 mod config;
 mod conn;
+mod doubles;
 mod group;
 mod reads;
 mod releases;
@@ -411,6 +412,17 @@ fn kind_arg(l: &ChainLimit) -> &'static str {
     }
 }
 
+/// How admit.lua takes a limit, as a number (its arguments are numbers: `doubles.rs`): 1 charged
+/// at admission, 2 reactive, 3 and 4 the same for a shadow one.
+fn kind_code(l: &ChainLimit) -> u64 {
+    match (l.charge().at_admission(), l.is_shadow()) {
+        (true, false) => 1,
+        (false, false) => 2,
+        (true, true) => 3,
+        (false, true) => 4,
+    }
+}
+
 impl Store for RedisStore {
     async fn admit(
         &self,
@@ -708,10 +720,11 @@ impl Store for RedisStore {
 }
 
 /// How the period counter scripts take a period.
-fn period_arg(period: Period) -> &'static str {
+/// How admit.lua takes a counter's period: 1 for a day, 2 for a month.
+fn period_code(period: Period) -> u64 {
     match period {
-        Period::Day => "day",
-        Period::Month => "month",
+        Period::Day => 1,
+        Period::Month => 2,
     }
 }
 

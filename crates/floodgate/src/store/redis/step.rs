@@ -20,12 +20,12 @@ use ::redis::cluster_routing::Slot;
 use super::batch::{self, Group, PendingAdmit};
 use super::charges::{self, PendingCharge};
 use super::conn::{Failure, bad_reply};
+use super::doubles::{self, Doubles};
 use super::group::{self, Answer, Bounds, Counters, Queue, Queued, Windows};
 use super::reads::{self, PendingRead};
 use super::scripts::{ADMIT, ADMIT_CHARGING};
 use super::stats::bump;
-use super::{RedisStore, period_arg};
-use crate::window::MAX_COUNT;
+use super::{RedisStore, period_code};
 
 /// A slot's queue of calls for the next step.
 pub(super) type StepQueue = Queue<Pending>;
@@ -155,8 +155,18 @@ impl RedisStore {
         } else {
             &ADMIT_CHARGING
         };
-        let argc = 2 + 4 * nw + nc + batch::group_args(&groups) + packed.args();
-        let mut cmd: Cmd = self.evalsha(op, nw + nc, argc);
+        let mut args =
+            Doubles::with_capacity(1 + 4 * nw + nc + batch::group_args(&groups) + packed.args());
+        args.push(batch::count(nc));
+        for l in &windows.list {
+            batch::write_window(&mut args, l);
+        }
+        for c in &counters.list {
+            args.push(period_code(c.period()));
+        }
+        batch::write_groups(&mut args, &groups, nw);
+        packed.write(&mut args, nw);
+        let mut cmd: Cmd = self.evalsha(op, nw + nc, 2);
         for l in &windows.list {
             self.key_arg(&mut cmd, &[l.key()]);
         }
@@ -167,15 +177,7 @@ impl RedisStore {
             Some(t) => cmd.arg(t),
             None => cmd.arg(""),
         };
-        cmd.arg(nc);
-        for l in &windows.list {
-            batch::write_window(&mut cmd, l);
-        }
-        for c in &counters.list {
-            cmd.arg(period_arg(c.period()));
-        }
-        batch::write_groups(&mut cmd, &groups, nw);
-        packed.write(&mut cmd, nw);
+        cmd.arg(args.bytes());
         drop((windows, counters));
         // Admissions that did not fit go first in the next call: they came before anything
         // queued since.
@@ -194,7 +196,7 @@ impl RedisStore {
             .attempt::<::redis::Value>(op, &cmd)
             .await
             .and_then(|reply| {
-                let values = doubles(&reply).map_err(|f| (f, false))?;
+                let values = doubles::read(&reply).map_err(|f| (f, false))?;
                 step_reply(&values, nw, nc, &groups).map_err(|f| (f, false))
             });
         let StepReply {
@@ -292,30 +294,7 @@ struct StepReply {
     admitted: Vec<usize>,
 }
 
-/// The values of the step script's reply: a string of little-endian doubles (admit.lua), each a
-/// whole number from 0 to 2^53 (counts stop there: window.rs `MAX_COUNT`), as integers.
-fn doubles(reply: &::redis::Value) -> Result<Vec<u64>, Failure> {
-    let ::redis::Value::BulkString(bytes) = reply else {
-        return Err(bad_reply());
-    };
-    if bytes.len() % 8 != 0 {
-        return Err(bad_reply());
-    }
-    bytes
-        .chunks_exact(8)
-        .map(|b| {
-            let v = f64::from_le_bytes(b.try_into().map_err(|_| bad_reply())?);
-            // `as` is exact for a whole number in this range; anything else is no count.
-            if (0.0..=MAX_COUNT as f64).contains(&v) && v.fract() == 0.0 {
-                Ok(v as u64)
-            } else {
-                Err(bad_reply())
-            }
-        })
-        .collect()
-}
-
-/// Reads the step script's reply (its [`doubles`]) for a call of `nw` windows, `nc` counters and
+/// Reads the step script's reply (its numbers: [`doubles::read`]) for a call of `nw` windows, `nc` counters and
 /// `groups`.
 fn step_reply(reply: &[u64], nw: usize, nc: usize, groups: &[Group]) -> Result<StepReply, Failure> {
     if reply.len() != 1 + 2 * nw + nc + groups.len() {
@@ -345,6 +324,7 @@ fn step_reply(reply: &[u64], nw: usize, nc: usize, groups: &[Group]) -> Result<S
 mod tests {
     use super::*;
     use crate::store::redis::batch::GroupCost;
+    use crate::window::MAX_COUNT;
 
     /// A reply as admit.lua packs it.
     fn packed(values: &[f64]) -> ::redis::Value {
@@ -359,7 +339,7 @@ mod tests {
             gate: Vec::new(),
             members: vec![0, 1],
         }];
-        let reply = |v: ::redis::Value| step_reply(&doubles(&v)?, 1, 1, &groups);
+        let reply = |v: ::redis::Value| step_reply(&doubles::read(&v)?, 1, 1, &groups);
         let ok = reply(packed(&[7.0, 3.0, 0.0, 40.0, 2.0]))
             .ok()
             .expect("a well-formed reply");
