@@ -11,8 +11,8 @@
 -- KEYS: the chain's n window states, then its m slot sets.
 -- ARGV[1]: the time (clock.lua); ARGV[2]: n; ARGV[3]: the lease's member; ARGV[4]: the lease
 -- time (µs); then per window key i, ARGV[a + 1..a + 5] with a = 4 + 5 * (i - 1): window W (µs),
--- max, kind ('a', 'r', 'as', 'rs' as in admit.lua), TTL (ms), and the limit's cost (its own:
--- chain.rs Costs); then per slot set j, ARGV[b + 1..b + 2] with b = 4 + 5 * n + 2 * (j - 1): max,
+-- max, kind ('a' charged at admission, 'r' reactive, 's' appended for a shadow limit: 'as',
+-- 'rs'), TTL (ms), and the limit's cost (its own: chain.rs Costs); then per slot set j, ARGV[b + 1..b + 2] with b = 4 + 5 * n + 2 * (j - 1): max,
 -- kind ('c', or 'cs' for a shadow limit, which takes a slot but never refuses).
 -- Reply: {now, cur_1, prev_1, ..., cur_n, prev_n, running_1, ..., running_m, admitted}: each
 -- window's counts at `now` before the charge, each slot set's members other than this lease

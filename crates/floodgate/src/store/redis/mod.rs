@@ -401,7 +401,7 @@ fn ttl_millis(window_us: u64) -> u64 {
     window_us.saturating_mul(2).div_ceil(1000)
 }
 
-/// How the admission scripts take a limit: `a` charged at admission (requests, and reserved
+/// How admit_holding.lua takes a limit: `a` charged at admission (requests, and reserved
 /// tokens, decided and charged alike at admission), `r` reactive, `s` appended for a shadow one.
 fn kind_arg(l: &ChainLimit) -> &'static str {
     match (l.charge().at_admission(), l.is_shadow()) {
