@@ -943,7 +943,7 @@ async fn a_record_that_finds_redis_gone_opens_the_breaker() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_admission_abandoned_while_queued_is_never_charged() {
     let test = "an_admission_abandoned_while_queued_is_never_charged";
-    // A server of its own: the busy script below stalls every client of the server.
+    // A server of its own: the pause below holds every client of the server.
     let Some(_) = redis_url(test) else { return };
     let Some(server) = Server::start(test) else {
         return;
@@ -957,29 +957,35 @@ async fn an_admission_abandoned_while_queued_is_never_charged() {
     .unwrap();
     let chain = Chain::new(vec![req("queued", ScopeKind::Key, 10)]);
     assert!(chain.admit(&store, 1).await.unwrap().admitted);
-    // Redis runs a script to completion before anything else: 450 ms of nothing.
-    let mut busy = raw(&url).await;
-    let stall = tokio::spawn(async move {
-        let _: i64 = redis::Script::new(
-            "local t = redis.call('TIME'); local s = t[1] * 1e6 + t[2]; \
-             repeat t = redis.call('TIME') until t[1] * 1e6 + t[2] > s + 450000; return 1",
-        )
-        .invoke_async(&mut busy)
+    // Redis holds every write, scripts included, while its clients are paused: A's call goes out
+    // and waits there, in flight, until the pause is lifted below.
+    let mut admin = raw(&url).await;
+    let client = |verb: &str| {
+        let mut cmd = redis::cmd("CLIENT");
+        cmd.arg(verb);
+        cmd
+    };
+    let _: () = client("PAUSE")
+        .arg(60_000)
+        .arg("WRITE")
+        .query_async(&mut admin)
         .await
         .unwrap();
-    });
-    tokio::time::sleep(Duration::from_millis(100)).await;
-    // A: its batch goes out at once and waits for the stall. B: queued behind A's batch, and
-    // given up on (as a caller that disconnects) before that batch returns.
+    let sent = store.stats().admit_batches;
     let a = tokio::spawn({
         let (chain, store) = (chain.clone(), store.clone());
         async move { chain.admit(&store, 1).await }
     });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    // A's call is in flight once the store counts it.
+    while store.stats().admit_batches == sent {
+        tokio::task::yield_now().await;
+    }
+    // B: queued behind A's call, and given up on (as a caller that disconnects) before that call
+    // returns.
     let b = tokio::time::timeout(Duration::from_millis(50), chain.admit(&store, 1)).await;
     assert!(b.is_err(), "B was still waiting");
+    let _: () = client("UNPAUSE").query_async(&mut admin).await.unwrap();
     assert!(a.await.unwrap().unwrap().admitted);
-    stall.await.unwrap();
     assert_eq!(
         stored_cur(&url, &store, chain.limits()[0].key()).await,
         2,
