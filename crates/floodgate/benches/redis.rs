@@ -8,7 +8,10 @@
 //! `redis-benchmark` sends EVALSHA of the very script the store loads, with the same keys,
 //! arguments and concurrency: the ceiling, where only Redis works. Two shapes of it: as many
 //! connections as requests in flight (`-c N`), and one connection with N pipelined (`-c 1 -P N`),
-//! which is how the store's multiplexed connection sends. Skips (exit 0) when the URL is unset.
+//! which is how the store's multiplexed connection sends. The chain's script takes its numbers
+//! packed as doubles, which `redis-benchmark` cannot send (a NUL byte ends an argument): its
+//! ceiling is the same calls, made ready beforehand, sent in the same two shapes from plain
+//! redis-rs connections (`raw_ceiling`), a lower bound. Skips (exit 0) when the URL is unset.
 //!
 //! Knobs: `FLOODGATE_BENCH_REQUESTS` (default 200000 per run), `FLOODGATE_BENCH_CONCURRENCY`
 //! (128), `FLOODGATE_BENCH_THREADS` (Tokio workers; 0, the default, for a current-thread
@@ -165,6 +168,76 @@ fn ceiling(
     before.rsplit(' ').next()?.parse().ok()
 }
 
+/// The chain's ceiling without `redis-benchmark`, whose arguments cannot hold the admit script's
+/// packed numbers (a NUL byte ends one): `calls` (one ready for each key name) sent from plain
+/// redis-rs connections in the shapes `redis-benchmark` sends, `concurrency` connections with
+/// one call in flight each, or one connection with `concurrency` calls a pipeline (`pipelined`).
+/// Requests per second; a lower bound on Redis's own, since this client is not C.
+async fn raw_ceiling(
+    url: &str,
+    knobs: &Knobs,
+    pipelined: bool,
+    calls: &Arc<Vec<redis::Cmd>>,
+) -> Option<f64> {
+    let client = redis::Client::open(url).ok()?;
+    // A xorshift step: the index of the next call.
+    let next = |rng: &mut u64| {
+        *rng ^= *rng << 13;
+        *rng ^= *rng >> 7;
+        *rng ^= *rng << 17;
+        (*rng % calls.len() as u64) as usize
+    };
+    let started;
+    if pipelined {
+        let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+        let (mut rng, mut left) = (0x9e37_79b9_7f4a_7c15_u64, knobs.requests);
+        started = Instant::now();
+        while left > 0 {
+            let n = left.min(knobs.concurrency.max(1));
+            let mut pipe = redis::pipe();
+            for _ in 0..n {
+                pipe.add_command(calls[next(&mut rng)].clone());
+            }
+            let _: Vec<redis::Value> = pipe.query_async(&mut conn).await.ok()?;
+            left -= n;
+        }
+    } else {
+        // Each connection with its calls, drawn from the shared ones as the pipelined shape
+        // draws them, before the clock starts.
+        let mut conns = Vec::new();
+        for t in 0..knobs.concurrency {
+            let conn = client.get_multiplexed_async_connection().await.ok()?;
+            let mut rng = 0x9e37_79b9_7f4a_7c15_u64 ^ (t + 1).wrapping_mul(0xff51_afd7_ed55_8ccd);
+            let mine: Vec<redis::Cmd> = (0..64).map(|_| calls[next(&mut rng)].clone()).collect();
+            conns.push((conn, mine));
+        }
+        let left = Arc::new(AtomicU64::new(knobs.requests));
+        started = Instant::now();
+        let mut tasks = tokio::task::JoinSet::new();
+        for (mut conn, mine) in conns {
+            let left = left.clone();
+            tasks.spawn(async move {
+                for call in mine.iter().cycle() {
+                    if left
+                        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                        .is_err()
+                    {
+                        break;
+                    }
+                    if call.query_async::<redis::Value>(&mut conn).await.is_err() {
+                        return false;
+                    }
+                }
+                true
+            });
+        }
+        if !tasks.join_all().await.into_iter().all(|ok| ok) {
+            return None;
+        }
+    }
+    Some(knobs.requests as f64 / started.elapsed().as_secs_f64())
+}
+
 async fn load(url: &str, op: &str) -> String {
     let mut conn = redis::Client::open(url)
         .expect("url")
@@ -233,9 +306,9 @@ fn main() {
             "{:<16} {:>12} {:>18} {:>7} {:>18} {:>7}",
             "",
             "floodgate/s",
-            format!("rb -c {c}/s"),
+            format!("ceiling -c {c}/s"),
             "ratio",
-            format!("rb -c 1 -P {c}/s"),
+            format!("ceiling -P {c}/s"),
             "ratio"
         );
 
@@ -305,38 +378,45 @@ fn main() {
             .iter()
             .map(|l| format!("{PREFIX}{}", l.key()))
             .collect();
-        // The admit script's layout (see admit.lua): the time, how many period counters (none),
-        // each key's limit, then how many groups and the requests in groups (cost, count, the
-        // chain's length, the gate's, the chain); redis-benchmark sends a batch of one request
-        // per call.
-        let mut args = vec![String::new(), "0".into()];
+        // The admit script's layout (see admit.lua): the time (empty: Redis's clock), the
+        // numbers packed as doubles (how many period counters, none; each key's window, max and
+        // kind; how many groups; one group of one request: cost, count, the chain's length, the
+        // gate's, the chain), then each key's TTL. One call ready for each key name.
+        let mut numbers = vec![0u64];
         for l in template.limits() {
-            let w = l.limit().window_micros();
-            args.push(w.to_string());
-            args.push(l.limit().max().to_string());
-            args.push("a".into());
-            args.push((2 * w).div_ceil(1000).to_string());
+            numbers.extend([l.limit().window_micros(), l.limit().max(), 1]);
         }
-        args.extend([
-            "1".into(),
-            "1".into(),
-            "1".into(),
-            template.limits().len().to_string(),
-            // No gate.
-            "0".into(),
-        ]);
-        args.extend((1..=template.limits().len()).map(|i| i.to_string()));
-        let raw = |pipelined| {
-            target
-                .as_ref()
-                .and_then(|t| ceiling(t, &knobs, pipelined, &sha, &keys, &args))
-        };
+        let n = template.limits().len() as u64;
+        numbers.extend([1, 1, 1, n, 0]);
+        numbers.extend(1..=n);
+        let packed: Vec<u8> = numbers
+            .iter()
+            .flat_map(|&v| (v as f64).to_le_bytes())
+            .collect();
+        let calls: Arc<Vec<redis::Cmd>> = Arc::new(
+            (0..knobs.keys)
+                .map(|i| {
+                    let mut cmd = redis::cmd("EVALSHA");
+                    cmd.arg(&sha).arg(keys.len());
+                    for k in &keys {
+                        cmd.arg(k.replace("__rand_int__", &name(i)));
+                    }
+                    cmd.arg("").arg(&packed);
+                    for l in template.limits() {
+                        cmd.arg((2 * l.limit().window_micros()).div_ceil(1000));
+                    }
+                    cmd
+                })
+                .collect(),
+        );
         let mut rows = Vec::new();
         for _ in 0..repeats {
             let cpu = cpu_seconds();
             let ours = run_chain(knobs).await;
             let cpu = cpu_seconds() - cpu;
-            rows.push((ours, cpu, raw(false), raw(true)));
+            let conns = raw_ceiling(&url, &knobs, false, &calls).await;
+            let piped = raw_ceiling(&url, &knobs, true, &calls).await;
+            rows.push((ours, cpu, conns, piped));
         }
         report("4-limit chain", &knobs, rows);
 
@@ -360,7 +440,7 @@ fn report(what: &str, knobs: &Knobs, rows: Vec<Row>) {
     for (i, (ours, cpu, conns, piped)) in rows.iter().enumerate() {
         println!(
             "  {what} run {i}: floodgate {ours:.0}/s ({:.1} µs client CPU per decision), \
-             redis-benchmark -c {:.0}/s, -P {:.0}/s",
+             ceiling -c {:.0}/s, -P {:.0}/s",
             cpu * 1e6 / knobs.requests as f64,
             conns.unwrap_or(f64::NAN),
             piped.unwrap_or(f64::NAN),

@@ -977,9 +977,14 @@ async fn an_admission_abandoned_while_queued_is_never_charged() {
         async move { chain.admit(&store, 1).await }
     });
     // A's call is in flight once the store counts it.
-    while store.stats().admit_batches == sent {
-        tokio::task::yield_now().await;
-    }
+    let counted = async {
+        while store.stats().admit_batches == sent {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(10), counted)
+        .await
+        .expect("A's call never went out");
     // B: queued behind A's call, and given up on (as a caller that disconnects) before that call
     // returns.
     let b = tokio::time::timeout(Duration::from_millis(50), chain.admit(&store, 1)).await;
@@ -1757,8 +1762,8 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .unwrap();
         // The script's numbers go as one string of little-endian doubles, and its reply comes
         // as one (admit.lua): no period counters; the key's window (charged at admission: kind
-        // 1); one group of `count` requests of `cost` on the key, no gate.
-        let numbers: Vec<u8> = [0, w, max, 1, 2 * w / 1000, 1, cost, count, 1, 0, 1]
+        // 1); one group of `count` requests of `cost` on the key, no gate; then the window's TTL.
+        let numbers: Vec<u8> = [0, w, max, 1, 1, cost, count, 1, 0, 1]
             .iter()
             .flat_map(|&n| (n as f64).to_le_bytes())
             .collect();
@@ -1766,6 +1771,7 @@ async fn the_admission_script_corrects_its_first_guess_to_the_exact_check() {
             .key(&key)
             .arg(bucket * w + elapsed)
             .arg(numbers)
+            .arg(2 * w / 1000)
             .invoke_async(&mut con)
             .await
             .unwrap();
@@ -1785,7 +1791,7 @@ async fn a_call_of_more_numbers_than_one_unpack_takes_is_read_whole() {
         return;
     };
     // The script unpacks its numbers 200 at a time past 200 (admit.lua): 80 keys, each with its
-    // own run of 3 requests, send 722. Key i holds i % 10 of its 10: each run is admitted as far
+    // own run of 3 requests, send 642. Key i holds i % 10 of its 10: each run is admitted as far
     // as its key has room, the reply and the stored counts say so for every key.
     let script = redis::Script::new(floodgate::store::redis::script_source("admit").unwrap());
     let mut con = raw(&url).await;
@@ -1801,14 +1807,14 @@ async fn a_call_of_more_numbers_than_one_unpack_takes_is_read_whole() {
     }
     let mut numbers = vec![0];
     for _ in 0..keys {
-        numbers.extend([w, max, 1, 2 * w / 1000]);
+        numbers.extend([w, max, 1]);
     }
     numbers.push(keys);
     for i in 0..keys {
         // Cost 1, 3 requests, a chain of one key (its 1-based index), no gate.
         numbers.extend([1, 3, 1, 0, i + 1]);
     }
-    assert_eq!(numbers.len(), 722);
+    assert_eq!(numbers.len(), 642);
     let packed: Vec<u8> = numbers
         .iter()
         .flat_map(|&n| (n as f64).to_le_bytes())
@@ -1817,12 +1823,11 @@ async fn a_call_of_more_numbers_than_one_unpack_takes_is_read_whole() {
     for i in 0..keys {
         call.key(key(i));
     }
-    let reply: Vec<u8> = call
-        .arg(bucket * w)
-        .arg(packed)
-        .invoke_async(&mut con)
-        .await
-        .unwrap();
+    call.arg(bucket * w).arg(packed);
+    for _ in 0..keys {
+        call.arg(2 * w / 1000);
+    }
+    let reply: Vec<u8> = call.invoke_async(&mut con).await.unwrap();
     let reply: Vec<u64> = reply
         .chunks_exact(8)
         .map(|b| f64::from_le_bytes(b.try_into().unwrap()) as u64)

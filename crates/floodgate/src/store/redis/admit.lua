@@ -10,13 +10,15 @@
 --
 -- KEYS: every distinct limit state the batch touches (nw windows), then every distinct period
 -- counter (nc: a budget's spend in its period).
--- ARGV[1]: the time (clock.lua). ARGV[2]: every other argument, numbers packed as one string of
+-- ARGV[1]: the time (clock.lua). ARGV[2]: the call's numbers, packed as one string of
 -- little-endian doubles (exact for the integers sent, all below 2^53 but caps and units past
 -- it, which compare and saturate as before), read into A (below): a call's arguments as strings
 -- cost Redis an object each and the script a tonumber each, more than the arithmetic they feed.
--- A[1]: nc; then per window j, A[a + 1..a + 4] with a = 1 + 4 * (j - 1): window W (µs), max,
+-- ARGV[2 + j]: window j's TTL (ms, 2W) as digits, handed to SET as they are (a Lua number is
+-- written by Redis 7.2.0-7.2.4 as `1e+08` when it is a multiple of 10^8, which PX refuses).
+-- A[1]: nc; then per window j, A[a + 1..a + 3] with a = 1 + 3 * (j - 1): window W (µs), max,
 -- kind (1 for a limit charged at admission, 2 for a reactive one, 3 and 4 for the same as
--- shadow limits, decided and charged as usual but never refusing), the state's TTL (ms, 2W);
+-- shadow limits, decided and charged as usual but never refusing);
 -- then per counter its period, 1 for a day, 2 for a month; then how many admission groups
 -- follow, and the admissions in the order they came, in groups: a group is a run of requests of
 -- one cost on one chain: cost, count, n, g, the chain's n key indices (into KEYS, in chain
@@ -73,7 +75,7 @@ local W, MAX, KIND, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KE
   {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
 for j = 1, nw do
-  local a = 4 * j - 3
+  local a = 3 * j - 2
   local w = A[a + 1]
   local b, cur, prev = window_at(stored[j], w)
   W[j], MAX[j], KIND[j], B[j], CUR[j] = w, A[a + 2], A[a + 3], b, cur
@@ -81,7 +83,7 @@ for j = 1, nw do
   reply[2 * j] = cur
   reply[2 * j + 1] = prev
 end
-local pos = 2 + 4 * nw
+local pos = 2 + 3 * nw
 local LABEL, ENDS, TOTAL = {}, {}, {}
 for k = nw + 1, nk do
   if A[pos] == 1 then LABEL[k], ENDS[k] = period_at('day') else LABEL[k], ENDS[k] = period_at('month') end
@@ -186,13 +188,13 @@ end
 for j = 1, nw do
   if dirty[j] then
     redis.call('SET', KEYS[j], string.format('%d %d %d', B[j], CUR[j], reply[2 * j + 1]), 'PX',
-      A[4 * j + 1])
+      ARGV[2 + j])
   end
 end
 for k = nw + 1, nk do
   if dirty[k] then
     redis.call('SET', KEYS[k], LABEL[k] .. ' ' .. string.format('%d', TOTAL[k]), 'PX',
-      math.ceil((ENDS[k] + DAY - now) / 1000))
+      string.format('%d', math.ceil((ENDS[k] + DAY - now) / 1000)))
   end
 end
 -- The reply goes as one string of little-endian doubles, exact for these integers (all below

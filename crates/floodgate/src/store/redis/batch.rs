@@ -6,7 +6,7 @@
 use super::conn::Failure;
 use super::doubles::Doubles;
 use super::group::{Counters, Windows};
-use super::{kind_code, ttl_millis};
+use super::kind_code;
 use crate::chain::{ChainLimit, Costs};
 use crate::period::PeriodCounter;
 use crate::window::{Charge, MAX_COUNT, WindowLimit};
@@ -139,11 +139,12 @@ pub(super) fn write_groups(args: &mut Doubles, groups: &[Group], nw: usize) {
     }
 }
 
-/// Appends a window's arguments as admit.lua takes them: window, max, kind, TTL.
+/// Appends a window's numbers as admit.lua takes them: window, max, kind (its TTL goes as an
+/// argument of its own: `step.rs`).
 pub(super) fn write_window(args: &mut Doubles, l: &ChainLimit) {
-    let w = l.limit().window_micros();
-    args.push(w).push(l.limit().max()).push(kind_code(l));
-    args.push(ttl_millis(w));
+    args.push(l.limit().window_micros())
+        .push(l.limit().max())
+        .push(kind_code(l));
 }
 
 /// A length or an index as a number for the script.

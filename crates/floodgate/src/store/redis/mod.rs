@@ -719,7 +719,6 @@ impl Store for RedisStore {
     }
 }
 
-/// How the period counter scripts take a period.
 /// How admit.lua takes a counter's period: 1 for a day, 2 for a month.
 fn period_code(period: Period) -> u64 {
     match period {

@@ -25,7 +25,7 @@ use super::group::{self, Answer, Bounds, Counters, Queue, Queued, Windows};
 use super::reads::{self, PendingRead};
 use super::scripts::{ADMIT, ADMIT_CHARGING};
 use super::stats::bump;
-use super::{RedisStore, period_code};
+use super::{RedisStore, period_code, ttl_millis};
 
 /// A slot's queue of calls for the next step.
 pub(super) type StepQueue = Queue<Pending>;
@@ -156,7 +156,7 @@ impl RedisStore {
             &ADMIT_CHARGING
         };
         let mut args =
-            Doubles::with_capacity(1 + 4 * nw + nc + batch::group_args(&groups) + packed.args());
+            Doubles::with_capacity(1 + 3 * nw + nc + batch::group_args(&groups) + packed.args());
         args.push(batch::count(nc));
         for l in &windows.list {
             batch::write_window(&mut args, l);
@@ -166,7 +166,7 @@ impl RedisStore {
         }
         batch::write_groups(&mut args, &groups, nw);
         packed.write(&mut args, nw);
-        let mut cmd: Cmd = self.evalsha(op, nw + nc, 2);
+        let mut cmd: Cmd = self.evalsha(op, nw + nc, 2 + nw);
         for l in &windows.list {
             self.key_arg(&mut cmd, &[l.key()]);
         }
@@ -178,6 +178,9 @@ impl RedisStore {
             None => cmd.arg(""),
         };
         cmd.arg(args.bytes());
+        for l in &windows.list {
+            cmd.arg(ttl_millis(l.limit().window_micros()));
+        }
         drop((windows, counters));
         // Admissions that did not fit go first in the next call: they came before anything
         // queued since.
