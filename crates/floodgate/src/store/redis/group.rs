@@ -54,14 +54,14 @@ pub(super) trait Queued: Send + 'static {
     fn keys(&self) -> usize;
     /// Answers it with `failure`.
     fn fail(self, failure: &Failure);
-    /// Whether it may wait, on a busy queue, for a call that cannot (a charge for the next
+    /// Whether it may wait for a call that cannot (a charge for the next
     /// admission): see [`serve`].
     fn lingers(&self) -> bool {
         false
     }
 }
 
-/// The longest a busy queue holding only calls that linger waits for one that does not, before
+/// The longest a queue holding only calls that linger waits for one that does not, before
 /// it sends them alone ([`serve`]).
 const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
 
@@ -183,11 +183,12 @@ fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
 /// while they share the first one's time argument and fit `bounds`; once one does not, none after
 /// it goes either (calls land in the order they came), and it waits for the next batch.
 ///
-/// Once a batch has been sent, if everything queued since lingers (charges, which need no answer
-/// soon), the sender waits up to [`LINGER`] for a call that does not (the next admission), so
-/// that both go in one call: on a busy store the charges of the responses that ended during a
-/// call ride the next admissions' call instead of one of their own. An idle queue's first call
-/// never waits: a charge on a quiet store goes at once.
+/// Before each batch, if everything queued lingers (charges, which need no answer soon), the
+/// sender waits up to [`LINGER`] for a call that does not (the next admission), so that both go
+/// in one call: the charges of the responses that ended during a call, or while the queue was
+/// idle, ride the next admissions' call instead of one of their own. A call that does not
+/// linger never waits: an admission (or a read) goes at once, taking the charges queued before
+/// it along. On a quiet store a charge thus lands up to [`LINGER`] late.
 ///
 /// If sending stops early (a panic, a runtime shutting down), the queue must not stay marked as
 /// served: the queued calls fail and the next call starts a sender again.
@@ -218,9 +219,8 @@ where
         }
     }
     let mut unmark = Unmark { queue, done: false };
-    let mut busy = false;
     loop {
-        if busy {
+        {
             let wake = {
                 let mut q = lock(queue);
                 // A full batch of charges goes at once: waiting would only delay the next.
@@ -235,7 +235,6 @@ where
                 lock(queue).lingering = false;
             }
         }
-        busy = true;
         let batch = {
             let mut q = lock(queue);
             let mut batch = Vec::new();
@@ -414,13 +413,39 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_charge_on_an_idle_queue_goes_at_once() {
+    async fn a_charge_on_an_idle_queue_waits_for_company_then_goes_alone() {
         let queue = Arc::new(Mutex::new(Queue::default()));
         let back = Arc::new(Notify::new());
         assert!(push(&queue, call(1, true)));
         let start = tokio::time::Instant::now();
         let mut calls = sender(&queue, &back);
         assert_eq!(calls.recv().await, Some(vec![1]));
+        assert_eq!(start.elapsed(), LINGER, "it waited the linger, no more");
+        back.notify_one();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_admission_on_an_idle_queue_goes_at_once_with_the_charges_before_it() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        assert!(push(&queue, call(1, true)));
+        let start = tokio::time::Instant::now();
+        let mut calls = sender(&queue, &back);
+        // The sender is waiting for company; an admission comes, and both go at once.
+        tokio::task::yield_now().await;
+        assert!(!push(&queue, call(2, false)));
+        assert_eq!(calls.recv().await, Some(vec![1, 2]));
+        assert_eq!(start.elapsed(), std::time::Duration::ZERO);
+        back.notify_one();
+        // The queue empty, the sender stops; an admission alone on the idle queue does not wait
+        // either.
+        assert_eq!(calls.recv().await, None);
+        assert!(
+            push(&queue, call(3, false)),
+            "an idle queue starts a sender"
+        );
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![3]));
         assert_eq!(start.elapsed(), std::time::Duration::ZERO);
         back.notify_one();
     }
