@@ -11,37 +11,37 @@
 -- KEYS: every distinct limit state the batch touches (nw windows), then every distinct period
 -- counter (nc: a budget's spend in its period).
 -- ARGV[1]: the time (clock.lua). ARGV[2]: the call's numbers, packed as one string of
--- little-endian doubles (exact for the integers sent, all below 2^53 but caps and units past
--- it, which compare and saturate as before), read into A (below): a call's arguments as strings
--- cost Redis an object each and the script a tonumber each, more than the arithmetic they feed.
+-- little-endian doubles (exact for the integers sent, all below 2^53 but caps and units past it,
+-- which compare and saturate as before), read into A (below): a call's arguments as strings cost
+-- Redis an object each and the script a tonumber each, more than the arithmetic they feed.
 -- ARGV[2 + j]: window j's TTL (ms, 2W) as digits, handed to SET as they are (a Lua number is
--- written by Redis 7.2.0-7.2.4 as `1e+08` when it is a multiple of 10^8, which PX refuses).
--- A[1]: nc; then per window j, A[a + 1..a + 3] with a = 1 + 3 * (j - 1): window W (µs), max,
--- kind (1 for a limit charged at admission, 2 for a reactive one, 3 and 4 for the same as
--- shadow limits, decided and charged as usual but never refusing);
--- then per counter its period, 1 for a day, 2 for a month; then how many admission groups
--- follow, and the admissions in the order they came, in groups: a group is a run of requests of
--- one cost on one chain: cost, count, n, g, the chain's n key indices (into KEYS, in chain
--- order), and last its gate's g pairs of a counter's index (into KEYS) and a cap: the group is
--- admitted only if each such counter is under its cap as the call found it (a budget check in
--- the same step; Store::admit_within). A batch of like requests (many callers of one key) thus
--- sends its chain once. A group whose requests cost each limit its own units (a token estimate
--- on a reserving token limit beside 1 on the request limits; chain.rs Costs::PerLimit) sends a
--- cost of -1 and, after its key indices, the n costs in chain order (before the gate). Then, to
--- the end, the charges in the order they came, applied after the admissions: kind (1 tokens to
--- windows, 2 an amount to counters), units, n, and its n key indices (into KEYS).
+-- written by Redis 7.2.0-7.2.4 as `1e+08` when it is a multiple of 10^8, which PX refuses). A[1]:
+-- nc; then per window j, A[a + 1..a + 3] with a = 1 + 3 * (j - 1): window W (µs), max, kind (1 for
+-- a limit charged at admission, 2 for a reactive one, 3 and 4 for the same as shadow limits,
+-- decided and charged as usual but never refusing); then per counter its period, 1 for a day, 2
+-- for a month; then how many admission groups follow, and the admissions in the order they came,
+-- in groups: a group is a run of requests of one cost on one chain: cost, count, n, g, the chain's
+-- n key indices (into KEYS, in chain order), and last its gate's g pairs of a counter's index
+-- (into KEYS) and a cap: the group is admitted only if each such counter is under its cap as the
+-- call found it (a budget check in the same step; Store::admit_within). A batch of like requests
+-- (many callers of one key) thus sends its chain once. A group whose requests cost each limit its
+-- own units (a token estimate on a reserving token limit beside 1 on the request limits; chain.rs
+-- Costs::PerLimit) sends a cost of -1 and, after its key indices, the n costs in chain order
+-- (before the gate). Then, to the end, the charges in the order they came, applied after the
+-- admissions: kind (1 tokens to windows, 2 an amount to counters), units, n, and its n key indices
+-- (into KEYS).
 -- State: windows "bucket cur prev"; counters "label total", a counter of an earlier period
 -- starting again from 0, each kept until a day (period.rs GRACE) after its period ends. Every
 -- comparison mirrors window.rs operation for operation, and the refusal chain.rs's
 -- first_refusal: the first enforced limit that fails its test.
 -- Reply: {now, cur_1, prev_1, ..., cur_nw, prev_nw, total_1, ..., total_nc, admitted_1, ...,
--- admitted_g}, packed as doubles (below): each window's counts and each counter's total at
--- `now` before the batch (what a budget read gets), and how many of each group's requests were admitted: its first ones, since
--- once one is refused nothing changes until the group ends. What each request saw follows: a
--- key's count plus the costs of the admitted requests before it that charge that key; each
--- charge's totals, the counters' totals plus the adds before it. (The client replays those sums;
--- a reply of every request's view of every limit cost the client more to parse than the rest of
--- the decision.)
+-- admitted_g}, packed as doubles (below): each window's counts and each counter's total at `now`
+-- before the batch (what a budget read gets), and how many of each group's requests were admitted:
+-- its first ones, since once one is refused nothing changes until the group ends. What each
+-- request saw follows: a key's count plus the costs of the admitted requests before it that charge
+-- that key; each charge's totals, the counters' totals plus the adds before it. (The client
+-- replays those sums; a reply of every request's view of every limit cost the client more to parse
+-- than the rest of the decision.)
 --
 -- Redis's Lua is slow next to this arithmetic (a tonumber, a table growing or a string.match
 -- each cost about what a whole check does), so the script converts each argument once, sizes
@@ -68,9 +68,9 @@ local nc = A[1]
 local nw = nk - nc
 local stored = {}
 if nk > 0 then stored = redis.call('MGET', unpack(KEYS)) end
--- Per window: window, max, kind (as sent), its bucket, count, the previous window's count, and the part of it still carried at
--- `now` (prev * (W - elapsed), as Snapshot::admits has it). Per counter: its period's label
--- and end, and its total in that period.
+-- Per window: window, max, kind (as sent), its bucket, count, the previous window's count, and the
+-- part of it still carried at `now` (prev * (W - elapsed), as Snapshot::admits has it). Per
+-- counter: its period's label and end, and its total in that period.
 local W, MAX, KIND, B, CUR, CARRIED = {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)},
   {unpack(KEYS)}, {unpack(KEYS)}, {unpack(KEYS)}
 local reply = {now}
@@ -86,7 +86,11 @@ end
 local pos = 2 + 3 * nw
 local LABEL, ENDS, TOTAL = {}, {}, {}
 for k = nw + 1, nk do
-  if A[pos] == 1 then LABEL[k], ENDS[k] = period_at('day') else LABEL[k], ENDS[k] = period_at('month') end
+  if A[pos] == 1 then
+    LABEL[k], ENDS[k] = period_at('day')
+  else
+    LABEL[k], ENDS[k] = period_at('month')
+  end
   TOTAL[k] = total_in(stored[k], LABEL[k])
   reply[#reply + 1] = TOTAL[k]
   pos = pos + 1
