@@ -124,10 +124,12 @@ pub(super) fn skip_space(buf: &[u8], mut i: usize) -> usize {
 /// `buf[open]`, and whether it has an escape; `None` if it does not end.
 pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
     let (mut i, mut escaped) = (open + 1, false);
-    // Byte by byte: the strings of a response are mostly a few bytes long, shorter than what a
-    // vectorised search needs to pay for its setup.
-    loop {
-        match *buf.get(i)? {
+    // Byte by byte at first: the strings of a response are mostly a few bytes long, shorter than
+    // what a vectorised search pays for its setup. One still open after those (a message's
+    // content, thousands of bytes) is searched for its quotes and escapes.
+    let short = buf.len().min(i + SHORT_STRING);
+    while i < short {
+        match buf[i] {
             b'"' => return Some((i + 1, escaped)),
             b'\\' => {
                 escaped = true;
@@ -136,7 +138,18 @@ pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
             _ => i += 1,
         }
     }
+    loop {
+        let at = i + memchr::memchr2(b'"', b'\\', buf.get(i..)?)?;
+        if buf[at] == b'"' {
+            return Some((at + 1, escaped));
+        }
+        escaped = true;
+        i = at + 2;
+    }
 }
+
+/// How many bytes of a string [`string_end`] reads one by one before it searches.
+const SHORT_STRING: usize = 24;
 
 /// What a byte is to [`value_end`]'s scan of a container.
 const PLAIN: u8 = 0;
@@ -229,6 +242,51 @@ mod tests {
         assert_eq!(got, want);
         assert_eq!(read(b"{}").unwrap(), vec![]);
         assert_eq!(read(b"\n{ }").unwrap(), vec![]);
+    }
+
+    #[test]
+    fn strings_end_at_their_first_unescaped_quote_however_long() {
+        // Around the length read byte by byte, and far past it; escapes (a quote among them) on
+        // either side of it and at its edge.
+        for len in [
+            0,
+            1,
+            5,
+            SHORT_STRING - 2,
+            SHORT_STRING - 1,
+            SHORT_STRING,
+            SHORT_STRING + 1,
+            4000,
+        ] {
+            for escape_at in [
+                None,
+                Some(0),
+                Some(len / 2),
+                Some(SHORT_STRING - 1),
+                Some(len),
+            ] {
+                // An escaped quote, or an escaped backslash (the quote after it ends the string).
+                for escape in ["\\\"", "\\\\"] {
+                    let mut text = "x".repeat(len);
+                    if let Some(at) = escape_at.filter(|&at| at <= len) {
+                        text.insert_str(at, escape);
+                    }
+                    let buf = format!("\"{text}\",\"next\"");
+                    let want = 1 + text.len() + 1;
+                    assert_eq!(
+                        string_end(buf.as_bytes(), 0),
+                        Some((want, text.contains('\\'))),
+                        "{len} {escape_at:?} {escape}"
+                    );
+                    // Cut before its closing quote, it does not end.
+                    assert_eq!(string_end(&buf.as_bytes()[..want - 1], 0), None);
+                }
+            }
+        }
+        // An escape as the last byte: no end.
+        assert_eq!(string_end(br#""abc\"#, 0), None);
+        let long = format!("\"{}\\", "y".repeat(100));
+        assert_eq!(string_end(long.as_bytes(), 0), None);
     }
 
     #[test]
