@@ -122,6 +122,7 @@ pub(super) fn skip_space(buf: &[u8], mut i: usize) -> usize {
 
 /// The end (exclusive, after the closing quote) of the string whose opening quote is at
 /// `buf[open]`, and whether it has an escape; `None` if it does not end.
+#[inline]
 pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
     let (mut i, mut escaped) = (open + 1, false);
     // Byte by byte at first: the strings of a response are mostly a few bytes long, shorter than
@@ -138,6 +139,13 @@ pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
             _ => i += 1,
         }
     }
+    long_string_end(buf, i, escaped)
+}
+
+/// The rest of [`string_end`] for a long string, from `i` on: out of line, so that the short
+/// strings' loop stays small where it is inlined.
+#[inline(never)]
+fn long_string_end(buf: &[u8], mut i: usize, mut escaped: bool) -> Option<(usize, bool)> {
     loop {
         let at = i + memchr::memchr2(b'"', b'\\', buf.get(i..)?)?;
         if buf[at] == b'"' {
