@@ -116,17 +116,17 @@ pub(super) fn group_args(groups: &[Group]) -> usize {
 /// length, gate length, chain, (per-limit costs) its costs, and its gate's counters (1-based
 /// `KEYS` indices, after the call's `nw` windows) and caps.
 pub(super) fn write_groups(args: &mut Doubles, groups: &[Group], nw: usize) {
-    args.push(count(groups.len()));
+    args.push_len(groups.len());
     for g in groups {
         match &g.cost {
             GroupCost::Each(cost) => args.push(*cost),
             GroupCost::PerLimit(_) => args.push_signed(-1),
         };
-        args.push(count(g.members.len()))
-            .push(count(g.chain.len()))
-            .push(count(g.gate.len()));
+        args.push_len(g.members.len())
+            .push_len(g.chain.len())
+            .push_len(g.gate.len());
         for j in &g.chain {
-            args.push(count(*j));
+            args.push_len(*j);
         }
         if let GroupCost::PerLimit(costs) = &g.cost {
             for c in costs.iter() {
@@ -134,7 +134,7 @@ pub(super) fn write_groups(args: &mut Doubles, groups: &[Group], nw: usize) {
             }
         }
         for (k, cap) in &g.gate {
-            args.push(count(1 + nw + k)).push(*cap);
+            args.push_len(1 + nw + k).push(*cap);
         }
     }
 }
@@ -145,11 +145,6 @@ pub(super) fn write_window(args: &mut Doubles, l: &ChainLimit) {
     args.push(l.limit().window_micros())
         .push(l.limit().max())
         .push(kind_code(l));
-}
-
-/// A length or an index as a number for the script.
-pub(super) fn count(n: usize) -> u64 {
-    u64::try_from(n).unwrap_or(u64::MAX)
 }
 
 /// Answers each admission of `batch` (grouped as `groups`) with what the script saw for it:

@@ -7,7 +7,6 @@
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
 
-use super::batch::count;
 use super::conn::Failure;
 use super::doubles::Doubles;
 use super::group::{Counters, Windows};
@@ -178,10 +177,10 @@ impl Packed {
         for (window, units, keys) in &self.charges {
             args.push(if *window { 1 } else { 2 })
                 .push(*units)
-                .push(count(keys.len()));
+                .push_len(keys.len());
             let offset = if *window { 1 } else { 1 + nw };
             for k in keys {
-                args.push(count(k + offset));
+                args.push_len(k + offset);
             }
         }
     }

@@ -25,6 +25,11 @@ impl Doubles {
         self
     }
 
+    /// Appends a length or an index.
+    pub(super) fn push_len(&mut self, n: usize) -> &mut Doubles {
+        self.push(u64::try_from(n).unwrap_or(u64::MAX))
+    }
+
     /// Appends a number that is not a count (the marker -1).
     pub(super) fn push_signed(&mut self, n: i64) -> &mut Doubles {
         self.0.extend_from_slice(&(n as f64).to_le_bytes());

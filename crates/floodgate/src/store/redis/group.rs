@@ -220,20 +220,18 @@ where
     }
     let mut unmark = Unmark { queue, done: false };
     loop {
-        {
-            let wake = {
-                let mut q = lock(queue);
-                // A full batch of charges goes at once: waiting would only delay the next.
-                let lingers = !q.pending.is_empty()
-                    && q.pending.len() < bounds.calls
-                    && q.pending.iter().all(Queued::lingers);
-                q.lingering = lingers;
-                lingers.then(|| Arc::clone(&q.wake))
-            };
-            if let Some(wake) = wake {
-                let _ = tokio::time::timeout(LINGER, wake.notified()).await;
-                lock(queue).lingering = false;
-            }
+        let wake = {
+            let mut q = lock(queue);
+            // A full batch of charges goes at once: waiting would only delay the next.
+            let lingers = !q.pending.is_empty()
+                && q.pending.len() < bounds.calls
+                && q.pending.iter().all(Queued::lingers);
+            q.lingering = lingers;
+            lingers.then(|| Arc::clone(&q.wake))
+        };
+        if let Some(wake) = wake {
+            let _ = tokio::time::timeout(LINGER, wake.notified()).await;
+            lock(queue).lingering = false;
         }
         let batch = {
             let mut q = lock(queue);

@@ -157,7 +157,7 @@ impl RedisStore {
         };
         let mut args =
             Doubles::with_capacity(1 + 3 * nw + nc + batch::group_args(&groups) + packed.args());
-        args.push(batch::count(nc));
+        args.push_len(nc);
         for l in &windows.list {
             batch::write_window(&mut args, l);
         }
