@@ -7,16 +7,17 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use axum::http::HeaderMap;
 use axum::http::header::{AUTHORIZATION, SEC_WEBSOCKET_PROTOCOL};
+use axum::http::{HeaderMap, HeaderName};
 use floodgate::{Budget, Budgets, Chain, ChainLimit, InFlightLimit, ScopeKind};
 use sha2::{Digest, Sha256};
 
 use crate::config::{BudgetConfig, Config, GATEWAY_ID, ScopeLimit};
 use crate::headers::ChainHeaders;
 
-/// The header naming the end customer of a request, which adds the `customer` scope.
-pub const CUSTOMER_HEADER: &str = "x-floodgate-customer";
+/// The header naming the end customer of a request, which adds the `customer` scope. (A name,
+/// not text: a lookup by text parses and hashes it at every request.)
+pub const CUSTOMER_HEADER: HeaderName = HeaderName::from_static("x-floodgate-customer");
 
 /// The prefix of the `Sec-WebSocket-Protocol` entry in which a browser, which cannot set an
 /// `Authorization` header on a WebSocket, sends its key: `openai-insecure-api-key.<secret>`.
