@@ -1,8 +1,10 @@
 //! Group commit, shared by the batched operations (a step's admissions, reads and charges,
 //! releases): while one call of an
 //! operation is in flight, its callers queue, and the next call carries them all, in the order
-//! they came. An idle store sends each at once, alone, so batching adds no wait. The sending
-//! runs in a task of its own, so a caller that gives up never strands the others.
+//! they came. An idle store sends each at once, alone, so batching adds no wait; after a call, the
+//! sender lets the requests that arrived during it queue before it takes the next batch
+//! ([`gather`]). The sending runs in a task of its own, so a caller that gives up never strands
+//! the others.
 
 use std::collections::HashMap;
 use std::collections::hash_map::Entry;
@@ -64,6 +66,10 @@ pub(super) trait Queued: Send + 'static {
 /// The longest a queue holding only calls that linger waits for one that does not, before
 /// it sends them alone ([`serve`]).
 const LINGER: std::time::Duration = std::time::Duration::from_millis(1);
+
+/// The most rounds of the runtime's ready tasks a sender lets run before taking its next batch,
+/// while each round adds calls to a queue that holds less than a full batch ([`gather`]).
+const GATHER_ROUNDS: usize = 4;
 
 /// Calls waiting for the next batch, whether a task is sending batches, and whether that task
 /// is lingering for a call that does not linger ([`serve`]), which wakes it.
@@ -190,6 +196,9 @@ fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
 /// linger never waits: an admission (or a read) goes at once, taking the charges queued before
 /// it along. On a quiet store a charge thus lands up to [`LINGER`] late.
 ///
+/// After a batch, before taking the next, the sender lets the requests that arrived during the
+/// call reach the queue ([`gather`]); the first batch of an idle queue goes without this.
+///
 /// If sending stops early (a panic, a runtime shutting down), the queue must not stay marked as
 /// served: the queued calls fail and the next call starts a sender again.
 pub(super) async fn serve<T, F, Fut>(queue: &Mutex<Queue<T>>, bounds: Bounds, mut send: F)
@@ -219,7 +228,11 @@ where
         }
     }
     let mut unmark = Unmark { queue, done: false };
+    let mut sent = false;
     loop {
+        if std::mem::replace(&mut sent, true) {
+            gather(queue, bounds).await;
+        }
         let wake = {
             let mut q = lock(queue);
             // A full batch of charges goes at once: waiting would only delay the next.
@@ -263,6 +276,29 @@ where
             batch
         };
         send(batch).await;
+    }
+}
+
+/// Lets the runtime run its ready tasks and poll its I/O, up to [`GATHER_ROUNDS`] times while each
+/// round adds calls and the queue holds less than a full batch. When a call returns, the requests
+/// whose bytes arrived during it are ready to run but have not yet queued their admissions; taking
+/// the next batch at once would send the few queued so far and leave the rest to the call after,
+/// one more call for the same requests. `yield_now` defers its wake until the runtime has polled
+/// its I/O driver, so one round lets both the ready tasks and the sockets that became readable
+/// run. No timer: a round that adds nothing ends the gathering, so a quiet queue waits one round
+/// (microseconds), never a fixed time (docs/redis.md, "Batching").
+async fn gather<T>(queue: &Mutex<Queue<T>>, bounds: Bounds) {
+    let mut queued = lock(queue).pending.len();
+    for _ in 0..GATHER_ROUNDS {
+        if queued >= bounds.calls {
+            return;
+        }
+        tokio::task::yield_now().await;
+        let now = lock(queue).pending.len();
+        if now == queued {
+            return;
+        }
+        queued = now;
     }
 }
 
@@ -446,5 +482,47 @@ mod tests {
         assert_eq!(calls.recv().await, Some(vec![3]));
         assert_eq!(start.elapsed(), std::time::Duration::ZERO);
         back.notify_one();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_ready_when_a_call_returns_join_the_next_batch() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        push(&queue, call(1, false));
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![1]));
+        // While the call is out, one request queues its admission and three more wait for their
+        // bytes; the bytes come as the call returns.
+        assert!(!push(&queue, call(2, false)));
+        let mut bytes = Vec::new();
+        let mut parked = Vec::new();
+        for id in 3..6 {
+            let (arrive, arrival) = tokio::sync::oneshot::channel::<()>();
+            let (park, waiting) = tokio::sync::oneshot::channel::<()>();
+            let queue = Arc::clone(&queue);
+            tokio::spawn(async move {
+                let _ = park.send(());
+                let _ = arrival.await;
+                push(&queue, call(id, false));
+            });
+            bytes.push(arrive);
+            parked.push(waiting);
+        }
+        for waiting in parked {
+            let _ = waiting.await;
+        }
+        // The sender is woken first, the requests after it: it lets them run before it takes
+        // the next batch, so the four go in one call rather than one and then three.
+        back.notify_one();
+        for arrive in bytes {
+            let _ = arrive.send(());
+        }
+        assert_eq!(calls.recv().await, Some(vec![2, 3, 4, 5]));
+        back.notify_one();
+        assert_eq!(
+            calls.recv().await,
+            None,
+            "the queue empty, the sender stops"
+        );
     }
 }
