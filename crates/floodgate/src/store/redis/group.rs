@@ -228,11 +228,7 @@ where
         }
     }
     let mut unmark = Unmark { queue, done: false };
-    let mut sent = false;
     loop {
-        if std::mem::replace(&mut sent, true) {
-            gather(queue, bounds).await;
-        }
         let wake = {
             let mut q = lock(queue);
             // A full batch of charges goes at once: waiting would only delay the next.
@@ -276,6 +272,7 @@ where
             batch
         };
         send(batch).await;
+        gather(queue, bounds).await;
     }
 }
 
