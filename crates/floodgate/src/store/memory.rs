@@ -17,7 +17,7 @@ use super::{
 };
 use crate::Error;
 use crate::bucket::{BucketLimit, BucketState};
-use crate::cell::{CellState, StoreId, WindowCell};
+use crate::cell::{CellGuard, CellState, StoreId, WindowCell};
 use crate::chain::{ChainLimit, Costs, KEY_HASHER, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::in_flight::{InFlightLimit, Lease};
@@ -42,10 +42,11 @@ const MIN_SWEEP: usize = 1024;
 /// State is split over shards (eight per core, rounded up to a power of two, 8 to 1024), each a
 /// few hash tables (windows, buckets, period counters, concurrency slots) behind a
 /// `std::sync::Mutex`. A window's state lives in a cell with a lock of its own, which a limit
-/// remembers once it is looked up (docs/design.md §2): a chain locks its limits' cells in
-/// ascending address order (so two chains can never deadlock), reads, decides and writes, then
-/// unlocks: the decision is atomic, with no torn reads. The locks are std ones because they are
-/// never held across an `.await`: every critical section is a few lookups and arithmetic.
+/// remembers once it is looked up (docs/design.md §2): a chain locks its limits' cells in one
+/// order all chains follow (so two chains can never deadlock), reads, decides and writes, then
+/// unlocks: the decision is atomic, with no torn reads. No lock is ever held across an `.await`:
+/// every critical section is a few lookups and arithmetic, which is also why a cell's lock spins
+/// rather than sleeps.
 ///
 /// Idle state is removed once it can no longer matter (a window `2W` after its last write, a
 /// token bucket once full again): lookups ignore expired entries, and a shard sweeps itself as it
@@ -221,7 +222,7 @@ impl Shard {
         // take a new reference to a cell but through this table, under this lock, so a count of
         // one is the table's alone.
         self.windows.retain(|(_, c)| {
-            Arc::strong_count(c) > 1 || c.try_lock().is_none_or(|st| st.expires > now)
+            Arc::strong_count(c) > 1 || c.try_lock().is_none_or(|g| g.state().expires > now)
         });
         self.buckets.retain(|s| s.expires > now);
         self.periods.retain(|s| s.expires > now);
@@ -394,19 +395,19 @@ impl MemoryStore {
         for l in limits {
             cells.push(self.cell(l, sweep_at));
         }
-        // Each cell is locked once, in ascending address order: two decisions sharing cells take
-        // them in the same order, so they cannot deadlock. (Two limits of one key, which
+        // Each cell is locked once, in the cells' one lock order: two decisions sharing cells
+        // take them in the same order, so they cannot deadlock. (Two limits of one key, which
         // `Chain::new` refuses in debug builds, would share one lock.)
-        let mut order: Inline<(usize, usize)> = Inline::new();
-        order.extend(cells.iter().enumerate().map(|(i, c)| (c.address(), i)));
+        let mut order: Inline<((u8, usize), usize)> = Inline::new();
+        order.extend(cells.iter().enumerate().map(|(i, c)| (c.lock_order(), i)));
         order.sort_unstable();
-        let mut guards: Inline<MutexGuard<'_, CellState>> = Inline::new();
+        let mut guards: Inline<CellGuard<'_>> = Inline::new();
         let mut guard_of: Inline<usize> = Inline::from_elem(0, limits.len());
         let mut last = None;
-        for &(address, i) in &order {
-            if last != Some(address) {
+        for &(place, i) in &order {
+            if last != Some(place) {
                 guards.push(cells[i].lock());
-                last = Some(address);
+                last = Some(place);
             }
             guard_of[i] = guards.len() - 1;
         }
@@ -436,15 +437,19 @@ impl MemoryStore {
         if admitted {
             let charged = limits.iter().zip(&snapshots).zip(&guard_of).enumerate();
             for (i, ((l, s), &g)) in charged.filter(|(_, ((l, _), _))| l.charge().at_admission()) {
-                let state = &mut guards[g];
-                state.window = s.charged(costs.of(i));
-                state.expires = now.saturating_add(l.limit().ttl());
+                guards[g].set(CellState {
+                    window: s.charged(costs.of(i)),
+                    expires: now.saturating_add(l.limit().ttl()),
+                });
             }
             let hasher = &self.inner.hasher;
             for (l, &(hash, shard)) in slots.iter().zip(&slots_at) {
                 locked(&mut shards, shard).hold(hasher, hash, l.key(), lease.id());
             }
         }
+        drop(shards);
+        // The cells are let go in the reverse of the lock order: the most shared first.
+        while guards.pop().is_some() {}
         Observation {
             now,
             admitted,
@@ -481,17 +486,20 @@ impl MemoryStore {
         for ((l, found), cell) in limits.iter().zip(&found).zip(&mut cells) {
             *cell = l.cell().get(id).or(found.as_deref());
         }
-        let address = |i: usize| cells[i].map_or(0, |c| std::ptr::from_ref(c).addr());
-        // Locked in ascending address order, as the general step does. Two limits of one key
-        // (which `Chain::new` refuses in debug builds) go to the general step.
-        let mut order: [usize; SMALL] = [0, 1, 2, 3, 4, 5, 6, 7];
+        // Locked in the cells' one lock order, as the general step locks them. Two limits of one
+        // key (which `Chain::new` refuses in debug builds) go to the general step.
+        let mut order = [((0, 0), 0); SMALL];
+        for (i, (place, at)) in order[..n].iter_mut().enumerate() {
+            *place = cells[i].map_or((0, 0), WindowCell::lock_order);
+            *at = i;
+        }
         let order = &mut order[..n];
-        order.sort_unstable_by_key(|&i| address(i));
-        if order.windows(2).any(|w| address(w[0]) == address(w[1])) {
+        order.sort_unstable();
+        if order.windows(2).any(|w| w[0].0 == w[1].0) {
             return None;
         }
-        let mut guards: [Option<MutexGuard<'_, CellState>>; SMALL] = Default::default();
-        for &i in order.iter() {
+        let mut guards: [Option<CellGuard<'_>>; SMALL] = Default::default();
+        for &(_, i) in order.iter() {
             guards[i] = cells[i].map(WindowCell::lock);
         }
         let mut snapshots = Vec::with_capacity(n);
@@ -507,13 +515,18 @@ impl MemoryStore {
             snapshots.push(Snapshot::in_bucket(state, split.1, split.2));
         }
         let admitted = first_refusal(limits, &snapshots, costs).is_none();
-        if admitted {
-            let charged = limits.iter().zip(&snapshots).zip(&mut guards).enumerate();
-            for (i, ((l, s), g)) in charged.filter(|(_, ((l, _), _))| l.charge().at_admission()) {
-                if let Some(state) = g {
-                    state.window = s.charged(costs.of(i));
-                    state.expires = now.saturating_add(l.limit().ttl());
-                }
+        // Written and unlocked in the reverse of the lock order: the cells most shared, locked
+        // last, are held the shortest.
+        for &(_, i) in order.iter().rev() {
+            let (l, guard) = (&limits[i], guards[i].take());
+            if let Some(mut state) = guard
+                && admitted
+                && l.charge().at_admission()
+            {
+                state.set(CellState {
+                    window: snapshots[i].charged(costs.of(i)),
+                    expires: now.saturating_add(l.limit().ttl()),
+                });
             }
         }
         Some(Observation {
@@ -546,7 +559,7 @@ impl MemoryStore {
                 Some(cell) => Arc::clone(cell),
                 None => {
                     shard.grow(sweep_at);
-                    let cell = Arc::new(WindowCell::default());
+                    let cell = Arc::new(WindowCell::new(limit.scope() as u8));
                     // The store's hasher is the limits' key hasher: a moved entry hashes as its
                     // limit does.
                     let hasher = &self.inner.hasher;
@@ -590,8 +603,10 @@ impl MemoryStore {
             let cell = self.cell(l, sweep_at);
             let mut state = cell.lock();
             let snapshot = Snapshot::at(state.live(now), now, l.limit());
-            state.window = snapshot.charged(units);
-            state.expires = now.saturating_add(l.limit().ttl());
+            state.set(CellState {
+                window: snapshot.charged(units),
+                expires: now.saturating_add(l.limit().ttl()),
+            });
         }
     }
 
@@ -633,8 +648,10 @@ impl MemoryStore {
             let snapshot = Snapshot::at(state.live(now), now, l.limit());
             let reserved = reserved_at.as_micros() / l.limit().window_micros();
             if let Some(window) = snapshot.reconciled(reserved, delta) {
-                state.window = window;
-                state.expires = now.saturating_add(l.limit().ttl());
+                state.set(CellState {
+                    window,
+                    expires: now.saturating_add(l.limit().ttl()),
+                });
             }
         }
         if refund {
@@ -869,7 +886,7 @@ impl MemoryStore {
                     if clear {
                         // Emptied, not removed: a limit may remember the cell, and a key must
                         // never have two. An unremembered empty cell is swept.
-                        *state = CellState::default();
+                        state.set(CellState::default());
                     }
                     live
                 });
@@ -921,11 +938,6 @@ impl CellRef<'_> {
             CellRef::Remembered(_) => None,
             CellRef::Found(cell) => Some(cell),
         }
-    }
-
-    /// The cell's address: the order cells are locked in.
-    fn address(&self) -> usize {
-        std::ptr::from_ref::<WindowCell>(self).addr()
     }
 }
 
