@@ -62,6 +62,18 @@ const YIELDS: u32 = 16;
 /// The sleep between a waiter's looks after its spins and yields.
 const NAP: std::time::Duration = std::time::Duration::from_micros(50);
 
+/// How a waiter on a held cell passes the time after its `looks`-th look: spins, then yields,
+/// then naps.
+fn back_off(looks: u32) {
+    if looks <= SPINS {
+        std::hint::spin_loop();
+    } else if looks <= SPINS + YIELDS {
+        std::thread::yield_now();
+    } else {
+        std::thread::sleep(NAP);
+    }
+}
+
 impl WindowCell {
     /// An empty cell, ranked `rank` in the order cells are locked in ([`lock_order`]): the
     /// breadth of the limit's scope (its `ScopeKind`'s place, narrowest first).
@@ -95,27 +107,22 @@ impl WindowCell {
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .is_err()
         {
-            self.wait_and_lock();
+            self.wait_and_lock(back_off);
         }
         CellGuard(self)
     }
 
-    /// [`lock`](Self::lock) for a cell another thread holds.
+    /// [`lock`](Self::lock) for a cell another thread holds: looks until it is free, calling
+    /// `pause` with the number of looks so far after each look that finds it held.
     #[cold]
-    fn wait_and_lock(&self) {
+    fn wait_and_lock(&self, mut pause: impl FnMut(u32)) {
         let mut looks = 0;
         loop {
             // Waits by reading, which leaves the holder its cache line; only a free cell is
             // tried again.
             while self.held.load(Ordering::Relaxed) {
                 looks += 1;
-                if looks <= SPINS {
-                    std::hint::spin_loop();
-                } else if looks <= SPINS + YIELDS {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(NAP);
-                }
+                pause(looks);
             }
             if self
                 .held
@@ -132,7 +139,9 @@ impl WindowCell {
         self.held
             .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
-            .then_some(CellGuard(self))
+            // Built only on success: a guard built eagerly and dropped with the `None` would
+            // unlock the holder's cell.
+            .then(|| CellGuard(self))
     }
 }
 
@@ -220,6 +229,7 @@ impl StoreId {
 #[cfg(test)]
 mod tests {
     use std::sync::Barrier;
+    use std::sync::atomic::AtomicU32;
     use std::thread;
 
     use super::*;
@@ -254,19 +264,27 @@ mod tests {
         let cell = WindowCell::new(0);
         let held = cell.lock();
         assert!(cell.try_lock().is_none(), "held");
-        let waiting = Barrier::new(2);
+        // The waiter's looks, published as it makes them.
+        let looks = AtomicU32::new(0);
         thread::scope(|s| {
             let waiter = s.spawn(|| {
-                waiting.wait();
-                // Spins, yields, then sleeps between looks until the holder lets go.
-                count(&cell, 1);
+                cell.wait_and_lock(|n| {
+                    looks.store(n, Ordering::Relaxed);
+                    back_off(n);
+                });
+                let mut guard = CellGuard(&cell);
+                let mut state = guard.state();
+                state.window.cur += 1;
+                guard.set(state);
             });
-            waiting.wait();
-            // Held past the waiter's spins and yields: it has to sleep and look again.
-            thread::sleep(std::time::Duration::from_millis(20));
+            // Held until the waiter has spun, yielded and gone to sleep between looks.
+            while looks.load(Ordering::Relaxed) <= SPINS + YIELDS {
+                thread::yield_now();
+            }
             drop(held);
             waiter.join().expect("waiter");
         });
+        assert!(looks.load(Ordering::Relaxed) > SPINS + YIELDS);
         assert_eq!(cell.lock().state().window.cur, 1);
         assert!(cell.try_lock().is_some(), "let go");
     }
