@@ -264,6 +264,7 @@ mod tests {
         let cell = WindowCell::new(0);
         let held = cell.lock();
         assert!(cell.try_lock().is_none(), "held");
+        assert!(cell.try_lock().is_none(), "a failed try leaves it held");
         // The waiter's looks, published as it makes them.
         let looks = AtomicU32::new(0);
         thread::scope(|s| {
