@@ -150,6 +150,16 @@ impl BucketLimit {
         }
     }
 
+    /// When a bucket with stored `state` (none: full) is written back by a decision at `now`:
+    /// `now`, or the stored state's own time if that is later. A clock behind the one that
+    /// wrote the state refills nothing (`tokens_at` counts no time back), and must not move the
+    /// state's time back either: the clock ahead would then refill that interval a second
+    /// time, and two clocks taking turns would mint tokens without end (docs/design.md §3).
+    #[inline]
+    pub fn written_at(state: Option<BucketState>, now: Timestamp) -> Timestamp {
+        state.map_or(now, |s| s.ts.max(now))
+    }
+
     /// Whether `cost` tokens can ever be taken at once.
     pub fn fits(&self, cost: u64) -> bool {
         cost <= self.capacity

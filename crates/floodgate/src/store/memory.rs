@@ -675,8 +675,9 @@ impl MemoryStore {
         let stored = slot.as_ref().filter(|s| s.expires > now).map(|s| s.state);
         let (allowed, tokens) = limit.take(limit.tokens_at(stored, now), cost);
         let ttl = limit.ttl_micros(tokens);
-        let state = BucketState { tokens, ts: now };
-        let expires = Timestamp::from_micros(now.as_micros().saturating_add(ttl));
+        let ts = BucketLimit::written_at(stored, now);
+        let state = BucketState { tokens, ts };
+        let expires = Timestamp::from_micros(ts.as_micros().saturating_add(ttl));
         match slot {
             // Full: a missing bucket reads as full, so nothing needs keeping.
             Some(_) if ttl == 0 => {

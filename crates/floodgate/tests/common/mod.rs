@@ -417,6 +417,37 @@ pub fn vectors() -> Vec<Op> {
             ms: 100_000,
             used: false,
         },
+        // A clock 1 s behind the one that emptied the bucket refills nothing and must not move
+        // the state's time back: else the clock ahead would refill that second again (at 11 s
+        // it would find a whole token where half of one has come back since 10 s).
+        Op::Acquire {
+            bucket: 0,
+            name: "skew",
+            ms: 10_000,
+            cost: 3,
+            expect: ok(0),
+        },
+        Op::Acquire {
+            bucket: 0,
+            name: "skew",
+            ms: 9_000,
+            cost: 1,
+            expect: denied_ms(2_000),
+        },
+        Op::Acquire {
+            bucket: 0,
+            name: "skew",
+            ms: 11_000,
+            cost: 1,
+            expect: denied_ms(1_000),
+        },
+        Op::Acquire {
+            bucket: 0,
+            name: "skew",
+            ms: 12_000,
+            cost: 1,
+            expect: ok(0),
+        },
         // --- bucket 1: capacity 0 admits only cost 0 ---
         Op::Acquire {
             bucket: 1,

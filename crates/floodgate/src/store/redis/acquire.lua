@@ -9,12 +9,19 @@ local rate = tonumber(ARGV[3])
 local period = tonumber(ARGV[4])
 local cost = tonumber(ARGV[5])
 local tokens = cap
+-- When the state is written: now, or its own time if a clock ahead wrote it (bucket.rs,
+-- BucketLimit::written_at): a clock behind refills nothing and moves no time back.
+local at = now
 local v = redis.call('GET', KEYS[1])
 if v then
   local t, ts, expires = string.match(v, '^(%S+) (%d+) (%d+)$')
   if tonumber(expires) > now then
-    local elapsed = now - tonumber(ts)
-    if elapsed < 0 then elapsed = 0 end
+    ts = tonumber(ts)
+    local elapsed = now - ts
+    if elapsed < 0 then
+      elapsed = 0
+      at = ts
+    end
     tokens = math.min(cap, tonumber(t) + elapsed * rate / period)
   end
 end
@@ -31,7 +38,7 @@ else
   -- At most 2^52 µs (bucket.rs, MAX_TTL_MICROS): `now + ttl` must fit `%d` (an i64) and PX
   -- must print as an integer.
   local ttl = math.min(math.ceil(missing * period / rate), 4503599627370496)
-  redis.call('SET', KEYS[1], string.format('%.17g %d %d', tokens, now, now + ttl),
-    'PX', math.ceil(ttl / 1000))
+  redis.call('SET', KEYS[1], string.format('%.17g %d %d', tokens, at, at + ttl),
+    'PX', math.ceil((at + ttl - now) / 1000))
 end
 return {allowed, string.format('%.17g', tokens), now}
