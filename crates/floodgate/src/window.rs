@@ -278,7 +278,7 @@ impl Snapshot {
     /// `charged` units now, with no other traffic.
     pub fn until_empty(&self, limit: WindowLimit, charged: u64) -> Duration {
         let w = limit.window_us;
-        let micros = if self.cur + charged > 0 {
+        let micros = if self.cur.saturating_add(charged) > 0 {
             2 * w - self.elapsed
         } else if self.prev > 0 {
             w - self.elapsed
@@ -322,11 +322,13 @@ impl Snapshot {
                 if max == 0 {
                     return None;
                 }
-                // Strictly below: e' = W - ceil(q) + 1 with q the rational bound.
+                // Strictly below: e' = W - ceil(q) + 1 with q the rational bound. (Where the f64
+                // test rounds a sum that is exactly below to 0, a window past 2^52 µs, the bound
+                // can pass W + 1: the wait is then 0 before settling, never negative.)
                 if cur < max {
-                    w - ((max - cur) * w).div_ceil(prev.max(1)) + 1
+                    (w + 1).saturating_sub(((max - cur) * w).div_ceil(prev.max(1)))
                 } else {
-                    w + w - (max * w).div_ceil(cur.max(1)) + 1
+                    (w + w + 1).saturating_sub((max * w).div_ceil(cur.max(1)))
                 }
             }
         };
@@ -337,7 +339,7 @@ impl Snapshot {
     /// The counts this window would show `wait` microseconds later with no traffic.
     fn later(&self, limit: WindowLimit, wait: u64) -> Snapshot {
         let w = limit.window_us;
-        let t = self.bucket * w + self.elapsed + wait;
+        let t = (self.bucket * w + self.elapsed).saturating_add(wait);
         let state = WindowState {
             bucket: self.bucket,
             cur: self.cur,
@@ -445,6 +447,31 @@ mod tests {
         );
         let zero = WindowLimit::per_minute(0);
         assert_eq!(snap(0, 0, 0.0).retry_after(zero, Charge::Reactive, 0), None);
+    }
+
+    #[test]
+    fn a_reactive_refusal_the_f64_test_rounds_into_waits_a_microsecond() {
+        // A window past 2^52 µs: the two products round to the same double, so the strict test
+        // refuses a count exactly below the max, and the integer bound passes W + 1.
+        let w = 6_755_399_441_055_744;
+        let l = WindowLimit::new(1 << 53, Duration::from_micros(w));
+        let s = Snapshot {
+            bucket: 1,
+            cur: 2_251_799_813_685_250,
+            prev: 6_755_399_441_055_741,
+            elapsed: 0,
+        };
+        assert!(!s.admits(l, Charge::Reactive, 0));
+        assert_eq!(
+            s.retry_after(l, Charge::Reactive, 0),
+            Some(Duration::from_micros(1))
+        );
+    }
+
+    #[test]
+    fn a_full_counter_charged_more_still_reports_its_reset() {
+        let s = snap(1, 0, 20.0);
+        assert_eq!(s.until_empty(RPM5, u64::MAX), Duration::from_secs(100));
     }
 
     #[test]
