@@ -99,6 +99,9 @@ pub struct MeteredBody {
     reservation: Option<Reservation>,
     /// Whether `tokens` is a cut stream's count of chunks rather than the response's usage.
     counted: bool,
+    /// Whether the upstream's body ended in an error: whatever it says after (hyper's body
+    /// reads as ended once its sender is gone), it was cut, and no usage will come.
+    broken: bool,
     spend: Option<Spend>,
     line: PendingLine,
     /// Tracks the charge still to come, from the body's start to the charge landing.
@@ -147,6 +150,7 @@ impl MeteredBody {
             chain: Some(chain),
             reservation,
             counted: false,
+            broken: false,
             spend,
             line,
         }
@@ -178,7 +182,7 @@ impl MeteredBody {
     /// that is complete: a stream whose choice has finished, with no usage read yet; a JSON
     /// body of which only a part has passed (the upstream generated it whole already).
     fn usage_still_to_come(&self) -> bool {
-        if self.finished || self.caller_gone || self.chain.is_none() {
+        if self.finished || self.caller_gone || self.broken || self.chain.is_none() {
             return false;
         }
         match &self.mode {
@@ -205,6 +209,7 @@ impl MeteredBody {
             chain: self.chain.take(),
             reservation: self.reservation.take(),
             counted: self.counted,
+            broken: self.broken,
             spend: self.spend.take(),
             line: self.line.clone(),
             held: self.held.take(),
@@ -240,7 +245,7 @@ impl Drop for MeteredBody {
         }
         // Cut before the upstream's end (the caller left mid-answer, the linger's bounds ran
         // out, the upstream broke off).
-        let cut = !self.finished && !http_body::Body::is_end_stream(&self.inner);
+        let cut = self.broken || (!self.finished && !http_body::Body::is_end_stream(&self.inner));
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole
         // (only its end still to come) parses; one cut short does not, and charges nothing.
         self.finish();
@@ -310,7 +315,10 @@ impl http_body::Body for MeteredBody {
             }
             let frame = match ready!(Pin::new(&mut this.inner).poll_frame(cx)) {
                 Some(Ok(frame)) => frame,
-                Some(Err(e)) => return Poll::Ready(Some(Err(e))),
+                Some(Err(e)) => {
+                    this.broken = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
                 None => {
                     let rest = match &mut this.mode {
                         Mode::Sse(f) => f.flush(),

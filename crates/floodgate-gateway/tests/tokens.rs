@@ -288,6 +288,29 @@ async fn a_stream_left_mid_answer_is_cut_and_charges_the_chunks_it_passed() {
     assert!(matches!(left.as_deref(), Some("99" | "98")), "{left:?}");
 }
 
+#[tokio::test]
+async fn a_stream_the_upstream_breaks_off_before_its_usage_charges_the_chunks_it_passed() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // The answer's three chunks come, the last with `"finish_reason": "stop"`, then, 200 ms
+    // later (when the usage chunk would come), the upstream breaks off. The answer was complete, so the gateway would
+    // wait for the usage after a caller left; but the upstream is gone: no usage will come, and
+    // the stream is charged as any cut one is, a token a chunk it passed.
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    for (name, value) in [
+        ("x-test-usage-delay-ms", "200"),
+        ("x-test-break-after-finish", "1"),
+    ] {
+        req.headers_mut().insert(name, value.parse().unwrap());
+    }
+    assert!(
+        gw.send_and_see_it_break(req).await,
+        "the caller sees the break"
+    );
+    let left = tokens_left(&gw).await;
+    assert_eq!(left.as_deref(), Some("97"));
+}
+
 /// Only the answer to a request that made the upstream generate is charged: a stored response
 /// fetched or cancelled carries the usage of work done (and charged) before, and charging it
 /// at every fetch would fill the window with tokens used once.

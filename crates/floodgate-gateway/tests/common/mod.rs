@@ -15,6 +15,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use floodgate_gateway::store::GatewayStore;
 use floodgate_gateway::{AppState, Config};
+use futures_util::StreamExt;
 use http_body_util::BodyExt;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -84,7 +85,8 @@ fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
 /// model `x-test-model` (default `fake`; `-`: no model at all); for SSE
 /// the last content chunk comes `x-test-last-delay-ms` (default 0) after the first ones, and with
 /// `x-test-usage-delay-ms` that last chunk carries `"finish_reason": "stop"` and the usage chunk
-/// comes that long after it; a JSON
+/// comes that long after it (with `x-test-break-after-finish` the upstream breaks off then
+/// instead: no usage chunk, no `[DONE]`, the body ends in an error); a JSON
 /// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole.
 async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
     seen.hits.fetch_add(1, Ordering::SeqCst);
@@ -161,11 +163,22 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
         events.push((usage_delay.unwrap_or_default(), format!("data: {u}\n\n")));
     }
     events.push((Duration::ZERO, "data: [DONE]\n\n".into()));
+    let broken = headers.contains_key("x-test-break-after-finish");
+    if broken {
+        events.truncate(3);
+    }
     let stream = futures_util::stream::unfold(events.into_iter(), |mut it| async move {
         let (wait, e) = it.next()?;
         tokio::time::sleep(wait).await;
-        Some((Ok::<_, Infallible>(Bytes::from(e)), it))
-    });
+        Some((Ok::<_, std::io::Error>(Bytes::from(e)), it))
+    })
+    .chain(
+        futures_util::stream::iter(broken.then_some(())).then(move |()| async move {
+            // When the usage chunk would have come.
+            tokio::time::sleep(usage_delay.unwrap_or_default()).await;
+            Err(std::io::Error::other("the upstream broke off"))
+        }),
+    );
     Response::builder()
         .header("content-type", "text/event-stream")
         // An upstream's own rate-limit headers must not reach the caller.
@@ -411,6 +424,13 @@ impl Gateway {
             headers: parts.headers,
             body,
         }
+    }
+
+    /// Sends `req` and reads its body to the end; says whether it ended in an error (the
+    /// gateway broke it off) rather than whole.
+    pub async fn send_and_see_it_break(&self, req: Request<Body>) -> bool {
+        let resp = self.client.request(req).await.unwrap();
+        resp.into_body().collect().await.is_err()
     }
 
     /// `POST /v1/chat/completions` with `key`.
