@@ -71,6 +71,62 @@ impl BudgetReservation {
     }
 }
 
+/// A budget reservation taken before the chain's admission, taken back unless the request is
+/// admitted ([`keep`](Self::keep)). It refunds when dropped still held, so that a request whose
+/// future is dropped mid-admission (its caller gone while the store answers) does not leave its
+/// price on the budgets for the rest of the period (docs/design.md §12).
+pub struct HeldReservation {
+    charger: Charger,
+    reservation: Option<BudgetReservation>,
+}
+
+impl HeldReservation {
+    /// Holds `reservation`, to be refunded through `charger` unless kept.
+    pub fn new(charger: &Charger, reservation: BudgetReservation) -> HeldReservation {
+        HeldReservation {
+            charger: charger.clone(),
+            reservation: Some(reservation),
+        }
+    }
+
+    /// The reservation, kept: the request was admitted, and its response reconciles it.
+    pub fn keep(mut self) -> Option<BudgetReservation> {
+        self.reservation.take()
+    }
+
+    /// Takes the reservation back and waits for the refund to land. The refund runs on its
+    /// own: dropping this future does not stop it.
+    pub async fn refund(mut self) {
+        let Some(r) = self.reservation.take() else {
+            return;
+        };
+        let (done, landed) = tokio::sync::oneshot::channel();
+        let charger = self.charger.clone();
+        now_or_in_a_task(Box::pin(async move {
+            charger.reconcile_spend_now(&r, refund_of(&r)).await;
+            let _ = done.send(());
+        }));
+        // An error only says the refund was dropped unpolled (no runtime): nothing to wait for.
+        let _ = landed.await;
+    }
+}
+
+impl Drop for HeldReservation {
+    fn drop(&mut self) {
+        if let Some(r) = self.reservation.take() {
+            let charger = self.charger.clone();
+            now_or_in_a_task(Box::pin(async move {
+                charger.reconcile_spend_now(&r, refund_of(&r)).await;
+            }));
+        }
+    }
+}
+
+/// The delta that takes all of `r` back.
+fn refund_of(r: &BudgetReservation) -> i64 {
+    -i64::try_from(r.micro_usd).unwrap_or(i64::MAX)
+}
+
 /// Charges tokens and spend on one worker's store, and tracks every charge in flight. A cheap
 /// clone: every clone tracks into the same count.
 #[derive(Clone, Debug)]
@@ -376,7 +432,46 @@ pub fn now_or_in_a_task(mut work: Pin<Box<dyn Future<Output = ()> + Send>>) -> b
 
 #[cfg(test)]
 mod tests {
+    use floodgate::store::MemoryStore;
+    use floodgate::{Budget, Period, ScopeKind};
+
     use super::*;
+
+    #[tokio::test]
+    async fn a_held_budget_reservation_goes_back_unless_kept() {
+        let store: GatewayStore = MemoryStore::new().into();
+        let charger = Charger::new(store.clone(), Metrics::new());
+        let budgets = Arc::new(Budgets::new(vec![Budget::new(
+            "org:a",
+            ScopeKind::Org,
+            "a",
+            Period::Day,
+            1_000,
+        )]));
+        let reserve = || async {
+            let d = budgets.reserve(&store, 300).await.expect("reserve");
+            assert!(d.allowed());
+            let r = BudgetReservation {
+                budgets: Arc::clone(&budgets),
+                at: d.now,
+                micro_usd: 300,
+            };
+            HeldReservation::new(&charger, r)
+        };
+        let spent = || async { budgets.check(&store).await.expect("check").spent[0] };
+        // Dropped while held (a request's future dropped mid-admission): refunded.
+        drop(reserve().await);
+        charger.settled().await;
+        assert_eq!(spent().await, 0);
+        // Refused: refunded before the refusal is answered.
+        reserve().await.refund().await;
+        assert_eq!(spent().await, 0);
+        // Admitted: kept, for the response to reconcile.
+        let kept = reserve().await.keep();
+        assert_eq!(kept.map(|r| r.micro_usd), Some(300));
+        charger.settled().await;
+        assert_eq!(spent().await, 300);
+    }
 
     #[test]
     fn a_reservation_is_reconciled_by_the_usage_and_kept_by_a_cut_streams_count() {

@@ -23,7 +23,7 @@ use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, Charge, ScopeKind
 use super::state::{AppState, LimitKind, Live};
 use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
-use crate::charge::{BudgetReservation, Reservation};
+use crate::charge::{BudgetReservation, HeldReservation, Reservation};
 use crate::config::usd;
 use crate::error::AppError;
 use crate::headers::{self, ChainHeaders};
@@ -295,11 +295,14 @@ impl Ctx {
                     let metrics = self.state.metrics();
                     metrics.store_call(StoreOp::ReadBudgets, start.elapsed(), failed);
                     if let Some(d) = reserved.as_ref().ok().filter(|d| d.allowed()) {
-                        budget_reservation = Some(BudgetReservation {
+                        // Held from here: taken back if the admission refuses, fails or is
+                        // dropped before it answers.
+                        let r = BudgetReservation {
                             budgets: Arc::clone(budgets),
                             at: d.now,
                             micro_usd: price,
-                        });
+                        };
+                        budget_reservation = Some(HeldReservation::new(self.state.charges(), r));
                     }
                     reserved
                 }
@@ -317,14 +320,13 @@ impl Ctx {
         let admitted = self.admit_chain(estimate).await;
         match admitted {
             Ok(mut a) => {
-                a.budget_reservation = budget_reservation;
+                a.budget_reservation = budget_reservation.and_then(HeldReservation::keep);
                 Ok(a)
             }
             Err(refused) => {
                 // Refused after all (or failed): the budgets' reservation goes back.
                 if let Some(r) = budget_reservation {
-                    let refund = -i64::try_from(r.micro_usd).unwrap_or(i64::MAX);
-                    self.state.charges().reconcile_spend_now(&r, refund).await;
+                    r.refund().await;
                 }
                 Err(refused)
             }
