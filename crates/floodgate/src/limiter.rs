@@ -142,7 +142,7 @@ impl Chain {
         &self,
         costs: Costs<'_>,
         now: Option<Timestamp>,
-        lowered: u64,
+        lowered: u128,
     ) -> Option<ChainDecision> {
         // An admission of cost 0 is a read of the state: the store answers it.
         if costs.is_zero() {
@@ -335,7 +335,7 @@ impl Chain {
 
     /// The decision the store's observation `seen` of an admission at `cost` gives, told to the
     /// refusal cache.
-    fn decided(&self, seen: Observation, cost: Costs<'_>, lowered: u64) -> ChainDecision {
+    fn decided(&self, seen: Observation, cost: Costs<'_>, lowered: u128) -> ChainDecision {
         if !seen.enforced {
             return ChainDecision::unenforced(seen.now);
         }
@@ -425,7 +425,7 @@ impl Chain {
         decision: &ChainDecision,
         snapshots: &[crate::window::Snapshot],
         costs: Costs<'_>,
-        lowered: u64,
+        lowered: u128,
     ) {
         if let Some(cache) = &self.refusals
             && !costs.is_zero()
@@ -439,7 +439,7 @@ impl Chain {
         store: &S,
         cost: Costs<'_>,
         now: Option<Timestamp>,
-        lowered: u64,
+        lowered: u128,
     ) -> Result<ChainDecision, Error> {
         let lease = store.lease();
         let seen = store

@@ -55,7 +55,7 @@ struct Remembered {
     /// The concurrency limits' states the refusal reported (a refusal takes no slot).
     in_flight: Vec<InFlightStatus>,
     /// The store's count of lowerings before the refusal was asked for.
-    lowered: u64,
+    lowered: u128,
 }
 
 impl Refusals {
@@ -74,7 +74,7 @@ impl Refusals {
         limits: &[ChainLimit],
         costs: Costs<'_>,
         now: Option<Timestamp>,
-        lowered: u64,
+        lowered: u128,
     ) -> Option<ChainDecision> {
         if !self.held.load(Ordering::Acquire) {
             return None;
@@ -116,7 +116,7 @@ impl Refusals {
     /// wait can cure (a rate limit refused and a retry time is known); anything else forgets
     /// what was remembered. `lowered` is the store's count of lowerings read before the
     /// decision was asked for: a refund that lands after that read moves the count.
-    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot], lowered: u64) {
+    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot], lowered: u128) {
         let cacheable = decision.enforced
             && !decision.admitted
             && decision.refused_by.is_some()

@@ -504,6 +504,26 @@ fn a_refund_by_another_chain_sharing_the_limit_voids_a_cached_refusal() {
 }
 
 #[test]
+fn a_chain_used_on_two_stores_answers_each_with_its_own_refusals() {
+    let chain = Chain::new(vec![ChainLimit::new(
+        "t",
+        ScopeKind::Key,
+        "k",
+        Charge::Admission,
+        WindowLimit::per_minute(1),
+    )])
+    .cache_refusals();
+    let (a, b) = (MemoryStore::new(), MemoryStore::new());
+    let t = at(1_000);
+    assert!(ready(chain.admit_at(&a, 1, t)).unwrap().admitted);
+    assert!(!ready(chain.admit_at(&a, 1, t)).unwrap().admitted);
+    assert!(chain.cached_refusal(&a, 1u64, Some(t)).is_some());
+    // Both stores have lowered nothing: only their identities tell them apart.
+    assert!(chain.cached_refusal(&b, 1u64, Some(t)).is_none());
+    assert!(ready(chain.admit_at(&b, 1, t)).unwrap().admitted);
+}
+
+#[test]
 fn a_reservation_charged_at_instants_of_its_own_is_reconciled_into_each_ones_bucket() {
     // A chain decided slot by slot (a Redis Cluster) charges each slot at its step's instant:
     // here the org's at 59.9 s, the gateway's at 60.1 s, across a bucket boundary of their

@@ -57,7 +57,7 @@ impl AnyStore {
 }
 
 impl Store for AnyStore {
-    fn lowered(&self) -> u64 {
+    fn lowered(&self) -> u128 {
         match self {
             AnyStore::Memory(s) => s.lowered(),
             AnyStore::Redis(s) => s.lowered(),

@@ -959,7 +959,7 @@ impl Store for MemoryStore {
         Ok(self.admit_sync(limits, cost, now))
     }
 
-    fn lowered(&self) -> u64 {
+    fn lowered(&self) -> u128 {
         self.inner.lowered.get()
     }
 

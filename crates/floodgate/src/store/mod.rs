@@ -297,14 +297,16 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<(), Error>> + Send;
 
-    /// How many times counts of windows have been lowered through this store and its clones in
-    /// this process (a refund by [`reconcile`](Self::reconcile), a
+    /// The store's identity in this process beside how many times counts of windows have been
+    /// lowered through it and its clones (a refund by [`reconcile`](Self::reconcile), a
     /// [`clear_state`](Self::clear_state)): moved before such a change goes out and again once
     /// it has landed. A refusal cache ([`Chain::cache_refusals`](crate::Chain::cache_refusals),
     /// docs/design.md §11) answers only while this is what it was before its refusal was asked
-    /// for, so that no refusal decided before a lowering outlives it, whichever chain lowered.
-    /// One atomic load. A store that never lowers a count can keep the default, always 0.
-    fn lowered(&self) -> u64 {
+    /// for, so that no refusal decided before a lowering outlives it, whichever chain lowered,
+    /// and no store is answered with another's refusal. One atomic load. A store that never
+    /// lowers a count can keep the default, always 0, if a chain is never used on it beside
+    /// another such store.
+    fn lowered(&self) -> u128 {
         0
     }
 
@@ -374,20 +376,37 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<Vec<u64>, Error>> + Send;
 }
 
-/// What a store keeps for [`Store::lowered`]: a count of the lowerings of counts made through
-/// it, shared by its clones.
-#[derive(Debug, Default)]
-pub(crate) struct Lowerings(std::sync::atomic::AtomicU64);
+/// What a store keeps for [`Store::lowered`]: the store's identity, unique in the process, and a
+/// count of the lowerings of counts made through it, shared by its clones. The identity keeps a
+/// chain used on two stores from answering one store with the other's refusal: both counts may
+/// stand at the same number.
+#[derive(Debug)]
+pub(crate) struct Lowerings {
+    store: u64,
+    count: std::sync::atomic::AtomicU64,
+}
+
+impl Default for Lowerings {
+    fn default() -> Self {
+        // From 1: 0 is the trait's default, a store that never lowers a count.
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Lowerings {
+            store: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            count: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
 
 impl Lowerings {
-    /// The count: read before a decision is asked for, so that a lowering that lands after is
-    /// seen to have moved it.
-    pub(crate) fn get(&self) -> u64 {
-        self.0.load(std::sync::atomic::Ordering::Acquire)
+    /// The store's identity and its count, as one number: read before a decision is asked for,
+    /// so that a lowering that lands after is seen to have moved it.
+    pub(crate) fn get(&self) -> u128 {
+        let count = self.count.load(std::sync::atomic::Ordering::Acquire);
+        (u128::from(self.store) << 64) | u128::from(count)
     }
 
     /// Moves the count: before a lowering goes out and again once it has landed (or failed).
     pub(crate) fn bump(&self) {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.count.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 }

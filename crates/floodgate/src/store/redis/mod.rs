@@ -444,7 +444,7 @@ impl Store for RedisStore {
         }
     }
 
-    fn lowered(&self) -> u64 {
+    fn lowered(&self) -> u128 {
         self.inner.lowered.get()
     }
 
