@@ -267,14 +267,17 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         });
     }
     // The caller's options, with include_usage set; each field once (a duplicate
-    // include_usage would leave the choice to the upstream's parser).
-    let mut opts: serde_json::Map<String, serde_json::Value> = options
+    // include_usage would leave the choice to the upstream's parser). The values stay as they
+    // came: a number no f64 holds (`1e400`) is still JSON, and must not lose the caller's
+    // other options, include_usage among them.
+    let mut opts: std::collections::BTreeMap<String, Box<RawValue>> = options
         .and_then(|o| serde_json::from_str(o.get()).ok())
         .unwrap_or_default();
     let asked = StreamRequest {
-        caller_wants_usage: opts.get("include_usage") == Some(&serde_json::Value::Bool(true)),
+        caller_wants_usage: opts.get("include_usage").map(|v| v.get().trim()) == Some("true"),
     };
-    opts.insert("include_usage".into(), serde_json::Value::Bool(true));
+    let yes = RawValue::from_string("true".into()).map_err(|e| e.to_string())?;
+    opts.insert("include_usage".into(), yes);
     let opts = serde_json::to_string(&opts).map_err(|e| e.to_string())?;
     let mut out = Vec::with_capacity(body.len() + 32);
     out.push(b'{');
@@ -451,6 +454,19 @@ mod tests {
         assert_eq!(
             &b[..],
             br#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#
+        );
+        // Even one that no f64 holds: still JSON, and the caller still asked for usage.
+        let (b, s) =
+            ask(br#"{"stream":true,"stream_options":{"include_usage":true,"x":1e400}}"#).unwrap();
+        assert_eq!(
+            &b[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true,"x":1e400}}"#
+        );
+        assert_eq!(
+            s,
+            Some(StreamRequest {
+                caller_wants_usage: true
+            })
         );
         let (b, _) = ask(br#"{"stream":true,"stream_options":3}"#).unwrap();
         assert_eq!(
