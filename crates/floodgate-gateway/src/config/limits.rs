@@ -124,7 +124,7 @@ impl Validator<'_> {
             .in_flight
             .entry(scope)
             .and_modify(|old| {
-                if n < old.max {
+                if replaces((shadow, n), (old.shadow, old.max)) {
                     *old = new;
                 }
             })
@@ -240,17 +240,36 @@ impl Validator<'_> {
     }
 }
 
-/// Adds `limit` to `scope`'s limits; for the same charge and window the smaller max is kept
-/// (storage keys of one chain must be distinct).
+/// Adds `limit` to `scope`'s limits; of two with the same charge and window one is kept
+/// (storage keys of one chain must be distinct), as [`replaces`] picks.
 fn merge(limits: &mut Limits, scope: (ScopeKind, String), limit: ScopeLimit) {
     let list = limits.windows.entry(scope).or_default();
     match list
         .iter_mut()
         .find(|l| l.charge == limit.charge && l.limit.window() == limit.limit.window())
     {
-        Some(existing) if limit.limit.max() < existing.limit.max() => *existing = limit,
+        Some(existing)
+            if replaces(
+                (limit.shadow, limit.limit.max()),
+                (existing.shadow, existing.limit.max()),
+            ) =>
+        {
+            *existing = limit;
+        }
         Some(_) => {}
         None => list.push(limit),
+    }
+}
+
+/// Whether a limit `(shadow, max)` replaces the one already kept for its scope, charge and
+/// window: an enforced limit wins over a shadow one whatever their maxes (a stricter limit
+/// added in shadow to watch it must not switch off the enforced one), and of two alike the
+/// smaller max, the one that would refuse first, wins.
+fn replaces(new: (bool, u64), old: (bool, u64)) -> bool {
+    match (new.0, old.0) {
+        (false, true) => true,
+        (true, false) => false,
+        _ => new.1 < old.1,
     }
 }
 
@@ -258,6 +277,37 @@ fn merge(limits: &mut Limits, scope: (ScopeKind, String), limit: ScopeLimit) {
 mod tests {
     use super::*;
     use crate::config::Config;
+
+    #[test]
+    fn a_stricter_shadow_limit_does_not_switch_off_the_enforced_one() {
+        let c = Config::parse_with_env(
+            "test.toml",
+            r#"
+[upstream]
+demo = true
+[[keys]]
+id = "a"
+secret = "s"
+rate_limit = { requests = 5, max_in_flight = 4 }
+[[rate_limits]]
+scope = "key"
+id = "a"
+rpm = 3
+max_in_flight = 1
+shadow = true
+"#,
+            None,
+        )
+        .unwrap();
+        let key = c.scope_limits(ScopeKind::Key, "a");
+        assert_eq!(key.len(), 1);
+        assert!(!key[0].shadow);
+        assert_eq!(key[0].limit, WindowLimit::per_minute(5));
+        let slots = c
+            .scope_in_flight(ScopeKind::Key, "a")
+            .expect("a concurrency limit");
+        assert_eq!((slots.max, slots.shadow), (4, false));
+    }
 
     #[test]
     fn fallbacks_and_merging() {

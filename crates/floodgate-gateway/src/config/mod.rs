@@ -14,7 +14,8 @@
 //!
 //! When one scope gets two request limits with the same window (one from each shape), the
 //! stricter one is kept: a chain's limits need distinct storage keys, and the stricter limit is
-//! the one that would refuse first anyway.
+//! the one that would refuse first anyway. An enforced one is kept over a shadow one, whatever
+//! their maxes: a shadow limit never refuses, so it cannot stand in for an enforced one.
 //!
 //! The parts, each importing only those after it: `validate` resolves the file as written
 //! (`raw`, its serde types) into the resolved types (`types`, re-exported here), step by step,
