@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use common::*;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 const CONFIG: &str = r#"
 [upstream]
@@ -70,6 +71,32 @@ async fn base_url_prefix_and_query_are_kept() {
         .await;
     assert_eq!(r.status, 200);
     assert_eq!(r.json()["query"], "limit=2&after=x");
+}
+
+#[tokio::test]
+async fn a_path_too_long_to_forward_behind_the_prefix_is_refused_uncharged() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        "[upstream]\nbase_url = \"{upstream}/api/\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\nrate_limit = { requests = 1 }\n",
+        &up.url(),
+    )
+    .await;
+    // As long as a URI may be (65 534 bytes): the prefix would push it past that.
+    let path = "/v1/models?x=";
+    let long = format!("{path}{}", "a".repeat(65_534 - path.len()));
+    // Sent raw: a client's absolute URI of that path would be too long for `http` itself.
+    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = format!(
+        "GET {long} HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer sk-k\r\nConnection: close\r\n\r\n"
+    );
+    conn.write_all(head.as_bytes()).await.unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).await.unwrap();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert_eq!(up.seen.hits(), 0);
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200, "the refusal charged nothing: {}", r.text());
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("0"));
 }
 
 #[tokio::test]

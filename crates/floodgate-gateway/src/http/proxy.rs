@@ -52,6 +52,10 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         (req.method(), req.uri(), req.headers()),
         start,
     );
+    if let Err(err) = ctx.live.upstream.forwardable(req.uri()) {
+        // Refused before admission: a request that cannot be sent is charged nothing.
+        return ctx.reject(err, Decision::BadRequest).await;
+    }
     if realtime {
         return super::realtime::open(ctx, req).await;
     }

@@ -217,6 +217,25 @@ impl Upstream {
         }
     }
 
+    /// Whether a request for `uri` can be forwarded: its path and query behind the base URL's
+    /// path prefix must still fit a URI (`http` takes at most [`MAX_PATH_AND_QUERY`] bytes; a
+    /// prefix and a valid path and query joined are valid but for their length). Asked before
+    /// admission, so that a request that cannot be sent is refused uncharged.
+    pub fn forwardable(&self, uri: &Uri) -> Result<(), AppError> {
+        let Target::Http { prefix, .. } = &self.target else {
+            return Ok(());
+        };
+        let len = uri.path_and_query().map_or(1, |pq| pq.as_str().len());
+        if !prefix.is_empty() && prefix.len() + len > MAX_PATH_AND_QUERY {
+            return Err(AppError::BadRequest(format!(
+                "The request's path and query are too long to forward behind the upstream's \
+                 path prefix (at most {} bytes).",
+                MAX_PATH_AND_QUERY - prefix.len()
+            )));
+        }
+        Ok(())
+    }
+
     /// Prepares `req` for the upstream: hop-by-hop headers, the gateway key and the customer
     /// header removed; for an http upstream, its `Host`, its own key and the path in origin
     /// form. Says where it goes.
@@ -285,6 +304,9 @@ impl Upstream {
         Ok(resp)
     }
 }
+
+/// The longest path and query `http` parses (`u16::MAX - 1` bytes).
+const MAX_PATH_AND_QUERY: usize = u16::MAX as usize - 1;
 
 /// Points `req` at the upstream: its path and query after the base URL's `prefix`, in origin
 /// form (`/v1/...`: the connection already names the upstream), over HTTP/1.1.
