@@ -197,6 +197,43 @@ impl Drop for Server {
     }
 }
 
+/// Expiries of a whole multiple of 10^8 ms are set: Redis 7.2.0-7.2.4 print such a Lua number
+/// as `1e+08`, which `PX` refuses, so every script hands `PX` digits.
+#[tokio::test]
+async fn expiries_of_a_multiple_of_ten_to_the_eighth_ms_are_set() {
+    let Some(url) = redis_url("expiries_of_a_multiple_of_ten_to_the_eighth_ms_are_set") else {
+        return;
+    };
+    let store = store(&url).await;
+    let tag = RandomState::new().build_hasher().finish();
+    // A bucket of one token refilled in 100 000 s: emptied, it is kept 10^8 ms.
+    const SLOW: TokenBucket<str> =
+        TokenBucket::new("px-slow", 1, Rate::new(1, Duration::from_secs(100_000)));
+    let name = format!("b{tag}");
+    let t = Timestamp::from_secs(1_796_156_000);
+    assert!(
+        SLOW.acquire_at(&store, &name, 1, t)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    assert!(
+        !SLOW
+            .acquire_at(&store, &name, 1, t)
+            .await
+            .unwrap()
+            .is_allowed()
+    );
+    // A day counter reconciled at 20:13:20 UTC: it is kept until a day after its day ends,
+    // 10^8 ms later.
+    let day = floodgate::PeriodCounter::new(format!("{{org:px}}:budget:{tag}"), Period::Day);
+    let days = std::slice::from_ref(&day);
+    store.add_periods(days, 1, Some(t)).await.unwrap();
+    store.reconcile_periods(days, t, 5, Some(t)).await.unwrap();
+    let read = store.read_periods(days, Some(t)).await.unwrap();
+    assert_eq!(read.totals, [6]);
+}
+
 #[tokio::test]
 async fn shared_vectors_pass_on_redis() {
     let Some(url) = redis_url("shared_vectors_pass_on_redis") else {

@@ -36,9 +36,10 @@ if missing <= 0 then
   redis.call('DEL', KEYS[1])
 else
   -- At most 2^52 µs (bucket.rs, MAX_TTL_MICROS): `now + ttl` must fit `%d` (an i64) and PX
-  -- must print as an integer.
+  -- must print as an integer. PX goes as digits: Redis 7.2.0-7.2.4 write a Lua number that is a
+  -- multiple of 10^8 as `1e+08`, which PX refuses.
   local ttl = math.min(math.ceil(missing * period / rate), 4503599627370496)
   redis.call('SET', KEYS[1], string.format('%.17g %d %d', tokens, at, at + ttl),
-    'PX', math.ceil((at + ttl - now) / 1000))
+    'PX', string.format('%d', math.ceil((at + ttl - now) / 1000)))
 end
 return {allowed, string.format('%.17g', tokens), now}

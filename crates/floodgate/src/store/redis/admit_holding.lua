@@ -62,7 +62,7 @@ if admitted then
     end
   end
   -- The set outlives its newest member; each member's own expiry is its score.
-  local ms = math.ceil(lease / 1000)
+  local ms = string.format('%d', math.ceil(lease / 1000))
   for j = 1, m do
     redis.call('ZADD', KEYS[n + j], now + lease, member)
     redis.call('PEXPIRE', KEYS[n + j], ms)

@@ -21,7 +21,7 @@ for i = 1, #KEYS do
     local adjusted = math.max(0, math.min(total + delta, 9007199254740992))
     if adjusted ~= total then
       redis.call('SET', KEYS[i], label .. ' ' .. string.format('%d', adjusted), 'PX',
-        math.ceil((period_end + DAY - now) / 1000))
+        string.format('%d', math.ceil((period_end + DAY - now) / 1000)))
     end
   end
 end

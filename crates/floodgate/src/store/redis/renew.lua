@@ -6,6 +6,8 @@ local lease = tonumber(ARGV[2])
 local ms = math.ceil(lease / 1000)
 for j = 1, #KEYS do
   redis.call('ZADD', KEYS[j], 'XX', now + lease, ARGV[2 + j])
-  if redis.call('PTTL', KEYS[j]) < ms then redis.call('PEXPIRE', KEYS[j], ms) end
+  if redis.call('PTTL', KEYS[j]) < ms then
+    redis.call('PEXPIRE', KEYS[j], string.format('%d', ms))
+  end
 end
 return #KEYS
