@@ -41,6 +41,9 @@ const CASES: &[(&str, usize, &str)] = &[
     ("upstream-port-not-a-number.toml", 2, "upstream.base_url"),
     ("upstream-url-with-query.toml", 2, "upstream.base_url"),
     ("secret-not-a-string.toml", 6, "secret"),
+    ("secret-quoted-not-a-string.toml", 6, "secret"),
+    ("admin-secret-dotted-not-a-string.toml", 1, "admin.secret"),
+    ("redis-urls-not-a-list.toml", 6, "urls"),
     ("customer-id-not-ascii.toml", 6, "rate_limits[0].id"),
     ("redis-url-bad-port.toml", 3, "store.url"),
     ("redis-url-with-memory.toml", 2, "store.url"),
@@ -145,6 +148,9 @@ fn errors_never_echo_what_may_be_a_secret() {
     assert!(err.contains("also keys[0]"), "{err}");
     for (file, secret) in [
         ("secret-not-a-string.toml", "8675309"),
+        ("secret-quoted-not-a-string.toml", "8675309"),
+        ("admin-secret-dotted-not-a-string.toml", "8675309"),
+        ("redis-urls-not-a-list.toml", "hunter2"),
         ("upstream-url-with-query.toml", "sk-live-123"),
         ("admin-secret-of-a-key.toml", "sk-alice"),
         ("alerts-secret-of-a-key.toml", "sk-alice"),

@@ -86,13 +86,30 @@ impl Validator<'_> {
             .or_else(|| quoted_after(&message, "unknown field "))
             .or_else(|| self.key_at(span.clone()))
             .unwrap_or_else(|| "-".into());
-        // "invalid type: integer `8675309`, expected a string": never echo a secret's value.
-        if (field == "secret" || field == "secret_sha256") && message.contains('`') {
+        // "invalid type: integer `8675309`, expected a string": never echo a secret's value (a
+        // key's or the admin's secret, a Redis URL's password), however the key was written
+        // (`admin.secret = ...`, `"secret" = ...`), nor any value whose key is not known.
+        if message.starts_with("invalid")
+            && self.may_hold_secret(&field, span.clone())
+            && (message.contains('`') || message.contains('"'))
+        {
             let expected = message.rsplit_once(", ").map_or("", |(_, e)| e);
             let message = format!("invalid value (not shown: it may be a secret); {expected}");
             return self.error(span, field, message);
         }
         self.error(span, field, message)
+    }
+
+    /// Whether the value at `span`, assigned to `field` (as [`key_at`](Self::key_at) found it),
+    /// may be a secret: a field named as one (its last dotted part, quotes aside), a field not
+    /// known, or a line that names a secret.
+    fn may_hold_secret(&self, field: &str, span: Range<usize>) -> bool {
+        const SECRETS: [&str; 4] = ["secret", "secret_sha256", "url", "urls"];
+        let last = field.rsplit('.').next().unwrap_or(field).trim_matches('"');
+        let start = span.start.min(self.text.len());
+        let line_start = self.text[..start].rfind('\n').map_or(0, |i| i + 1);
+        let line = self.text[line_start..].lines().next().unwrap_or("");
+        field == "-" || SECRETS.contains(&last) || line.to_ascii_lowercase().contains("secret")
     }
 
     /// The key written at `span`, or assigned the value at `span` (`key = <value>`).
@@ -107,6 +124,14 @@ impl Validator<'_> {
         let before = self.text[line_start..start].trim_end();
         if let Some(before) = before.strip_suffix('=') {
             let before = before.trim_end();
+            // A quoted key (`"secret" = ...`): its text, if a plain one.
+            if let Some(quoted) = before.strip_suffix('"')
+                && let Some((_, key)) = quoted.rsplit_once('"')
+                && !key.is_empty()
+                && key.chars().all(is_key)
+            {
+                return Some(key.to_owned());
+            }
             let key: String = before
                 .chars()
                 .rev()
