@@ -19,6 +19,11 @@ use crate::headers::ChainHeaders;
 /// not text: a lookup by text parses and hashes it at every request.)
 pub const CUSTOMER_HEADER: HeaderName = HeaderName::from_static("x-floodgate-customer");
 
+/// The admin console's session cookie. A browser signed in to the console sends it to the
+/// gateway's own port too (cookies are not told apart by port): it is taken off every request
+/// before the upstream sees it.
+pub const SESSION_COOKIE: &str = "floodgate_session";
+
 /// The prefix of the `Sec-WebSocket-Protocol` entry in which a browser, which cannot set an
 /// `Authorization` header on a WebSocket, sends its key: `openai-insecure-api-key.<secret>`.
 pub const PROTOCOL_KEY_PREFIX: &str = "openai-insecure-api-key.";

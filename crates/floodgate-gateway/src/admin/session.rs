@@ -36,7 +36,7 @@ use ring::rand::{SecureRandom, SystemRandom};
 use sha2::{Digest, Sha256};
 
 /// The session cookie's name.
-pub const COOKIE: &str = "floodgate_session";
+pub const COOKIE: &str = crate::auth::SESSION_COOKIE;
 /// How long a session lasts after its sign-in.
 pub const SESSION_TTL: Duration = Duration::from_secs(8 * 3600);
 /// How long a wrong secret keeps its source's turn: one guess a second per source.

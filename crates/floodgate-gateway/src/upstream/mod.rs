@@ -27,7 +27,7 @@ use hyper_util::rt::TokioIo;
 use tokio::io::DuplexStream;
 use tower::ServiceExt;
 
-use crate::auth::CUSTOMER_HEADER;
+use crate::auth::{CUSTOMER_HEADER, SESSION_COOKIE};
 use crate::config::{UpstreamConfig, UpstreamTarget};
 use crate::error::AppError;
 use crate::startup::StartError;
@@ -244,6 +244,7 @@ impl Upstream {
         strip_hop_by_hop(headers);
         headers.remove(header::AUTHORIZATION);
         headers.remove(CUSTOMER_HEADER);
+        strip_session_cookie(headers);
         match &self.target {
             Target::InProcess(target) => Ok(Addressed::InProcess(target)),
             Target::Http {
@@ -326,6 +327,44 @@ fn to_origin_form<B>(req: &mut Request<B>, prefix: &str) -> Result<(), AppError>
     Ok(())
 }
 
+/// Takes the admin console's session cookie ([`SESSION_COOKIE`]) out of the request's cookies;
+/// the others go on as they came. A request without it is not touched.
+fn strip_session_cookie(headers: &mut HeaderMap) {
+    let is_session = |c: &str| {
+        c.trim()
+            .strip_prefix(SESSION_COOKIE)
+            .is_some_and(|rest| rest.trim_start().starts_with('='))
+    };
+    let carries = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .any(|v| v.to_str().is_ok_and(|v| v.split(';').any(is_session)));
+    if !carries {
+        return;
+    }
+    let kept: Vec<HeaderValue> = headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| match v.to_str() {
+            Ok(text) => {
+                let rest: Vec<&str> = text
+                    .split(';')
+                    .filter(|c| !is_session(c))
+                    .map(str::trim)
+                    .collect();
+                HeaderValue::from_str(&rest.join("; ")).ok()
+            }
+            // Not text, so not the session's (which is): as it came.
+            Err(_) => Some(v.clone()),
+        })
+        .filter(|v| !v.is_empty())
+        .collect();
+    headers.remove(header::COOKIE);
+    for v in kept {
+        headers.append(header::COOKIE, v);
+    }
+}
+
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // One pass over the few headers present decides: most requests carry none, and most
     // responses only `Connection: keep-alive`. Nine hashed removals per message cost more than
@@ -361,6 +400,34 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_console_session_cookie_never_reaches_the_upstream() {
+        let mut h = HeaderMap::new();
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; floodgate_session=123.n.t; b=2"),
+        );
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("floodgate_session=x"),
+        );
+        h.append(
+            header::COOKIE,
+            HeaderValue::from_static("floodgate_sessionx=keep"),
+        );
+        strip_session_cookie(&mut h);
+        let left: Vec<&str> = h
+            .get_all(header::COOKIE)
+            .iter()
+            .map(|v| v.to_str().unwrap())
+            .collect();
+        assert_eq!(left, ["a=1; b=2", "floodgate_sessionx=keep"]);
+        let mut none = HeaderMap::new();
+        none.append(header::COOKIE, HeaderValue::from_static("a=1"));
+        strip_session_cookie(&mut none);
+        assert_eq!(none.get(header::COOKIE).unwrap(), "a=1");
+    }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
         pairs
