@@ -101,6 +101,59 @@ async fn concurrency_vectors_pass_on_the_cluster_in_one_slot_and_across_slots() 
     assert_eq!(s.leases_held(), 0, "every lease given back or never taken");
 }
 
+/// A cross-slot admission dropped between its steps (its caller gone) gives back the slot its
+/// first step took: else that lease would be renewed for the process's life, and the key's only
+/// slot held for good.
+#[tokio::test]
+async fn an_admission_dropped_between_its_steps_gives_its_slots_back() {
+    let Some(seeds) = seeds("an_admission_dropped_between_its_steps_gives_its_slots_back") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    // The key's limit and its one slot in org a's slot, decided first; the gateway's in its own.
+    let chain = Chain::new(vec![
+        req("org:a", ScopeKind::Key, "k", 100),
+        req("gateway", ScopeKind::Gateway, "all", 100),
+    ])
+    .with_in_flight(vec![floodgate::InFlightLimit::new(
+        "org:a",
+        ScopeKind::Key,
+        "k",
+        1,
+    )]);
+    {
+        let mut admission = Box::pin(chain.admit(&store, 1));
+        // Polled until its first step has taken the slot, then dropped.
+        while store.leases_held() == 0 {
+            tokio::select! {
+                biased;
+                _ = &mut admission => panic!("decided whole before it could be dropped mid-way"),
+                () = tokio::task::yield_now() => {}
+            }
+        }
+    }
+    assert_eq!(
+        store.leases_held(),
+        0,
+        "the dropped lease is no longer renewed"
+    );
+    // The release went out in a task: the slot frees once it lands, a few calls on at most
+    // (each call a round trip; a slot held for good would refuse every one).
+    let mut tries = 0;
+    loop {
+        let d = chain.admit(&store, 1).await.unwrap();
+        if d.admitted {
+            chain.release(&store, d.lease).await.unwrap();
+            break;
+        }
+        assert!(d.refused_in_flight().is_some(), "{d:?}");
+        tries += 1;
+        assert!(tries < 1_000, "the dropped admission's slot is still held");
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(store.leases_held(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_replicas_race_ninety_six_requests_against_five_and_a_gateway_limit() {
     let Some(seeds) = seeds("three_replicas_race_ninety_six_requests_against_five") else {

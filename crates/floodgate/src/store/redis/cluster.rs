@@ -55,6 +55,60 @@ impl Step {
     }
 }
 
+/// A cross-slot admission's slots, given back if its future is dropped between its steps.
+///
+/// A step that holds slots adds its lease to the store's renewed leases as its script answers;
+/// only the admission's own end (an undo, or the caller's release of an admitted lease) takes it
+/// out. Dropped before that end, this stops renewing the lease and releases the chain's slot
+/// sets under it (a set the lease never entered is unchanged) in a task. The steps' rate-limit
+/// charges stay: they expire with their windows, an error towards stricter.
+struct Unwind {
+    store: RedisStore,
+    lease: Option<Lease>,
+    slots: Vec<InFlightLimit>,
+}
+
+impl Unwind {
+    fn new(store: &RedisStore, lease: Option<Lease>, slots: &[InFlightLimit]) -> Unwind {
+        let holds = lease.is_some() && !slots.is_empty();
+        Unwind {
+            store: store.clone(),
+            lease: lease.filter(|_| holds),
+            slots: if holds { slots.to_vec() } else { Vec::new() },
+        }
+    }
+
+    /// The admission answered: nothing to give back here.
+    fn disarm(&mut self) {
+        self.lease = None;
+    }
+}
+
+impl Drop for Unwind {
+    fn drop(&mut self) {
+        let Some(lease) = self.lease.take() else {
+            return;
+        };
+        self.store.forget_lease(lease);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, slots) = (self.store.clone(), std::mem::take(&mut self.slots));
+        runtime.spawn(async move {
+            let member = store.member(lease);
+            if let Err(Failure::Unavailable(why) | Failure::Backend(why)) =
+                store.release_batched(&slots, member).await
+            {
+                bump(&store.inner.counters.errors);
+                tracing::warn!(
+                    error = why,
+                    "floodgate: a dropped admission's slots were not released"
+                );
+            }
+        });
+    }
+}
+
 impl RedisStore {
     /// The chain's limits and concurrency slots grouped by slot, in chain order: the step of the
     /// first limit (the key's tenant) first.
@@ -108,6 +162,10 @@ impl RedisStore {
                 None => self.admit_inner(limits, costs, now).await,
             };
         }
+        // Armed until the admission answers: dropped between its steps (its caller gone), it
+        // gives back the slots the steps before took, which would otherwise be renewed for
+        // the process's life.
+        let mut unwind = Unwind::new(self, lease, slots);
         let mut snapshots: Vec<Option<Snapshot>> = vec![None; limits.len()];
         let mut running = vec![0; slots.len()];
         let mut first: Option<Timestamp> = None;
@@ -127,6 +185,7 @@ impl RedisStore {
                 Ok(seen) => seen,
                 Err(failure) => {
                     self.undo(&admitted, limits, slots, costs, lease, now).await;
+                    unwind.disarm();
                     return Err(failure);
                 }
             };
@@ -139,6 +198,7 @@ impl RedisStore {
             }
             if !seen.admitted {
                 self.undo(&admitted, limits, slots, costs, lease, now).await;
+                unwind.disarm();
                 for later in &steps[k + 1..] {
                     self.read_step(later, limits, slots, (&mut snapshots, &mut running), now)
                         .await;
@@ -154,6 +214,8 @@ impl RedisStore {
             }
             admitted.push((step, seen.now));
         }
+        // Admitted: the slots are the caller's to release under its lease.
+        unwind.disarm();
         let at = first.unwrap_or_else(Timestamp::now);
         // Each limit was charged at its own step's instant, on its node's clock: a later step
         // may have decided in a later bucket (a boundary between the steps, or a node's clock
