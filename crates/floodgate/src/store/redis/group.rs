@@ -250,7 +250,7 @@ where
             let mut time = None;
             let mut full = false;
             for call in q.pending.drain(..) {
-                if *time.get_or_insert(call.time()) == call.time() && !full {
+                if !full && *time.get_or_insert(call.time()) == call.time() {
                     let n = call.keys();
                     let fits =
                         batch.is_empty() || (batch.len() < bounds.calls && keys + n <= bounds.keys);
@@ -259,8 +259,10 @@ where
                         batch.push(call);
                         continue;
                     }
-                    full = true;
                 }
+                // Past the bounds, or of another time: this call and every one after it wait,
+                // so that calls land in the order they came.
+                full = true;
                 rest.push(call);
             }
             q.pending = rest;
@@ -365,11 +367,12 @@ mod tests {
     struct Call {
         id: u32,
         lingers: bool,
+        time: Option<u64>,
     }
 
     impl Queued for Call {
         fn time(&self) -> Option<u64> {
-            None
+            self.time
         }
         fn keys(&self) -> usize {
             1
@@ -405,7 +408,37 @@ mod tests {
     }
 
     fn call(id: u32, lingers: bool) -> Call {
-        Call { id, lingers }
+        Call {
+            id,
+            lingers,
+            time: None,
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn calls_of_other_times_keep_their_order() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        push(&queue, call(1, false));
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![1]));
+        // While the call is out: a call pinned at t = 1, one at t = 2, one at t = 1 again. The
+        // third must not go before the second, whose time differs from the batch's.
+        let timed = |id, t| Call {
+            id,
+            lingers: false,
+            time: Some(t),
+        };
+        for c in [timed(2, 1), timed(3, 2), timed(4, 1)] {
+            assert!(!push(&queue, c));
+        }
+        back.notify_one();
+        assert_eq!(calls.recv().await, Some(vec![2]));
+        back.notify_one();
+        assert_eq!(calls.recv().await, Some(vec![3]));
+        back.notify_one();
+        assert_eq!(calls.recv().await, Some(vec![4]));
+        back.notify_one();
     }
 
     #[tokio::test(start_paused = true)]
