@@ -150,7 +150,10 @@ impl RedisStore {
         let packed = charges::pack(&mut windows, &mut counters, &charges);
         let nw = windows.list.len();
         let nc = counters.list.len();
-        let op = if charges.is_empty() {
+        // A call is replayed by the connection (once) only if it carries no charge and no
+        // admission sent before: an admission put back after a charging call was lost has had
+        // its one replay, and must not be sent a third time (docs/design.md §5).
+        let op = if charges.is_empty() && !admits.iter().any(|a| a.replayed) {
             &ADMIT
         } else {
             &ADMIT_CHARGING
