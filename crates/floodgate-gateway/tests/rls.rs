@@ -20,6 +20,8 @@ use envoy_types::pb::envoy::service::ratelimit::v3::rate_limit_service_client::R
 use envoy_types::pb::envoy::service::ratelimit::v3::{RateLimitRequest, RateLimitResponse};
 use envoy_types::pb::envoy::r#type::v3::RateLimitUnit;
 use envoy_types::pb::google::protobuf::UInt64Value;
+use floodgate::Timestamp;
+use floodgate::clock::FakeClock;
 use floodgate::store::{AnyStore, MemoryStore};
 use floodgate_gateway::rls::metrics::RlsMetrics;
 use floodgate_gateway::rls::reload::Reloader;
@@ -93,12 +95,15 @@ async fn service(files: &[&str]) -> (Service, tempdir::Dir) {
 }
 
 async fn start(config: RlsConfig) -> Service {
-    start_with(Rls::new(
-        config,
-        AnyStore::Memory(MemoryStore::new()),
-        RlsMetrics::new(),
-    ))
-    .await
+    start_with(Rls::new(config, frozen_store(), RlsMetrics::new())).await
+}
+
+/// A memory store whose clock stands still, a quarter of a second into a second: every call
+/// of a test falls in one bucket of every window (per second ones too), wherever the wall
+/// clock is.
+fn frozen_store() -> AnyStore {
+    let clock = FakeClock::new(Timestamp::from_millis(1_700_000_000_250));
+    AnyStore::Memory(MemoryStore::with_clock(clock))
 }
 
 async fn start_with(rls: Rls) -> Service {
@@ -608,12 +613,7 @@ async fn global_shadow_mode_answers_ok_decides_as_usual_and_counts() {
         "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: hour, requests_per_unit: 2}\n  - key: route\n    rate_limit: {unit: hour, requests_per_unit: 100}\n",
     )
     .unwrap();
-    let rls = Rls::new(
-        config,
-        AnyStore::Memory(MemoryStore::new()),
-        RlsMetrics::new(),
-    )
-    .with_global_shadow(true);
+    let rls = Rls::new(config, frozen_store(), RlsMetrics::new()).with_global_shadow(true);
     let mut s = start_with(rls).await;
     let both = request("d", &[&[("k", "a")], &[("route", "/r")]]);
     assert_eq!(s.codes(&both, 2).await, [OK, OK]);
