@@ -37,6 +37,10 @@ impl Node {
     }
 }
 
+/// How deep sequences and mappings may nest: far past any config (a descriptor level takes
+/// two), and shallow enough that a tree is built and dropped without a deep recursion.
+const MAX_DEPTH: usize = 128;
+
 /// Parses `text` (one document) into its tree; an empty document is a null scalar. An error is
 /// the line and what is wrong.
 pub fn parse(text: &str) -> Result<Node, (usize, String)> {
@@ -72,6 +76,14 @@ pub fn parse(text: &str) -> Result<Node, (usize, String)> {
             }
             Event::SequenceStart(anchor, _) | Event::MappingStart(anchor, _) if anchor != 0 => {
                 return Err((line, "YAML anchors are not supported".to_owned()));
+            }
+            Event::SequenceStart(_, Some(_)) | Event::MappingStart(_, Some(_)) => {
+                return Err((line, "YAML tags are not supported".to_owned()));
+            }
+            Event::SequenceStart(..) | Event::MappingStart(..) if stack.len() >= MAX_DEPTH => {
+                // A tree this deep is no rate limit config, and dropping one nested a million
+                // deep would recurse past the stack.
+                return Err((line, format!("nested more than {MAX_DEPTH} deep")));
             }
             Event::SequenceStart(..) => {
                 stack.push((line, Building::Seq(Vec::new())));
@@ -161,5 +173,17 @@ mod tests {
         assert_eq!(parse("a: &x 1\nb: *x\n").unwrap_err().0, 1);
         assert!(parse("a: [1\n").is_err());
         assert!(parse("").unwrap().is_null());
+    }
+
+    #[test]
+    fn tags_on_collections_and_deep_nesting_are_refused() {
+        assert!(parse("a: !foo {b: 1}\n").unwrap_err().1.contains("tags"));
+        assert!(parse("a: !foo [1]\n").unwrap_err().1.contains("tags"));
+        // A million levels: refused at the cap, never built (nor dropped, which would recurse
+        // once a level).
+        let deep = "- ".repeat(1_000_000) + "x\n";
+        assert!(parse(&deep).unwrap_err().1.contains("nested"));
+        let ok = "- ".repeat(MAX_DEPTH) + "x\n";
+        assert!(parse(&ok).is_ok());
     }
 }
