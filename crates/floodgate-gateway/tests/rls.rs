@@ -650,6 +650,24 @@ async fn global_shadow_mode_answers_ok_decides_as_usual_and_counts() {
 }
 
 #[tokio::test]
+async fn beside_a_descriptor_that_never_passes_the_others_report_their_own_state() {
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unit: minute, requests_per_unit: 2}\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 0}\n",
+    )
+    .unwrap();
+    let mut s = start(config).await;
+    let a = request("d", &[&[("a", "x")]]);
+    assert_eq!(s.codes(&a, 2).await, [OK, OK]);
+    let r = s.call(request("d", &[&[("a", "x")], &[("b", "y")]])).await;
+    assert_eq!((r.overall_code, r.statuses[1].code), (OVER, OVER));
+    // `a` was not charged (the call was refused), and is spent: what it says, not a full limit.
+    let st = &r.statuses[0];
+    assert_eq!((st.code, st.limit_remaining), (OK, 0));
+    assert_ne!(st.duration_until_reset.as_ref().map(|d| d.seconds), Some(0));
+}
+
+#[tokio::test]
 async fn the_binary_runs_in_global_shadow_mode_by_flag_or_by_shadow_mode() {
     let dir = tempdir::Dir::new();
     let file = dir.path().join("limits.yaml");

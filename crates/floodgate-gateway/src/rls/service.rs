@@ -196,6 +196,27 @@ impl Rls {
             };
             let failed = !decided.as_ref().is_ok_and(|d| d.enforced);
             self.metrics.store_call(started.elapsed(), failed);
+            // A descriptor that can never pass is refused without the store: the others' states
+            // were not read. Read them (an admission of cost 0 charges nothing), so that each
+            // answers its own remaining and reset rather than a full limit.
+            let decided = match decided {
+                Ok(mut d) if !d.admitted && d.enforced && d.retry_after.is_none() => {
+                    let started = Instant::now();
+                    let read = chain.admit(&self.store, 0).await;
+                    let failed = !read.as_ref().is_ok_and(|r| r.enforced);
+                    self.metrics.store_call(started.elapsed(), failed);
+                    // A read that fails leaves the states unknown, as before: the refusal stands.
+                    if let Some(read) = read.ok().filter(|r| r.enforced) {
+                        for (st, seen) in d.statuses.iter_mut().zip(&read.statuses) {
+                            if !st.over {
+                                (st.remaining, st.reset) = (seen.remaining, seen.reset);
+                            }
+                        }
+                    }
+                    Ok(d)
+                }
+                other => other,
+            };
             Some(decided.map_err(|e| {
                 tracing::warn!(error = %e, "store unavailable: failing closed");
                 Status::unavailable("the rate limit store is unavailable")
