@@ -494,11 +494,18 @@ fn rule(
             "unit" => unit = Some((ctx.string(v, &f)?, v.line)),
             "requests_per_unit" => {
                 let text = ctx.string(v, &f)?;
-                let n = text.parse::<u32>().map_err(|_| {
+                // Digits only, without a leading zero: envoyproxy/ratelimit's YAML reads `010`
+                // as octal (8) and `+5` as 5, which a plain parse here would read otherwise.
+                let plain = text.bytes().all(|b| b.is_ascii_digit())
+                    && (text.len() == 1 || !text.starts_with('0'));
+                let n = text.parse::<u32>().ok().filter(|_| plain).ok_or_else(|| {
                     ctx.err(
                         v.line,
                         &f,
-                        format!("'{text}' is not a whole number from 0 to 4294967295"),
+                        format!(
+                            "'{text}' is not a whole number from 0 to 4294967295 written in \
+                             decimal without a leading zero"
+                        ),
                     )
                 })?;
                 per_unit = Some(n);
