@@ -244,7 +244,9 @@ impl ChainBuilder {
     }
 
     /// Adds a limit on `scope`, charged at admission. Limits are checked in the order given
-    /// (give the narrowest scope first: the first refusal is the one the headers name).
+    /// (give the narrowest scope first: the first refusal is the one the headers name). A
+    /// second limit on a scope over a window it already has is one count, not two (they would
+    /// share a storage key): the stricter of the two is kept, in the first one's place.
     pub fn limit(mut self, scope: ScopeKind, limit: WindowLimit) -> Self {
         let slot = match self.scopes.iter().position(|&s| s == scope) {
             Some(i) => i,
@@ -253,7 +255,18 @@ impl ChainBuilder {
                 self.scopes.len() - 1
             }
         };
-        self.limits.push((slot, scope, limit));
+        let same = self
+            .limits
+            .iter_mut()
+            .find(|(_, s, l)| *s == scope && l.window() == limit.window());
+        match same {
+            Some((_, _, kept)) => {
+                if limit.max() < kept.max() {
+                    *kept = limit;
+                }
+            }
+            None => self.limits.push((slot, scope, limit)),
+        }
         self.fixed = Arc::new(ChainHeaders::of_limits(
             self.limits.iter().map(|&(_, scope, limit)| (scope, limit)),
         ));
@@ -575,7 +588,32 @@ fn grpc_message(message: &str) -> HeaderValue {
 
 #[cfg(test)]
 mod tests {
-    use super::grpc_message;
+    use super::{ChainBuilder, grpc_message};
+    use crate::{ScopeKind, WindowLimit};
+
+    #[test]
+    fn two_limits_of_one_scope_and_window_are_one_count_the_stricter() {
+        let chain = ChainBuilder::new("a")
+            .limit(ScopeKind::Key, WindowLimit::per_minute(20))
+            .limit(ScopeKind::Customer, WindowLimit::per_minute(60))
+            .limit(ScopeKind::Key, WindowLimit::per_minute(10))
+            .limit(ScopeKind::Key, WindowLimit::per_minute(30))
+            .limit(ScopeKind::Key, WindowLimit::per_hour(100))
+            .build(&["k", "ip"]);
+        let limits: Vec<(ScopeKind, WindowLimit)> = chain
+            .limits()
+            .iter()
+            .map(|l| (l.scope(), l.limit()))
+            .collect();
+        assert_eq!(
+            limits,
+            [
+                (ScopeKind::Key, WindowLimit::per_minute(10)),
+                (ScopeKind::Customer, WindowLimit::per_minute(60)),
+                (ScopeKind::Key, WindowLimit::per_hour(100)),
+            ]
+        );
+    }
 
     #[test]
     fn grpc_messages_are_percent_encoded() {
