@@ -155,6 +155,7 @@ impl Setup {
 
 /// The known sequence and its exact figures, on whichever store `store` names.
 async fn known_sequence(store: &str) {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let s = setup(store, &up.url()).await;
     // Two of alice's requests, 50 tokens each (25 in at $1, 25 out at $2 per million).

@@ -50,7 +50,7 @@ demo = true
 id = "alice"
 secret = "sk-alice-browser"
 org = "acme"
-rate_limit = { requests = 3 }
+rate_limit = { requests = 3, window_sec = 86400 }
 [[keys]]
 id = "bob"
 secret = "sk-bob-browser"

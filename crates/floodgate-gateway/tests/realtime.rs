@@ -792,20 +792,6 @@ async fn after_a_turn_the_caller_hears_its_own_limits_not_the_upstreams() {
     assert!(ws.rate_limits[1].contains("event_floodgate_2"));
 }
 
-/// Returns once the wall clock's minute has at least 20 s left, waiting for the next minute if
-/// not: a test that reads exact counts of a minute window across several flushes must not see
-/// the window roll over (the previous minute's count then fades out of the estimate).
-async fn early_in_a_minute() {
-    let into = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_micros()
-        % 60_000_000;
-    if into > 40_000_000 {
-        tokio::time::sleep(Duration::from_micros((60_000_000 - into) as u64 + 1_000)).await;
-    }
-}
-
 #[tokio::test]
 async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_the_session() {
     early_in_a_minute().await;
@@ -863,6 +849,7 @@ async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_t
 
 #[tokio::test]
 async fn tokens_left_at_the_end_are_charged_once_and_large_messages_pass_unmetered() {
+    early_in_a_minute().await;
     let up = ws_upstream().await;
     // A flush interval longer than the test: only the session's end charges.
     let config = METERED
@@ -1073,6 +1060,7 @@ async fn a_drain_waits_for_a_live_session() {
 
 #[tokio::test]
 async fn at_the_end_of_drain_sec_live_sessions_are_closed_and_their_tokens_charged() {
+    early_in_a_minute().await;
     let up = ws_upstream().await;
     let config = METERED
         .replace("flush_sec = 1", "flush_sec = 3600\ndrain_sec = 1")
@@ -1445,6 +1433,7 @@ async fn an_http_1_0_upgrade_is_refused_uncharged() {
 /// turn's tokens are charged.
 #[tokio::test]
 async fn a_turn_under_way_when_the_caller_fails_is_charged() {
+    early_in_a_minute().await;
     let up = ws_upstream().await;
     let config = METERED
         .replace("flush_sec = 1", "flush_sec = 3600")

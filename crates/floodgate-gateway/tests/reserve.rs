@@ -123,6 +123,7 @@ async fn twenty_against_a_thousand(gws: &[Arc<Gateway>], probe: &Gateway, reserv
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reactive_admits_all_twenty_and_reserve_what_the_estimates_fit() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let reactive = replicas(&on("", "reactive"), &up.url(), 1).await;
     twenty_against_a_thousand(&reactive, &reactive[0], false).await;
@@ -132,6 +133,7 @@ async fn reactive_admits_all_twenty_and_reserve_what_the_estimates_fit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_redis_reserve_exactly_as_one() {
+    early_in_a_minute().await;
     let Some(url) = test_redis_url("three_replicas_on_redis_reserve_exactly_as_one") else {
         return;
     };
@@ -145,6 +147,7 @@ async fn three_replicas_on_redis_reserve_exactly_as_one() {
 
 #[tokio::test]
 async fn headers_count_the_reservation_in_flight_and_a_refund_follows_the_usage() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let gws = replicas(&on("", "reserve"), &up.url(), 1).await;
     let (status, left) = next(&gws[0]).await;
@@ -157,6 +160,7 @@ async fn headers_count_the_reservation_in_flight_and_a_refund_follows_the_usage(
 
 #[tokio::test]
 async fn an_estimate_above_the_limit_is_a_400_naming_the_cap_charged_nothing() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let gw = gateway(&on("", "reserve"), &up.url()).await;
     let big = r#"{"model":"m","max_tokens":5000,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -188,6 +192,7 @@ async fn an_estimate_above_the_limit_is_a_400_naming_the_cap_charged_nothing() {
 
 #[tokio::test]
 async fn an_estimate_above_the_limit_for_its_choices_is_a_400_dividing_the_cap_by_n() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let gw = gateway(&on("", "reserve"), &up.url()).await;
     // 400 fits the limit once; reserved for each of 3 choices, it does not.
@@ -229,6 +234,7 @@ async fn an_estimate_above_the_limit_for_its_choices_is_a_400_dividing_the_cap_b
 
 #[tokio::test]
 async fn a_limit_can_reserve_beside_a_reactive_one() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let text = on("", "reactive").replace(
         "tpm = 1000",
@@ -256,6 +262,7 @@ async fn a_limit_can_reserve_beside_a_reactive_one() {
 /// stricter.
 #[tokio::test]
 async fn a_stream_cut_before_its_usage_keeps_its_reservation() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let gw = gateway(&on("", "reserve"), &up.url()).await;
     let stream = ASK.replace("\"max_tokens\"", "\"stream\":true,\"max_tokens\"");
@@ -275,6 +282,7 @@ async fn a_stream_cut_before_its_usage_keeps_its_reservation() {
 /// tell what the upstream used, and the error is towards stricter.
 #[tokio::test]
 async fn an_upstream_500_keeps_its_reservation() {
+    early_in_a_minute().await;
     use axum::http::StatusCode;
     let app = axum::Router::new().route(
         "/v1/chat/completions",
@@ -335,6 +343,7 @@ async fn overshoot(mode: &str, usage: u64) -> (u64, u64) {
 /// the window overshoots by 7 windows' worth; reserve admits what the estimates fit, never over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_long_completions_overshoots_reactive_and_not_reserve() {
+    early_in_a_minute().await;
     // Reactive: all 20 pass, 80 000 tokens used against 10 000.
     assert_eq!(overshoot("reactive", 4000).await, (20, 0));
     // Reserve: each reserves 4000 and its body's bytes; two fit, 8 000 used.
@@ -379,6 +388,7 @@ usd = 0.001
 /// through and overruns it 3.5 times.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_overrun_a_reserving_budget() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let e = estimate();
     for (mode, admitted_expected) in [("reactive", 20), ("reserve", 1000 / e)] {
@@ -414,6 +424,7 @@ async fn concurrent_requests_never_overrun_a_reserving_budget() {
 /// names the budget and what to lower, charged nothing and not counted as a refusal.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_price_above_a_reserving_budget_is_a_400_charged_nothing() {
+    early_in_a_minute().await;
     let up = fake_upstream().await;
     let gws = replicas(&budget_config("reserve"), &up.url(), 1).await;
     let big = r#"{"model":"m","max_tokens":2000,"messages":[{"role":"user","content":"hi"}]}"#;
@@ -447,6 +458,7 @@ async fn a_price_above_a_reserving_budget_is_a_400_charged_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_replicas_on_redis_never_overrun_a_reserving_budget() {
+    early_in_a_minute().await;
     let Some(url) = test_redis_url("three_replicas_on_redis_never_overrun_a_reserving_budget")
     else {
         return;

@@ -650,3 +650,19 @@ pub fn promtool_accepts(text: &str) {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// Returns once the wall clock's minute has at least 20 s left, waiting for the next minute if
+/// not: a test that reads exact counts of a minute window on a clock it cannot pin (the
+/// gateway's own, Redis's) must not see the window roll over (the previous minute's count then
+/// fades out of the estimate). It waits for the clock itself, the one thing such a test
+/// depends on.
+pub async fn early_in_a_minute() {
+    let into = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_micros()
+        % 60_000_000;
+    if into > 40_000_000 {
+        tokio::time::sleep(Duration::from_micros((60_000_000 - into) as u64 + 1_000)).await;
+    }
+}
