@@ -394,7 +394,10 @@ async fn a_budget_spent_while_a_stream_is_in_flight_does_not_cut_it() {
         let gw = gw.clone();
         async move { gw.send(req).await }
     });
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    wait_until("the stream is admitted and under way", || {
+        up.seen.hits() >= 1
+    })
+    .await;
     // Meanwhile another answer spends the whole budget (625 µUSD of gpt-4o > 100).
     assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 200);
     assert_eq!(chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await.status, 429);

@@ -31,7 +31,8 @@ tpm = 1000
         .insert("x-test-last-delay-ms", "600".parse().unwrap());
     let stream = gw.frames(req);
     let stop = async {
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // Once the stream is under way (its last chunk comes 600 ms after its first).
+        wait_until("the stream reached the upstream", || up.seen.hits() >= 1).await;
         gw.shutdown();
     };
     let ((status, _, frames), ()) = tokio::join!(stream, stop);
@@ -127,6 +128,30 @@ impl Binary {
             .find(|l| l.contains(" request ") || l.ends_with("request"))
             .unwrap_or_else(|| panic!("no request line: {err}"))
             .to_owned()
+    }
+
+    /// The first line of the log that contains `needle`, read as it is written (the log must be
+    /// kept); fails if the log ends without one.
+    async fn line_with(&mut self, needle: &str) -> String {
+        let err = self.child.stderr.take().expect("the log is kept");
+        let needle = needle.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let mut seen = String::new();
+            let mut lines = std::io::BufRead::lines(std::io::BufReader::new(err));
+            while let Some(line) = lines.next() {
+                let line = line.unwrap();
+                if line.contains(&needle) {
+                    // The rest is read on to the end: a log no one reads would fail its writes.
+                    std::thread::spawn(move || lines.for_each(drop));
+                    return line;
+                }
+                seen.push_str(&line);
+                seen.push('\n');
+            }
+            panic!("no line with {needle}: {seen}");
+        })
+        .await
+        .unwrap()
     }
 
     fn stderr(&mut self) -> String {
@@ -322,8 +347,8 @@ async fn a_redis_outage_is_logged_once_not_once_per_request() {
                 .await
                 .unwrap();
         }
-        // The token records run in the background after each response.
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        // The token records run in the background after each response; the shutdown waits for
+        // them.
         gw.sigterm();
         assert!(gw.exited(Duration::from_secs(10)).await.is_some());
         let err = gw.stderr();
@@ -356,8 +381,13 @@ async fn a_caller_that_leaves_before_the_upstream_answers_is_logged() {
     let (conn, _held) = held_by_upstream(&addr, &silent).await;
     // The caller hangs up while its request waits for the upstream.
     drop(conn);
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let line = gw.request_line_at_exit().await;
+    let line = gw.line_with("status=499").await;
+    gw.sigterm();
+    assert!(
+        gw.exited(Duration::from_secs(10))
+            .await
+            .is_some_and(|s| s.success())
+    );
     assert!(
         line.contains("status=499")
             && line.contains("key=k")

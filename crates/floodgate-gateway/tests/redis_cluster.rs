@@ -370,9 +370,7 @@ async fn a_primary_killed_mid_load_fails_over_and_limits_hold_after() {
         .map(|_| load(gw.clone(), "sk-busy", (stop.clone(), answered.clone())))
         .collect();
     // Load flows; then the primary of acme's slot dies (kill -9).
-    while up.seen.hits() < 50 {
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_until("load flows", || up.seen.hits() >= 50).await;
     let ports = cluster.ports();
     let (victim, _) = cluster.primary_of("org:acme", ports[0]);
     let pid =

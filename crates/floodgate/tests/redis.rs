@@ -68,7 +68,6 @@ async fn kill_clients(server: &Server) {
         .await
         .unwrap();
     assert!(killed >= 1);
-    tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
 /// A separate plain connection, to read and disturb what the store wrote.
@@ -1971,7 +1970,11 @@ fn admissions_go_on_after_the_runtime_of_a_batch_in_flight_shuts_down() {
         let _ = s.admit(&l, 1.into(), None).await;
     });
     // Drive it until its batch has gone out (Redis is asleep, so it waits there).
-    gone.block_on(async { tokio::time::sleep(Duration::from_millis(200)).await });
+    gone.block_on(async {
+        while store.stats().admit_batches < 2 {
+            tokio::task::yield_now().await;
+        }
+    });
     drop(gone);
     let later = current_runtime();
     let started = Instant::now();

@@ -666,3 +666,13 @@ pub async fn early_in_a_minute() {
         tokio::time::sleep(Duration::from_micros((60_000_000 - into) as u64 + 1_000)).await;
     }
 }
+
+/// Returns once `done` holds, checking every few milliseconds for up to 10 s (then fails,
+/// naming `what`): waits for an event, not for a time.
+pub async fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "never happened: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
