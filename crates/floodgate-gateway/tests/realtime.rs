@@ -170,15 +170,19 @@ fn response_done(tokens: u64, pad: usize) -> String {
     .to_string()
 }
 
-/// What the fake upstream saw: each request's URI and headers, and the payload of each close
-/// frame it got.
+/// What the fake upstream saw: each request's URI and headers, the payload of each close frame
+/// it got, and how many other messages.
 #[derive(Clone, Default)]
 struct Seen(
     Arc<Mutex<Vec<(String, HeaderMap)>>>,
     Arc<Mutex<Vec<Vec<u8>>>>,
+    Arc<std::sync::atomic::AtomicUsize>,
 );
 
 impl Seen {
+    fn messages(&self) -> usize {
+        self.2.load(std::sync::atomic::Ordering::SeqCst)
+    }
     fn closes(&self) -> Vec<Vec<u8>> {
         self.1.lock().unwrap().clone()
     }
@@ -337,6 +341,7 @@ async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen
             ws.send(CLOSE, &data).await;
             return;
         }
+        seen.2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let text = String::from_utf8_lossy(&data).into_owned();
         let arg = |prefix: &str| {
             text.strip_prefix(prefix)
@@ -492,9 +497,10 @@ async fn tokens_left_become(gw: &Gateway, left: &str) -> Reply {
     }
 }
 
-/// Opens a session, sends `message` and resets the connection (a reset, not a close: the
-/// gateway's read of the caller fails).
-async fn send_and_reset(gw: &Gateway, message: &[u8]) {
+/// Opens a session, sends `message` and, once the upstream `up` has it, resets the connection
+/// (a reset, not a close: the gateway's read of the caller fails).
+async fn send_and_reset(gw: &Gateway, up: &WsUpstream, message: &[u8]) {
+    let before = up.seen.messages();
     let (tcp, head) = raw_request(gw.addr, &raw_upgrade(1)).await;
     assert!(head.starts_with("HTTP/1.1 101"), "{head}");
     let mut ws = Ws {
@@ -503,7 +509,10 @@ async fn send_and_reset(gw: &Gateway, message: &[u8]) {
         rate_limits: Vec::new(),
     };
     ws.send(TEXT, message).await;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    wait_until("the upstream has the message", || {
+        up.seen.messages() > before
+    })
+    .await;
     ws.io.set_zero_linger().unwrap();
     drop(ws);
 }
@@ -1043,7 +1052,15 @@ async fn a_drain_waits_for_a_live_session() {
     assert_eq!(a.status, 101);
     let mut gw = gw;
     gw.shutdown();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The drain has begun once the listener is closed.
+    let start = Instant::now();
+    while tokio::net::TcpStream::connect(gw.addr).await.is_ok() {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the listener stays open"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     let server = gw.server.take().unwrap();
     assert!(!server.is_finished(), "the drain waits for the session");
     let ws = a.ws();
@@ -1439,7 +1456,7 @@ async fn a_turn_under_way_when_the_caller_fails_is_charged() {
         .replace("flush_sec = 1", "flush_sec = 3600")
         .replace("tpm = 100", "tpm = 1000");
     let gw = gateway(&config, &up.url()).await;
-    send_and_reset(&gw, b"usage-later:33").await;
+    send_and_reset(&gw, &up, b"usage-later:33").await;
     live_sessions_reach(&gw, 0).await;
     gw.settled().await;
     let r = models(&gw, "sk-k").await;
@@ -1451,7 +1468,7 @@ async fn an_unmetered_session_whose_caller_fails_frees_its_slot_at_once() {
     // Nothing to meter: the upstream (busy for 5 s) is not read on after the caller's reset.
     let up = ws_upstream().await;
     let gw = gateway(PLAIN, &up.url()).await;
-    send_and_reset(&gw, b"hold").await;
+    send_and_reset(&gw, &up, b"hold").await;
     live_sessions_reach(&gw, 0).await;
 }
 
