@@ -61,7 +61,18 @@ pub(super) trait Queued: Send + 'static {
     fn lingers(&self) -> bool {
         false
     }
+    /// Whether its caller has stopped waiting for it (dropped its answer): it can be left out.
+    fn abandoned(&self) -> bool {
+        false
+    }
 }
+
+/// The most calls a queue holds. Past it the queue first drops the calls whose callers gave up
+/// (clients that disconnected while Redis was slow, which would otherwise pile up at no cost to
+/// them), then fails a new call at once as an outage (`on_error` decides), rather than growing
+/// without bound while Redis answers slower than calls come. About 6 s of a slow Redis's full
+/// batches (512 calls a 100 ms round trip), and a few MiB.
+const MAX_PENDING: usize = 32_768;
 
 /// The longest a queue holding only calls that linger waits for one that does not, before
 /// it sends them alone ([`serve`]).
@@ -177,6 +188,15 @@ pub(super) fn put_back<T>(queue: &Mutex<Queue<T>>, mut calls: Vec<T>) {
 /// linger wakes a sender lingering for it.
 fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
     let mut q = lock(queue);
+    if q.pending.len() >= MAX_PENDING {
+        q.pending.retain(|c| !c.abandoned());
+        if q.pending.len() >= MAX_PENDING {
+            call.fail(&Failure::Unavailable(format!(
+                "{MAX_PENDING} calls already wait for Redis"
+            )));
+            return false;
+        }
+    }
     if q.lingering && !call.lingers() {
         q.lingering = false;
         q.wake.notify_one();
@@ -368,6 +388,8 @@ mod tests {
         id: u32,
         lingers: bool,
         time: Option<u64>,
+        abandoned: bool,
+        failed: Option<Arc<std::sync::atomic::AtomicBool>>,
     }
 
     impl Queued for Call {
@@ -377,9 +399,16 @@ mod tests {
         fn keys(&self) -> usize {
             1
         }
-        fn fail(self, _: &Failure) {}
+        fn fail(self, _: &Failure) {
+            if let Some(failed) = self.failed {
+                failed.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
         fn lingers(&self) -> bool {
             self.lingers
+        }
+        fn abandoned(&self) -> bool {
+            self.abandoned
         }
     }
 
@@ -412,7 +441,38 @@ mod tests {
             id,
             lingers,
             time: None,
+            abandoned: false,
+            failed: None,
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_queue_behind_a_slow_call_drops_abandoned_calls_then_refuses_new_ones() {
+        let queue = Arc::new(Mutex::new(Queue::default()));
+        let back = Arc::new(Notify::new());
+        push(&queue, call(0, false));
+        let mut calls = sender(&queue, &back);
+        assert_eq!(calls.recv().await, Some(vec![0]));
+        // While that call is out, callers queue and give up, a full queue of them.
+        for id in 1..=MAX_PENDING as u32 {
+            let mut c = call(id, false);
+            c.abandoned = true;
+            assert!(!push(&queue, c));
+        }
+        // A live call finds the queue full: the abandoned ones go, it stays.
+        assert!(!push(&queue, call(u32::MAX, false)));
+        assert_eq!(lock(&queue).pending.len(), 1);
+        // Live calls up to the bound are kept; the next one fails at once.
+        for id in 1..MAX_PENDING as u32 {
+            assert!(!push(&queue, call(id, false)));
+        }
+        let failed = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let mut over = call(0, false);
+        over.failed = Some(Arc::clone(&failed));
+        assert!(!push(&queue, over));
+        assert!(failed.load(std::sync::atomic::Ordering::SeqCst));
+        assert_eq!(lock(&queue).pending.len(), MAX_PENDING);
+        back.notify_one();
     }
 
     #[tokio::test(start_paused = true)]
@@ -425,9 +485,8 @@ mod tests {
         // While the call is out: a call pinned at t = 1, one at t = 2, one at t = 1 again. The
         // third must not go before the second, whose time differs from the batch's.
         let timed = |id, t| Call {
-            id,
-            lingers: false,
             time: Some(t),
+            ..call(id, false)
         };
         for c in [timed(2, 1), timed(3, 2), timed(4, 1)] {
             assert!(!push(&queue, c));

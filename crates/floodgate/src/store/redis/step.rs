@@ -68,6 +68,14 @@ impl Queued for Pending {
         // call (`group::serve`).
         matches!(self, Pending::Charge(_))
     }
+    fn abandoned(&self) -> bool {
+        // A charge is never left out: the response it charges for was served.
+        match self {
+            Pending::Admit(p) => p.reply.is_closed(),
+            Pending::Read(p) => p.reply.is_closed(),
+            Pending::Charge(_) => false,
+        }
+    }
 }
 
 /// The most one call carries: its calls, and the keys of all of them past its first (the script
