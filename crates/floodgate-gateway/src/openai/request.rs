@@ -20,6 +20,19 @@ pub struct StreamRequest {
 /// a request allocates nothing but this list.
 struct TopLevel<'a>(Vec<Field<'a>>);
 
+/// The most top-level members a body read before admission may have. A request names a few
+/// dozen; the list of them costs 40 bytes a member, so a body of `"a":0,` repeated would cost
+/// seven times its length to parse if nothing stopped it (docs/gateway.md, "Requests and
+/// responses").
+const MAX_FIELDS: usize = 1024;
+
+/// Why a body with more than [`MAX_FIELDS`] members is refused.
+const TOO_MANY_FIELDS: &str = "The request body has more than 1024 top-level members.";
+
+/// The longest `stream_options` value rewritten (its members are taken apart to set
+/// `include_usage`): the API's options are a few bytes.
+const MAX_STREAM_OPTIONS: usize = 4096;
+
 /// A top-level field: its key and its value's raw text.
 type Field<'a> = (Key<'a>, &'a RawValue);
 
@@ -65,6 +78,9 @@ impl<'de> Deserialize<'de> for TopLevel<'de> {
             ) -> Result<TopLevel<'de>, A::Error> {
                 let mut fields = Vec::with_capacity(map.size_hint().unwrap_or(8));
                 while let Some(field) = map.next_entry::<Key<'de>, &'de RawValue>()? {
+                    if fields.len() == MAX_FIELDS {
+                        return Err(serde::de::Error::custom(TOO_MANY_FIELDS));
+                    }
                     fields.push(field);
                 }
                 Ok(TopLevel(fields))
@@ -216,8 +232,12 @@ pub struct Prepared {
 /// (some servers take `1` or `"true"` for true), and a body that names `stream` or
 /// `stream_options` twice (servers differ on which one counts).
 pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String> {
-    let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(&body) else {
-        return Err("The request body is not a JSON object.".into());
+    let fields = match serde_json::from_slice::<TopLevel>(&body) {
+        Ok(TopLevel(fields)) => fields,
+        Err(e) if e.to_string().starts_with(TOO_MANY_FIELDS) => {
+            return Err(TOO_MANY_FIELDS.into());
+        }
+        Err(_) => return Err("The request body is not a JSON object.".into()),
     };
     let field = |name: &str| unique_field(&fields, name);
     let stream = field("stream")?;
@@ -265,6 +285,11 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
             model,
             output,
         });
+    }
+    if options.is_some_and(|o| o.get().len() > MAX_STREAM_OPTIONS) {
+        return Err(format!(
+            "stream_options is longer than {MAX_STREAM_OPTIONS} bytes."
+        ));
     }
     // The caller's options, with include_usage set; each field once (a duplicate
     // include_usage would leave the choice to the upstream's parser). The values stay as they
@@ -495,6 +520,18 @@ mod tests {
         ] {
             assert!(prepare_request(Bytes::copy_from_slice(body), false).is_err());
         }
+        // A body of more members than any request has, or options too long to take apart:
+        // refused, saying why.
+        let many = format!("{{{}\"stream\":true}}", "\"a\":0,".repeat(MAX_FIELDS));
+        assert_eq!(
+            prepare_request(Bytes::from(many), false).map(|_| ()),
+            Err(TOO_MANY_FIELDS.to_owned())
+        );
+        let long = format!(
+            "{{\"stream\":true,\"stream_options\":{{\"x\":\"{}\"}}}}",
+            "y".repeat(MAX_STREAM_OPTIONS)
+        );
+        assert!(prepare_request(Bytes::from(long), false).is_err());
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
         assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
