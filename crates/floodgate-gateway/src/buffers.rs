@@ -37,10 +37,13 @@ struct Inner {
     total_bytes: usize,
 }
 
-/// Room taken for one body; given back when dropped.
+/// Room taken for one body; given back when dropped. Each take is merged into one pair of
+/// permits (the key's share's and the total's), so a body of many small frames costs the same
+/// bookkeeping as one of a single frame.
 #[derive(Debug)]
 pub struct Room {
-    permits: Vec<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
+    permits: Option<(OwnedSemaphorePermit, OwnedSemaphorePermit)>,
+    bytes: usize,
 }
 
 /// No room came before the deadline.
@@ -93,7 +96,8 @@ impl Buffers {
     /// Room for no bytes yet, to grow with [`Buffers::take`].
     pub fn room(&self) -> Room {
         Room {
-            permits: Vec::new(),
+            permits: None,
+            bytes: 0,
         }
     }
 
@@ -127,7 +131,14 @@ impl Buffers {
         let taken = tokio::time::timeout_at(deadline, both)
             .await
             .map_err(|_| Busy)??;
-        room.permits.push(taken);
+        match &mut room.permits {
+            Some((mine, all)) => {
+                mine.merge(taken.0);
+                all.merge(taken.1);
+            }
+            None => room.permits = Some(taken),
+        }
+        room.bytes += bytes;
         Ok(())
     }
 }
@@ -135,7 +146,7 @@ impl Buffers {
 impl Room {
     /// The bytes this room holds.
     pub fn bytes(&self) -> usize {
-        self.permits.iter().map(|(p, _)| p.num_permits()).sum()
+        self.bytes
     }
 }
 
@@ -207,6 +218,19 @@ mod tests {
         assert_eq!(buffers.available(), 500);
         buffers.take(&mut more, 0, 500, soon()).await.unwrap();
         assert_eq!(more.bytes(), 500);
+    }
+
+    #[tokio::test]
+    async fn a_body_of_many_frames_is_one_room_given_back_whole() {
+        let buffers = Buffers::new(1_000_000);
+        let mut room = buffers.room();
+        for _ in 0..100_000 {
+            buffers.take(&mut room, 0, 2, soon()).await.unwrap();
+        }
+        assert_eq!(room.bytes(), 200_000);
+        assert_eq!(buffers.available(), 800_000);
+        drop(room);
+        assert_eq!(buffers.available(), 1_000_000);
     }
 
     #[tokio::test]
