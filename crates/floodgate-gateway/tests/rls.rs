@@ -650,6 +650,20 @@ async fn global_shadow_mode_answers_ok_decides_as_usual_and_counts() {
 }
 
 #[tokio::test]
+async fn a_replaced_rule_that_is_unlimited_answers_unlimited_as_envoy_does() {
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: a\n    rate_limit: {unlimited: true, name: u}\n  - key: b\n    rate_limit: {unit: minute, requests_per_unit: 5, replaces: [{name: u}]}\n",
+    )
+    .unwrap();
+    let mut s = start(config).await;
+    let r = s.call(request("d", &[&[("a", "x")], &[("b", "y")]])).await;
+    assert_eq!(r.overall_code, OK);
+    assert_eq!(r.statuses[0].limit_remaining, u32::MAX);
+    assert_eq!(r.statuses[1].limit_remaining, 4);
+}
+
+#[tokio::test]
 async fn beside_a_descriptor_that_never_passes_the_others_report_their_own_state() {
     let config = RlsConfig::parse(
         Path::new("d.yaml"),

@@ -142,6 +142,9 @@ impl Rls {
             let slot = match rule.as_deref() {
                 _ if d.is_negative_hits => Slot::Free(DescriptorOutcome::Unmatched),
                 None => Slot::Free(DescriptorOutcome::Unmatched),
+                // Unlimited before replaced, as envoyproxy/ratelimit decides: a replaced rule
+                // that is unlimited still answers unlimited.
+                Some(r) if r.window_limit().is_none() => Slot::Unlimited,
                 Some(r) if !r.name.is_empty() && replaced.contains(r.name.as_str()) => {
                     Slot::Free(DescriptorOutcome::Replaced)
                 }
