@@ -651,7 +651,9 @@ async fn a_killed_replicas_slots_lapse_within_the_lease_and_a_live_one_keeps_its
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    assert!(killed.elapsed() <= lease + Duration::from_millis(500));
+    // Within the lease, seen by a loop that looks every 100 ms on a machine that may be busy
+    // with other tests: a second's slack for the looking, not for the lapse.
+    assert!(killed.elapsed() <= lease + Duration::from_secs(1));
     let _ = std::fs::remove_file(&file);
 }
 
