@@ -196,6 +196,44 @@ impl Drop for Server {
     }
 }
 
+/// Two stores of one process on the same keys (a gateway's workers, each with its own
+/// connection) share their count of lowerings: a refund through one voids the refusal a chain
+/// remembered on the other, which would otherwise refuse a request the store now admits.
+#[tokio::test]
+async fn a_refund_through_one_store_voids_a_refusal_remembered_on_another_of_the_same_keys() {
+    let Some(url) = redis_url(
+        "a_refund_through_one_store_voids_a_refusal_remembered_on_another_of_the_same_keys",
+    ) else {
+        return;
+    };
+    let config = config(&url);
+    let (one, two) = (
+        RedisStore::connect(config.clone()).await.unwrap(),
+        RedisStore::connect(config).await.unwrap(),
+    );
+    let reserving = || {
+        Chain::new(vec![ChainLimit::new(
+            "org:a",
+            ScopeKind::Org,
+            "a",
+            Charge::Reserved,
+            WindowLimit::per_hour(1000),
+        )])
+        .cache_refusals()
+    };
+    // One chain per worker, as each worker builds its own.
+    let (first, second) = (reserving(), reserving());
+    let t = Timestamp::from_secs(1_800_000_000);
+    let a = first.admit_at(&one, 980, t).await.unwrap();
+    assert!(a.admitted);
+    assert!(!second.admit_at(&two, 180, t).await.unwrap().admitted);
+    assert!(second.cached_refusal(&two, 180u64, Some(t)).is_some());
+    // The first request used 20: 960 go back, through the first worker's store.
+    first.reconcile_at(&one, a.now, 20 - 980, t).await.unwrap();
+    assert!(second.cached_refusal(&two, 180u64, Some(t)).is_none());
+    assert!(second.admit_at(&two, 180, t).await.unwrap().admitted);
+}
+
 /// Expiries of a whole multiple of 10^8 ms are set: Redis 7.2.0-7.2.4 print such a Lua number
 /// as `1e+08`, which `PX` refuses, so every script hands `PX` digits.
 #[tokio::test]

@@ -8,8 +8,10 @@
 //! shared cases. Period counters (budgets' spend per calendar day or month) are kept the same
 //! way, with their own read and add.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::future::Future;
+use std::sync::Arc;
 
 use crate::Error;
 use crate::bucket::BucketLimit;
@@ -376,37 +378,70 @@ pub trait Store: Send + Sync {
     ) -> impl Future<Output = Result<Vec<u64>, Error>> + Send;
 }
 
-/// What a store keeps for [`Store::lowered`]: the store's identity, unique in the process, and a
-/// count of the lowerings of counts made through it, shared by its clones. The identity keeps a
-/// chain used on two stores from answering one store with the other's refusal: both counts may
-/// stand at the same number.
+/// What a store keeps for [`Store::lowered`]: the identity of the data it decides on, unique in
+/// the process, and a count of the lowerings of counts made through it, shared by its clones
+/// and by every store of the process on the same data (the Redis stores a gateway opens per
+/// worker: a refund made through one must void the refusals the others remembered). The identity
+/// keeps a chain used on two stores of different data from answering one with the other's
+/// refusal: both counts may stand at the same number.
+#[derive(Debug, Clone)]
+pub(crate) struct Lowerings(Arc<SharedLowerings>);
+
 #[derive(Debug)]
-pub(crate) struct Lowerings {
+pub(crate) struct SharedLowerings {
     store: u64,
     count: std::sync::atomic::AtomicU64,
 }
 
+/// The next identity: from 1, as 0 is the trait's default, a store that never lowers a count.
+fn next_identity() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+}
+
 impl Default for Lowerings {
+    /// A count of its own: a store whose data no other store of the process holds (a memory
+    /// store; its clones share it).
     fn default() -> Self {
-        // From 1: 0 is the trait's default, a store that never lowers a count.
-        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-        Lowerings {
-            store: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+        Lowerings(Arc::new(SharedLowerings {
+            store: next_identity(),
             count: std::sync::atomic::AtomicU64::new(0),
-        }
+        }))
     }
 }
 
 impl Lowerings {
-    /// The store's identity and its count, as one number: read before a decision is asked for,
-    /// so that a lowering that lands after is seen to have moved it.
+    /// The count of the data named `data` (a digest of where it lives: a Redis server's or
+    /// cluster's addresses and the keys' prefix), shared with every store of the process that
+    /// names the same data while one of them lives. Two names that collide only share a count:
+    /// more refusals voided, never fewer.
+    pub(crate) fn of_data(data: u64) -> Lowerings {
+        type Registry = std::sync::Mutex<HashMap<u64, std::sync::Weak<SharedLowerings>>>;
+        static REGISTRY: std::sync::OnceLock<Registry> = std::sync::OnceLock::new();
+        let mut registry = REGISTRY
+            .get_or_init(Registry::default)
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let Some(shared) = registry.get(&data).and_then(std::sync::Weak::upgrade) {
+            return Lowerings(shared);
+        }
+        registry.retain(|_, w| w.strong_count() > 0);
+        let fresh = Lowerings::default();
+        registry.insert(data, Arc::downgrade(&fresh.0));
+        fresh
+    }
+
+    /// The identity and the count, as one number: read before a decision is asked for, so that
+    /// a lowering that lands after is seen to have moved it.
     pub(crate) fn get(&self) -> u128 {
-        let count = self.count.load(std::sync::atomic::Ordering::Acquire);
-        (u128::from(self.store) << 64) | u128::from(count)
+        let count = self.0.count.load(std::sync::atomic::Ordering::Acquire);
+        (u128::from(self.0.store) << 64) | u128::from(count)
     }
 
     /// Moves the count: before a lowering goes out and again once it has landed (or failed).
     pub(crate) fn bump(&self) {
-        self.count.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        self.0
+            .count
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
     }
 }

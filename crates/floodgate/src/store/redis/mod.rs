@@ -143,6 +143,16 @@ impl fmt::Debug for RedisStore {
     }
 }
 
+/// A digest of the data `config` decides on: the server's URL (or the cluster's seeds, in any
+/// order) and the keys' prefix.
+fn data_identity(config: &RedisConfig) -> u64 {
+    use std::hash::BuildHasher;
+    let mut seeds = config.cluster.clone();
+    seeds.sort_unstable();
+    std::hash::BuildHasherDefault::<std::collections::hash_map::DefaultHasher>::default()
+        .hash_one((&config.url, &seeds, &config.prefix))
+}
+
 impl RedisStore {
     /// A store for the server `config.url` names, or for the Redis Cluster of
     /// [`RedisConfig::cluster`]'s seeds.
@@ -154,6 +164,10 @@ impl RedisStore {
     pub async fn connect(config: RedisConfig) -> Result<RedisStore, Error> {
         let maker = conn::client(&config)?;
         let conn = maker.lazy()?;
+        // Stores of one process on the same keys (a gateway opens one per worker) share their
+        // count of lowerings, so that a refund through one voids what the others' refusal
+        // caches remember (docs/design.md §11).
+        let lowered = super::Lowerings::of_data(data_identity(&config));
         let store = RedisStore {
             inner: Arc::new(Inner {
                 conn: std::sync::RwLock::new((0, conn)),
@@ -168,7 +182,7 @@ impl RedisStore {
                 tag: slots::process_tag(),
                 leases: AtomicU64::new(1),
                 held: std::sync::Mutex::new(slots::Held::default()),
-                lowered: super::Lowerings::default(),
+                lowered,
             }),
         };
         let lease = store.inner.config.lease;
