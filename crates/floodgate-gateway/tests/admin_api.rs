@@ -290,6 +290,22 @@ async fn known_sequence(store: &str) {
     );
 }
 
+/// A listener on loopback answers loopback's names only (and `[admin] hosts`): a page whose
+/// name an attacker re-resolved to 127.0.0.1 (DNS rebinding) names its own, and is refused.
+#[tokio::test]
+async fn a_request_naming_another_host_is_refused_on_loopback() {
+    let up = fake_upstream().await;
+    let s = setup("", &up.url()).await;
+    let evil = s
+        .call("GET", "/metrics", &[("host", "evil.example:9090")], "")
+        .await;
+    assert_eq!(evil.status, StatusCode::MISDIRECTED_REQUEST);
+    for host in ["localhost:9090", "127.0.0.1", "[::1]:9090"] {
+        let ok = s.call("GET", "/metrics", &[("host", host)], "").await;
+        assert_eq!(ok.status, StatusCode::OK, "{host}");
+    }
+}
+
 #[tokio::test]
 async fn the_admin_api_on_the_memory_store() {
     known_sequence("").await;

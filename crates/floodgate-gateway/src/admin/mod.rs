@@ -104,6 +104,10 @@ impl Admin {
     }
 
     async fn route(&self, req: Request<Body>) -> Response {
+        if !self.host_allowed(req.headers()) {
+            let why = "this admin listener answers its loopback names and [admin] hosts only";
+            return (StatusCode::MISDIRECTED_REQUEST, why).into_response();
+        }
         let path = req.uri().path().to_owned();
         match path.as_str() {
             "/metrics" => {
@@ -124,6 +128,23 @@ impl Admin {
                 None => AppError::NotFound.into_response(),
             },
         }
+    }
+
+    /// Whether a request naming `headers`' `Host` may be answered: any name on a listener bound
+    /// elsewhere than loopback; on loopback, loopback's own names and `[admin] hosts` (a page
+    /// an attacker's name re-resolved to 127.0.0.1, DNS rebinding, names the attacker's). A
+    /// request without a `Host` (HTTP/1.0) is answered.
+    fn host_allowed(&self, headers: &HeaderMap) -> bool {
+        if !self.inner.config.listen.ip().is_loopback() {
+            return true;
+        }
+        let Some(host) = headers.get(axum::http::header::HOST) else {
+            return true;
+        };
+        let Ok(host) = host.to_str() else {
+            return false;
+        };
+        host_is_allowed(host, &self.inner.config.hosts)
     }
 
     async fn metrics(
@@ -429,5 +450,51 @@ pub async fn run(
                 tracing::debug!(error = %e, "admin connection ended");
             }
         });
+    }
+}
+
+/// Whether `host` (a `Host` header: a name or an address, maybe with a port) is one of
+/// loopback's names or of `allowed` (lowercase names).
+fn host_is_allowed(host: &str, allowed: &[String]) -> bool {
+    let host = host.trim();
+    // `[::1]:9090`, `[::1]`, `localhost:9090`, `127.0.0.1`.
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.rsplit_once(':').map_or(host, |(name, _)| name),
+    };
+    let name = name.trim_end_matches('.').to_ascii_lowercase();
+    name == "localhost"
+        || name.parse::<IpAddr>().is_ok_and(|ip| ip.is_loopback())
+        || allowed.contains(&name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_is_allowed;
+
+    #[test]
+    fn loopback_names_and_the_configured_hosts_are_allowed() {
+        let allowed = ["admin.example.com".to_owned()];
+        for host in [
+            "localhost",
+            "LOCALHOST:9090",
+            "127.0.0.1:9090",
+            "127.1.2.3",
+            "[::1]:9090",
+            "[::1]",
+            "admin.example.com:443",
+            "admin.example.com.",
+        ] {
+            assert!(host_is_allowed(host, &allowed), "{host}");
+        }
+        for host in [
+            "evil.example",
+            "10.0.0.1:9090",
+            "[::2]:9090",
+            "",
+            "localhost.evil",
+        ] {
+            assert!(!host_is_allowed(host, &allowed), "{host}");
+        }
     }
 }

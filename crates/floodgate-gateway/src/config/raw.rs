@@ -30,13 +30,14 @@ pub(super) struct RawConfig {
 #[derive(Deserialize)]
 #[serde(
     deny_unknown_fields,
-    expecting = "an [admin] table (listen, secret or secret_sha256, metrics_auth)"
+    expecting = "an [admin] table (listen, secret or secret_sha256, metrics_auth, hosts)"
 )]
 pub(super) struct RawAdmin {
     pub(super) listen: Option<Spanned<String>>,
     pub(super) secret: Option<Spanned<String>>,
     pub(super) secret_sha256: Option<Spanned<String>>,
     pub(super) metrics_auth: Option<Spanned<bool>>,
+    pub(super) hosts: Option<Spanned<Vec<Spanned<String>>>>,
 }
 
 #[derive(Deserialize)]

@@ -324,6 +324,11 @@ pub struct AdminConfig {
     pub secret_sha256: Option<[u8; 32]>,
     /// Whether `/metrics` asks for the bearer too.
     pub metrics_auth: bool,
+    /// The host names (lowercase, no port) a request to a listener bound to loopback may name
+    /// in its `Host` besides loopback's own (`localhost`, `127.0.0.1`, `::1`): a browser page
+    /// whose name an attacker re-resolved to 127.0.0.1 (DNS rebinding) names its own, and is
+    /// refused. A listener bound elsewhere takes any `Host`.
+    pub hosts: Vec<String>,
 }
 
 /// `[alerts]`, resolved.

@@ -521,8 +521,28 @@ impl Validator<'_> {
                 "asks /metrics for the admin secret, but [admin] sets none: add `secret`",
             ));
         }
+        let mut hosts = Vec::new();
+        for h in raw.hosts.iter().flat_map(|h| h.get_ref()) {
+            let name = h.get_ref().trim().to_ascii_lowercase();
+            let plain = !name.is_empty()
+                && name
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-'));
+            if !plain {
+                return Err(self.error(
+                    h.span(),
+                    "admin.hosts",
+                    format!(
+                        "`{}` is not a host name (letters, digits, `.` and `-`; no port)",
+                        h.get_ref()
+                    ),
+                ));
+            }
+            hosts.push(name);
+        }
         Ok(Some(AdminConfig {
             listen,
+            hosts,
             secret_sha256,
             metrics_auth,
         }))
