@@ -33,7 +33,7 @@ async fn with_admin(text: &str, upstream: &str) -> (Gateway, SocketAddr) {
 async fn admin_get(addr: SocketAddr, path: &str, bearer: Option<&str>) -> (u16, String) {
     let mut tcp = TcpStream::connect(addr).await.unwrap();
     let auth = bearer.map_or(String::new(), |b| format!("authorization: Bearer {b}\r\n"));
-    let head = format!("GET {path} HTTP/1.1\r\nhost: x\r\n{auth}connection: close\r\n\r\n");
+    let head = format!("GET {path} HTTP/1.1\r\nhost: {addr}\r\n{auth}connection: close\r\n\r\n");
     tcp.write_all(head.as_bytes()).await.unwrap();
     let mut answer = Vec::new();
     tcp.read_to_end(&mut answer).await.unwrap();

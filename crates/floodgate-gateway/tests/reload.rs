@@ -100,7 +100,7 @@ async fn chat(r: &Replica, key: &str, extra: &str, body: &str) -> (u16, Option<u
 async fn reloads(r: &Replica, result: &str) -> u64 {
     let answer = exchange(
         &r.admin,
-        "GET /metrics HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n",
+        "GET /metrics HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n",
     )
     .await;
     let series = format!("floodgate_config_reloads_total{{result=\"{result}\"}} ");
