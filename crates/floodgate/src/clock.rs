@@ -27,12 +27,12 @@ impl Timestamp {
 
     /// An instant `secs` whole seconds after the epoch.
     pub const fn from_secs(secs: u64) -> Self {
-        Timestamp(secs * 1_000_000)
+        Timestamp(secs.saturating_mul(1_000_000))
     }
 
     /// An instant `millis` milliseconds after the epoch.
     pub const fn from_millis(millis: u64) -> Self {
-        Timestamp(millis * 1_000)
+        Timestamp(millis.saturating_mul(1_000))
     }
 
     /// Microseconds since the epoch.

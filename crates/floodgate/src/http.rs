@@ -470,7 +470,7 @@ impl Buf {
 
 /// Whole seconds, rounded up.
 pub fn ceil_secs(d: Duration) -> u64 {
-    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+    d.as_secs().saturating_add(u64::from(d.subsec_nanos() > 0))
 }
 
 /// Whole milliseconds, rounded up.

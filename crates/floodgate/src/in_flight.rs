@@ -123,7 +123,7 @@ impl InFlightStatus {
         InFlightStatus {
             scope: limit.scope,
             max: limit.max,
-            running: running + u64::from(admitted),
+            running: running.saturating_add(u64::from(admitted)),
             shadow: limit.shadow,
             over: running >= limit.max,
         }

@@ -66,9 +66,10 @@ impl Period {
     /// ```
     pub fn bounds(self, now: Timestamp) -> (Timestamp, Timestamp) {
         let days = now.as_micros() / DAY_MICROS;
-        let at = |days: u64| Timestamp::from_micros(days * DAY_MICROS);
+        // Past the last whole day a u64 of microseconds holds, the end stops there.
+        let at = |days: u64| Timestamp::from_micros(days.saturating_mul(DAY_MICROS));
         match self {
-            Period::Day => (at(days), at(days + 1)),
+            Period::Day => (at(days), at(days.saturating_add(1))),
             Period::Month => {
                 let (y, m, _) = civil_from_days(days);
                 let (ny, nm) = if m == 12 { (y + 1, 1) } else { (y, m + 1) };

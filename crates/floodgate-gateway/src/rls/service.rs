@@ -17,7 +17,7 @@
 //!   of the gateway's (whose tags are `org:...` or a scope).
 
 use std::borrow::Cow;
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
@@ -137,6 +137,8 @@ impl Rls {
         // The call's one admission: its limits, each with its cost, and each descriptor's place.
         let mut limits: Vec<ChainLimit> = Vec::new();
         let mut costs: Vec<u64> = Vec::new();
+        // Each limit's place in `limits`, by its storage key.
+        let mut places: HashMap<String, usize> = HashMap::new();
         let mut slots = Vec::with_capacity(rules.len());
         for (d, rule) in req.descriptors.iter().zip(&rules) {
             let slot = match rule.as_deref() {
@@ -165,7 +167,9 @@ impl Rls {
                         // overrides of one unit but different sizes on it, the stricter decides;
                         // sent twice with equal costs it is charged once, with different costs
                         // the larger.
-                        let at = match limits.iter().position(|l| l.key() == limit.key()) {
+                        // Found by key in a map, not by a search of the list: a call may carry
+                        // as many descriptors as a gRPC message holds.
+                        let at = match places.get(limit.key()).copied() {
                             Some(at) => {
                                 if stricter(&limit, &limits[at]) {
                                     limits[at] = limit;
@@ -174,6 +178,7 @@ impl Rls {
                                 at
                             }
                             None => {
+                                places.insert(limit.key().to_owned(), limits.len());
                                 limits.push(limit);
                                 costs.push(cost);
                                 limits.len() - 1

@@ -416,7 +416,11 @@ impl Inner {
             return Err((Failure::Unavailable("circuit breaker open".into()), false));
         }
         // One deadline for the whole call, replay included.
-        let deadline = tokio::time::Instant::now() + self.config.timeout;
+        // (A timeout past any instant, `Duration::MAX` meant as none, stops a year on.)
+        let now = tokio::time::Instant::now();
+        let deadline = now
+            .checked_add(self.config.timeout)
+            .unwrap_or_else(|| now + std::time::Duration::from_secs(365 * 86_400));
         let mut replays = match op.replay {
             Replay::Once => 1,
             Replay::Never => 0,
