@@ -97,28 +97,31 @@ impl HeldReservation {
     /// Takes the reservation back and waits for the refund to land. The refund runs on its
     /// own: dropping this future does not stop it.
     pub async fn refund(mut self) {
-        let Some(r) = self.reservation.take() else {
-            return;
-        };
+        if let Some(landed) = self.give_back() {
+            // An error only says the refund was dropped unpolled (no runtime): nothing to wait
+            // for.
+            let _ = landed.await;
+        }
+    }
+
+    /// Starts the refund of a reservation still held, at once or in a task; says when it has
+    /// landed. `None`: nothing was held.
+    fn give_back(&mut self) -> Option<tokio::sync::oneshot::Receiver<()>> {
+        let r = self.reservation.take()?;
         let (done, landed) = tokio::sync::oneshot::channel();
         let charger = self.charger.clone();
         now_or_in_a_task(Box::pin(async move {
             charger.reconcile_spend_now(&r, refund_of(&r)).await;
             let _ = done.send(());
         }));
-        // An error only says the refund was dropped unpolled (no runtime): nothing to wait for.
-        let _ = landed.await;
+        Some(landed)
     }
 }
 
 impl Drop for HeldReservation {
     fn drop(&mut self) {
-        if let Some(r) = self.reservation.take() {
-            let charger = self.charger.clone();
-            now_or_in_a_task(Box::pin(async move {
-                charger.reconcile_spend_now(&r, refund_of(&r)).await;
-            }));
-        }
+        // Dropped still held: the request's future went before its admission answered.
+        let _ = self.give_back();
     }
 }
 
