@@ -125,19 +125,27 @@ pub(super) fn skip_space(buf: &[u8], mut i: usize) -> usize {
 #[inline]
 pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
     let (mut i, mut escaped) = (open + 1, false);
-    // Byte by byte at first: the strings of a response are mostly a few bytes long, shorter than
-    // what a vectorised search pays for its setup. One still open after those (a message's
-    // content, thousands of bytes) is searched for its quotes and escapes.
-    let short = buf.len().min(i + SHORT_STRING);
+    // Eight bytes at a time at first: the strings of a response are mostly a few bytes long,
+    // shorter than what a vectorised search pays for its setup. One still open after those (a
+    // message's content, thousands of bytes) is searched for its quotes and escapes.
+    let short = i + SHORT_STRING;
     while i < short {
-        match buf[i] {
-            b'"' => return Some((i + 1, escaped)),
-            b'\\' => {
-                escaped = true;
-                i += 2;
-            }
-            _ => i += 1,
+        i = match word_at(buf, i) {
+            Some(w) => match first_flagged(bytes_equal(w, b'"') | bytes_equal(w, b'\\')) {
+                Some(at) => i + at,
+                None => {
+                    i += WORD;
+                    continue;
+                }
+            },
+            // The last few bytes of the buffer: one by one.
+            None => i + buf.get(i..)?.iter().position(|b| matches!(b, b'"' | b'\\'))?,
+        };
+        if buf[i] == b'"' {
+            return Some((i + 1, escaped));
         }
+        escaped = true;
+        i += 2;
     }
     long_string_end(buf, i, escaped)
 }
@@ -156,8 +164,41 @@ fn long_string_end(buf: &[u8], mut i: usize, mut escaped: bool) -> Option<(usize
     }
 }
 
-/// How many bytes of a string [`string_end`] reads one by one before it searches.
+/// How many bytes of a string [`string_end`] reads a word at a time before it searches.
 const SHORT_STRING: usize = 24;
+
+/// The bytes of a word, the unit of the scans below: eight bytes compared at once in a `u64`
+/// (docs/design.md §6). The reader's values are mostly shorter than a vectorised search's
+/// setup is worth, and longer than a byte-by-byte loop is quick for.
+const WORD: usize = 8;
+
+/// The eight bytes at `buf[i..]` as a little-endian word (the first byte lowest), if there are
+/// eight.
+#[inline]
+fn word_at(buf: &[u8], i: usize) -> Option<u64> {
+    let bytes: [u8; WORD] = buf.get(i..i.checked_add(WORD)?)?.try_into().ok()?;
+    Some(u64::from_le_bytes(bytes))
+}
+
+/// One in every byte of a word.
+const ONES: u64 = u64::from_le_bytes([0x01; WORD]);
+/// The high bit of every byte of a word.
+const HIGHS: u64 = u64::from_le_bytes([0x80; WORD]);
+
+/// The high bit set of each byte of `w` that equals `b`: exact up to and including the first
+/// such byte; bytes after it may be flagged falsely (a borrow), so only the lowest flag is read.
+#[inline]
+fn bytes_equal(w: u64, b: u8) -> u64 {
+    let x = w ^ (ONES * u64::from(b));
+    x.wrapping_sub(ONES) & !x & HIGHS
+}
+
+/// The index of the byte of the lowest flag in `flags` (from [`bytes_equal`]), if any. Flags
+/// of several searches may be or-ed: the lowest of them is exact in each.
+#[inline]
+fn first_flagged(flags: u64) -> Option<usize> {
+    (flags != 0).then(|| flags.trailing_zeros() as usize / 8)
+}
 
 /// What a byte is to [`value_end`]'s scan of a container.
 const PLAIN: u8 = 0;
@@ -176,6 +217,23 @@ static CLASS: [u8; 256] = {
     class
 };
 
+/// The first byte from `i` on that is not [`PLAIN`], a word at a time while there are eight.
+#[inline]
+fn next_structural(buf: &[u8], mut i: usize) -> Option<usize> {
+    // `{` and `[` differ in one bit (0x20), as do `}` and `]`: with it cleared, a bracket of
+    // either kind is found by one comparison.
+    const FOLD: u64 = !u64::from_le_bytes([0x20; WORD]);
+    while let Some(w) = word_at(buf, i) {
+        let folded = w & FOLD;
+        let flags = bytes_equal(w, b'"') | bytes_equal(folded, b'[') | bytes_equal(folded, b']');
+        match first_flagged(flags) {
+            Some(at) => return Some(i + at),
+            None => i += WORD,
+        }
+    }
+    Some(i + buf.get(i..)?.iter().position(|&b| CLASS[usize::from(b)] != PLAIN)?)
+}
+
 /// The end (exclusive) of the value starting at `buf[start]`; `None` if it does not end (or
 /// there is none).
 fn value_end(buf: &[u8], start: usize) -> Option<usize> {
@@ -184,9 +242,7 @@ fn value_end(buf: &[u8], start: usize) -> Option<usize> {
         b'{' | b'[' => {
             let (mut i, mut depth) = (start + 1, 1usize);
             loop {
-                while CLASS[usize::from(*buf.get(i)?)] == PLAIN {
-                    i += 1;
-                }
+                i = next_structural(buf, i)?;
                 match CLASS[usize::from(buf[i])] {
                     QUOTE => i = string_end(buf, i)?.0,
                     OPEN => {
@@ -295,6 +351,84 @@ mod tests {
         assert_eq!(string_end(br#""abc\"#, 0), None);
         let long = format!("\"{}\\", "y".repeat(100));
         assert_eq!(string_end(long.as_bytes(), 0), None);
+    }
+
+    /// [`value_end`] as a byte-by-byte reader would find it: what the word-at-a-time scans must
+    /// agree with.
+    fn value_end_byte_by_byte(buf: &[u8], start: usize) -> Option<usize> {
+        let (mut i, mut depth, mut in_string) = (start, 0usize, false);
+        loop {
+            let b = *buf.get(i)?;
+            i += 1;
+            if in_string {
+                match b {
+                    b'\\' => i += 1,
+                    b'"' => {
+                        in_string = false;
+                        if depth == 0 {
+                            return Some(i);
+                        }
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+            match b {
+                b'"' => in_string = true,
+                b'{' | b'[' => depth += 1,
+                b'}' | b']' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        return Some(i);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    #[test]
+    fn words_find_what_bytes_find_at_every_offset() {
+        // Each structural byte (and look-alikes a bit away from one: `;` `{`+1, `\x7b`-`\x20`
+        // is `[`, `\xa2` is `"` with the high bit) at every offset of a container and of a
+        // string, past the first word and in the last few bytes, which are read one by one.
+        let specials: [&[u8]; 10] = [
+            b"\"", b"\\\"", b"\\\\", b"{}", b"[]", b"{\"a\":[1]}", b";", b"\xa2", b"\xfb", b"|",
+        ];
+        for len in 0..40 {
+            for at in 0..=len {
+                for special in specials {
+                    let mut text = vec![b'x'; len];
+                    text.splice(at..at, special.iter().copied());
+                    // Inside a string (a structural byte there is text; a quote needs its
+                    // escape to stay inside), and inside an array, quoted where it is a string.
+                    let quoted: Vec<u8> = text
+                        .iter()
+                        .flat_map(|&b| if b == b'"' { vec![b'\\', b'"'] } else { vec![b] })
+                        .collect();
+                    for buf in [
+                        [&b"\""[..], &quoted, b"\",1"].concat(),
+                        [&b"["[..], &text, b"],1"].concat(),
+                        [&b"[\""[..], &quoted, b"\"],1"].concat(),
+                    ] {
+                        assert_eq!(
+                            value_end(&buf, 0),
+                            value_end_byte_by_byte(&buf, 0),
+                            "{:?}",
+                            String::from_utf8_lossy(&buf)
+                        );
+                        for cut in 0..buf.len() {
+                            assert_eq!(
+                                value_end(&buf[..cut], 0),
+                                value_end_byte_by_byte(&buf[..cut], 0),
+                                "{:?}",
+                                String::from_utf8_lossy(&buf[..cut])
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[test]
