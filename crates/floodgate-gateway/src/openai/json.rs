@@ -139,7 +139,12 @@ pub(super) fn string_end(buf: &[u8], open: usize) -> Option<(usize, bool)> {
                 }
             },
             // The last few bytes of the buffer: one by one.
-            None => i + buf.get(i..)?.iter().position(|b| matches!(b, b'"' | b'\\'))?,
+            None => {
+                i + buf
+                    .get(i..)?
+                    .iter()
+                    .position(|b| matches!(b, b'"' | b'\\'))?
+            }
         };
         if buf[i] == b'"' {
             return Some((i + 1, escaped));
@@ -231,7 +236,12 @@ fn next_structural(buf: &[u8], mut i: usize) -> Option<usize> {
             None => i += WORD,
         }
     }
-    Some(i + buf.get(i..)?.iter().position(|&b| CLASS[usize::from(b)] != PLAIN)?)
+    Some(
+        i + buf
+            .get(i..)?
+            .iter()
+            .position(|&b| CLASS[usize::from(b)] != PLAIN)?,
+    )
 }
 
 /// The end (exclusive) of the value starting at `buf[start]`; `None` if it does not end (or
@@ -393,7 +403,16 @@ mod tests {
         // is `[`, `\xa2` is `"` with the high bit) at every offset of a container and of a
         // string, past the first word and in the last few bytes, which are read one by one.
         let specials: [&[u8]; 10] = [
-            b"\"", b"\\\"", b"\\\\", b"{}", b"[]", b"{\"a\":[1]}", b";", b"\xa2", b"\xfb", b"|",
+            b"\"",
+            b"\\\"",
+            b"\\\\",
+            b"{}",
+            b"[]",
+            b"{\"a\":[1]}",
+            b";",
+            b"\xa2",
+            b"\xfb",
+            b"|",
         ];
         for len in 0..40 {
             for at in 0..=len {
@@ -404,7 +423,13 @@ mod tests {
                     // escape to stay inside), and inside an array, quoted where it is a string.
                     let quoted: Vec<u8> = text
                         .iter()
-                        .flat_map(|&b| if b == b'"' { vec![b'\\', b'"'] } else { vec![b] })
+                        .flat_map(|&b| {
+                            if b == b'"' {
+                                vec![b'\\', b'"']
+                            } else {
+                                vec![b]
+                            }
+                        })
                         .collect();
                     for buf in [
                         [&b"\""[..], &quoted, b"\",1"].concat(),

@@ -298,9 +298,16 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     let mut opts: std::collections::BTreeMap<String, Box<RawValue>> = options
         .and_then(|o| serde_json::from_str(o.get()).ok())
         .unwrap_or_default();
-    let asked = StreamRequest {
-        caller_wants_usage: opts.get("include_usage").map(|v| v.get().trim()) == Some("true"),
+    // Every spelling a case-blind server reads as `include_usage` goes, so that the one set
+    // here is the only one ([`folds_to`]).
+    let mut asked = StreamRequest {
+        caller_wants_usage: false,
     };
+    opts.retain(|k, v| {
+        let usage = folds_to(k, "include_usage");
+        asked.caller_wants_usage |= usage && v.get().trim() == "true";
+        !usage
+    });
     let yes = RawValue::from_string("true".into()).map_err(|e| e.to_string())?;
     opts.insert("include_usage".into(), yes);
     let opts = serde_json::to_string(&opts).map_err(|e| e.to_string())?;
@@ -335,16 +342,42 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
 const USAGE_OPTION: &[u8] = br#""stream_options":{"include_usage":true}"#;
 
 /// The top-level field `name` of a request body, if present; an error (for a 400) if it is
-/// named twice, since servers differ on which one counts.
+/// named twice, since servers differ on which one counts, or named in another letter case
+/// (`"Stream"`), which some servers read as `name` and others ignore ([`folds_to`]).
 fn unique_field<'a>(fields: &[Field<'a>], name: &str) -> Result<Option<&'a RawValue>, String> {
-    let mut found = fields.iter().filter(|(k, _)| k == name);
-    let first = found.next().map(|&(_, v)| v);
-    match found.next() {
-        Some(_) => Err(format!(
+    let mut found = fields.iter().filter(|(k, _)| folds_to(&k.0, name));
+    let first = found.next();
+    if found.next().is_some() {
+        return Err(format!(
             "The request body has more than one `{name}` field."
-        )),
-        None => Ok(first),
+        ));
     }
+    match first {
+        Some((k, _)) if *k != *name => Err(format!(
+            "The request body has a field that differs from `{name}` only in letter case: \
+             name it `{name}`."
+        )),
+        _ => Ok(first.map(|&(_, v)| v)),
+    }
+}
+
+/// Whether `key` is `name` (ASCII lowercase) to a server that matches field names ignoring
+/// case, as Go's `encoding/json` does (servers written in Go answer the OpenAI API): ASCII
+/// letters in either case, and the two other characters that fold to ASCII letters, `ſ`
+/// (U+017F, to `s`) and the Kelvin sign (U+212A, to `k`). A `"Stream": true` such a server
+/// streams would otherwise pass here as no stream, and its answer go uncharged
+/// (docs/gateway.md, "Requests and responses").
+fn folds_to(key: &str, name: &str) -> bool {
+    let mut name = name.bytes();
+    let same = key.chars().all(|c| {
+        let folded = match c {
+            '\u{017F}' => 's',
+            '\u{212A}' => 'k',
+            c => c.to_ascii_lowercase(),
+        };
+        name.next().is_some_and(|n| char::from(n) == folded)
+    });
+    same && name.next().is_none()
 }
 
 /// Checks a metered Responses API create body. Refused (the caller gets 400, nothing is
@@ -535,5 +568,43 @@ mod tests {
         // Which `stream` counts depends on the server's parser: refused.
         assert!(ask(br#"{"stream":false,"stream":true}"#).is_err());
         assert!(ask(br#"{"stream":true,"stream_options":{},"stream_options":{}}"#).is_err());
+    }
+
+    #[test]
+    fn a_field_a_case_blind_server_reads_as_stream_is_refused() {
+        // Go's encoding/json streams on any of these; the gateway would not have asked for
+        // usage.
+        for body in [
+            &br#"{"Stream":true}"#[..],
+            br#"{"STREAM":false}"#,
+            "{\"\u{017F}tream\":true}".as_bytes(),
+            br#"{"stream":true,"Stream_Options":{}}"#,
+            br#"{"stream":true,"stream":false}"#,
+        ] {
+            let got = prepare_request(Bytes::copy_from_slice(body), false);
+            assert!(got.is_err(), "{}", String::from_utf8_lossy(body));
+        }
+        let bg = "{\"bac\u{212A}ground\":true}";
+        assert!(check_responses_request(bg.as_bytes()).is_err());
+        // Not a fold of `stream`: other fields pass.
+        assert!(
+            prepare_request(Bytes::from_static(br#"{"streams":true,"strea":1}"#), false).is_ok()
+        );
+        // Inside the options, every spelling of include_usage gives way to the one set.
+        let p = prepare_request(
+            Bytes::from_static(br#"{"stream":true,"stream_options":{"Include_Usage":true,"x":1}}"#),
+            false,
+        )
+        .unwrap();
+        assert_eq!(
+            &p.body[..],
+            br#"{"stream":true,"stream_options":{"include_usage":true,"x":1}}"#
+        );
+        assert_eq!(
+            p.stream,
+            Some(StreamRequest {
+                caller_wants_usage: true
+            })
+        );
     }
 }
