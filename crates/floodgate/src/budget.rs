@@ -185,11 +185,11 @@ impl Budgets {
             return Ok(decide(&[], &[], now.unwrap_or_else(Timestamp::now)));
         }
         let seen = store.read_periods(&self.counters, now).await?;
-        Ok(self.decision_of(&seen))
+        Ok(self.decision_of(seen))
     }
 
     /// The decision a read of every budget's counter gives (`seen`, in order).
-    pub(crate) fn decision_of(&self, seen: &PeriodObservation) -> BudgetDecision {
+    pub(crate) fn decision_of(&self, seen: PeriodObservation) -> BudgetDecision {
         if !seen.enforced {
             return BudgetDecision {
                 now: seen.now,
@@ -200,7 +200,7 @@ impl Budgets {
                 waits_for: None,
             };
         }
-        decide(&self.budgets, &seen.totals, seen.now)
+        decided(&self.budgets, seen.totals, seen.now)
     }
 
     /// Every budget's counter, in order: where its spend is stored.
@@ -270,7 +270,7 @@ impl Budgets {
             .map(|t| t.saturating_sub(amount))
             .collect();
         let over = |i: usize, b: &Budget| seen.totals.get(i).is_some_and(|&t| t > b.cap);
-        let mut decision = decide(&self.budgets, &before, seen.now);
+        let mut decision = decided(&self.budgets, before, seen.now);
         decision.exceeded_by = self
             .budgets
             .iter()
@@ -314,9 +314,15 @@ impl Budgets {
 
 /// The decision for `budgets` with their spend `spent` (same order) at `now`: pure.
 pub fn decide(budgets: &[Budget], spent: &[u64], now: Timestamp) -> BudgetDecision {
+    decided(budgets, spent.to_vec(), now)
+}
+
+/// [`decide`], keeping `spent` in the decision rather than a copy: a request's check allocates
+/// one list, not two.
+fn decided(budgets: &[Budget], spent: Vec<u64>, now: Timestamp) -> BudgetDecision {
     let mut exceeded_by = None;
     let mut longest: Option<(usize, Duration)> = None;
-    for (i, (b, &s)) in budgets.iter().zip(spent).enumerate() {
+    for (i, (b, &s)) in budgets.iter().zip(&spent).enumerate() {
         if s >= b.cap {
             exceeded_by.get_or_insert(i);
             let wait = b.period().remaining(now);
@@ -328,7 +334,7 @@ pub fn decide(budgets: &[Budget], spent: &[u64], now: Timestamp) -> BudgetDecisi
     BudgetDecision {
         now,
         enforced: true,
-        spent: spent.to_vec(),
+        spent,
         exceeded_by,
         retry_after: longest.map(|(_, w)| w),
         waits_for: longest.map(|(i, _)| i),

@@ -415,7 +415,7 @@ impl Chain {
         let (read, seen) = store
             .admit_within(budgets.counters(), budgets.caps(), &self.limits, costs, now)
             .await?;
-        let checked = budgets.decision_of(&read);
+        let checked = budgets.decision_of(read);
         Ok((checked, seen.map(|seen| self.decided(seen, costs, lowered))))
     }
 

@@ -620,7 +620,11 @@ impl MemoryStore {
             self.record_sync(spent.limits, spent.units, None);
         }
         if spent.adds() {
-            self.add_periods_sync(spent.counters, spent.amount, None);
+            // The totals after are not asked for: added without a list to hold them.
+            let (now, sweep_at) = self.times(None);
+            for c in spent.counters {
+                self.add_period(c, spent.amount, now, sweep_at);
+            }
         }
         landed(Ok(()));
     }
@@ -810,35 +814,43 @@ impl MemoryStore {
         // response do not depend on each other.
         let totals = counters
             .iter()
-            .map(|c| {
-                let (hash, shard) = self.locate(c.key());
-                let mut shard = self.lock(shard);
-                let state =
-                    PeriodState::added(shard.period(hash, c.key(), now), c.period(), now, amount);
-                let expires = c.expires(now);
-                if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
-                    slot.state = state;
-                    slot.expires = expires;
-                } else {
-                    shard.grow(sweep_at);
-                    let slot = PeriodSlot {
-                        key: c.key().into(),
-                        state,
-                        expires,
-                    };
-                    let hasher = &self.inner.hasher;
-                    shard
-                        .periods
-                        .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
-                }
-                state.total
-            })
+            .map(|c| self.add_period(c, amount, now, sweep_at))
             .collect();
         PeriodObservation {
             now,
             enforced: true,
             totals,
         }
+    }
+
+    /// Adds `amount` to counter `c` at `now`; returns its total after.
+    fn add_period(
+        &self,
+        c: &PeriodCounter,
+        amount: u64,
+        now: Timestamp,
+        sweep_at: Timestamp,
+    ) -> u64 {
+        let (hash, shard) = self.locate(c.key());
+        let mut shard = self.lock(shard);
+        let state = PeriodState::added(shard.period(hash, c.key(), now), c.period(), now, amount);
+        let expires = c.expires(now);
+        if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
+            slot.state = state;
+            slot.expires = expires;
+        } else {
+            shard.grow(sweep_at);
+            let slot = PeriodSlot {
+                key: c.key().into(),
+                state,
+                expires,
+            };
+            let hasher = &self.inner.hasher;
+            shard
+                .periods
+                .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
+        }
+        state.total
     }
 }
 
