@@ -246,16 +246,18 @@ async fn an_upstream_length_beside_chunked_framing_does_not_cut_the_answer() {
 
 /// An upstream that answers an upload (`POST`) with a 401 as soon as its head is in and then
 /// reads its body to the end, and every other request with a 200 after 100 ms; counts the
-/// connections it accepted.
-async fn refusing_uploads_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>) {
+/// connections it accepted and the uploads it read to their end.
+async fn refusing_uploads_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>, Arc<AtomicUsize>) {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let accepted = Arc::new(AtomicUsize::new(0));
-    let counted = Arc::clone(&accepted);
+    let uploaded = Arc::new(AtomicUsize::new(0));
+    let (counted, read_whole) = (Arc::clone(&accepted), Arc::clone(&uploaded));
     tokio::spawn(async move {
         loop {
             let (mut conn, _) = listener.accept().await.unwrap();
             counted.fetch_add(1, Ordering::SeqCst);
+            let read_whole = Arc::clone(&read_whole);
             tokio::spawn(async move {
                 let mut got = Vec::new();
                 let mut buf = [0u8; 8192];
@@ -275,6 +277,7 @@ async fn refusing_uploads_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>)
                             if body_left > 0 {
                                 break;
                             }
+                            read_whole.fetch_add(1, Ordering::SeqCst);
                         }
                         let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
                             break;
@@ -299,12 +302,12 @@ async fn refusing_uploads_upstream() -> (std::net::SocketAddr, Arc<AtomicUsize>)
             });
         }
     });
-    (addr, accepted)
+    (addr, accepted, uploaded)
 }
 
 #[tokio::test]
 async fn a_connection_left_to_finish_an_upload_is_reused_after_it() {
-    let (up, accepted) = refusing_uploads_upstream().await;
+    let (up, accepted, uploaded) = refusing_uploads_upstream().await;
     let gw = one_worker_gateway(up).await;
     // A: an upload, trickled; the upstream refuses it at once and reads on.
     let mut a = refused_upload(&gw, 200_000).await;
@@ -314,7 +317,12 @@ async fn a_connection_left_to_finish_an_upload_is_reused_after_it() {
     assert_eq!(accepted.load(Ordering::SeqCst), 2);
     // A's upload ends: its connection can carry requests again.
     a.write_all(&[b'x'; 199_000]).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The upstream has read it whole: the gateway sent its last byte, and the connection,
+    // ready again, went back into the pool as that send finished.
+    wait_until("the upstream read A's upload whole", || {
+        uploaded.load(Ordering::SeqCst) == 1
+    })
+    .await;
     // C and D at once (each answered after 100 ms): both go on the two kept connections.
     let (c, d) = tokio::join!(gw.send(models()), gw.send(models()));
     assert_eq!((c.status.as_u16(), d.status.as_u16()), (200, 200));

@@ -353,14 +353,7 @@ async fn budget_chat(gw: &Gateway) -> Reply {
 async fn two_gateways_share_one_budget() {
     let Some(redis) = redis_url() else { return };
     // The budget is per UTC day on Redis's clock: a run across midnight would see it reset.
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs();
-    let to_midnight = 86_400 - secs % 86_400;
-    if to_midnight < 30 {
-        tokio::time::sleep(Duration::from_secs(to_midnight + 1)).await;
-    }
+    early_in_a_window(Duration::from_secs(86_400), Duration::from_secs(30)).await;
     let up = fake_upstream().await;
     let prefix = format!("fgtest:{}:", unique());
     // 100 µUSD a day; each answer below spends 38 (50 + 50 tokens of gpt-4o-mini).

@@ -657,13 +657,22 @@ pub fn promtool_accepts(text: &str) {
 /// fades out of the estimate). It waits for the clock itself, the one thing such a test
 /// depends on.
 pub async fn early_in_a_minute() {
+    early_in_a_window(Duration::from_secs(60), Duration::from_secs(20)).await;
+}
+
+/// Returns once the wall clock's current window of `window` (windows start at multiples of it
+/// since the epoch, as the stores' do) has at least `room` left, waiting for the next window if
+/// not: [`early_in_a_minute`] for any window.
+pub async fn early_in_a_window(window: Duration, room: Duration) {
+    let window = window.as_micros();
     let into = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_micros()
-        % 60_000_000;
-    if into > 40_000_000 {
-        tokio::time::sleep(Duration::from_micros((60_000_000 - into) as u64 + 1_000)).await;
+        % window;
+    if into + room.as_micros() > window {
+        let left = u64::try_from(window - into).unwrap();
+        tokio::time::sleep(Duration::from_micros(left + 1_000)).await;
     }
 }
 
