@@ -108,9 +108,44 @@ pub struct MeteredBody {
     held: Option<Held>,
 }
 
+/// A JSON body's frames, kept to read its usage at its end: the first on its own (a body
+/// mostly comes in one), so that keeping it allocates nothing.
+#[derive(Default)]
+struct Frames {
+    first: Option<Bytes>,
+    rest: Vec<Bytes>,
+}
+
+impl Frames {
+    fn push(&mut self, frame: Bytes) {
+        match self.first {
+            None => self.first = Some(frame),
+            Some(_) => self.rest.push(frame),
+        }
+    }
+
+    /// The frames so far as one body: borrowed when there is one.
+    fn whole(&self) -> std::borrow::Cow<'_, [u8]> {
+        match &self.first {
+            None => std::borrow::Cow::Borrowed(&[]),
+            Some(first) if self.rest.is_empty() => std::borrow::Cow::Borrowed(first),
+            Some(first) => {
+                let mut all = Vec::with_capacity(
+                    first.len() + self.rest.iter().map(Bytes::len).sum::<usize>(),
+                );
+                all.extend_from_slice(first);
+                for frame in &self.rest {
+                    all.extend_from_slice(frame);
+                }
+                std::borrow::Cow::Owned(all)
+            }
+        }
+    }
+}
+
 enum Mode {
     Pass,
-    Json { chunks: Vec<Bytes>, size: usize },
+    Json { chunks: Frames, size: usize },
     Sse(SseFilter),
 }
 
@@ -128,7 +163,7 @@ impl MeteredBody {
         let mode = match meter {
             Meter::None => Mode::Pass,
             Meter::Json => Mode::Json {
-                chunks: Vec::new(),
+                chunks: Frames::default(),
                 size: 0,
             },
             Meter::Sse { strip_usage } => {
@@ -166,12 +201,11 @@ impl MeteredBody {
 
     fn parse_json(&mut self) {
         if let Mode::Json { chunks, .. } = &mut self.mode {
-            let (usage, model) = match chunks.len() {
-                0 => (None, None),
-                1 => usage_and_model_from_json(&chunks[0]),
-                _ => usage_and_model_from_json(&chunks.concat()),
+            let (usage, model) = match chunks.first {
+                None => (None, None),
+                Some(_) => usage_and_model_from_json(&chunks.whole()),
             };
-            chunks.clear();
+            *chunks = Frames::default();
             self.tokens = usage.map(|u| u.total);
             self.usage = usage;
             self.model = model;
@@ -188,7 +222,7 @@ impl MeteredBody {
         match &self.mode {
             Mode::Pass => false,
             Mode::Json { chunks, .. } => {
-                !chunks.is_empty() && usage_and_model_from_json(&chunks.concat()).0.is_none()
+                chunks.first.is_some() && usage_and_model_from_json(&chunks.whole()).0.is_none()
             }
             Mode::Sse(f) => f.answered && f.usage.is_none(),
         }

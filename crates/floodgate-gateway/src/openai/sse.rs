@@ -514,7 +514,10 @@ mod tests {
             br#"data: {"choices":[{"finish_reason":null},{"finish_reason":"stop"}]}"#,
         ]));
         // A key's colon is looked for on its own line, not in the next event.
-        assert!(!has_finish_reason(&[br#": "finish_reason""#, br#": "stop""#]));
+        assert!(!has_finish_reason(&[
+            br#": "finish_reason""#,
+            br#": "stop""#
+        ]));
         // The answer's last chunk, then the usage chunk and the end: answered.
         assert!(has_finish_reason(&[
             br#"data: {"choices":[{"finish_reason":null}]}"#,
@@ -524,7 +527,9 @@ mod tests {
         ]));
         // A frame's last finish_reason is the one read; once answered, a stream stays so.
         let mut f = SseFilter::new(false);
-        f.push(Bytes::from_static(b"data: {\"finish_reason\":\"stop\"}\n\n"));
+        f.push(Bytes::from_static(
+            b"data: {\"finish_reason\":\"stop\"}\n\n",
+        ));
         f.push(Bytes::from_static(b"data: {\"finish_reason\":null}\n\n"));
         assert!(f.answered);
     }
