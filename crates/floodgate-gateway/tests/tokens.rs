@@ -197,6 +197,8 @@ async fn a_stream_flag_an_upstream_might_read_either_way_is_refused_and_charges_
         r#"{"model":"m","stream":1,"messages":[]}"#,
         r#"{"model":"m","stream":"true","messages":[]}"#,
         r#"{"model":"m","stream":true,"temperature":NaN,"messages":[]}"#,
+        // A server in Go matches field names ignoring case.
+        r#"{"model":"m","Stream":true,"messages":[]}"#,
     ] {
         let r = gw.chat("sk-k", body).await;
         assert_eq!(r.status, 400, "{body}: {}", r.text());
