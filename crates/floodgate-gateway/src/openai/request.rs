@@ -239,6 +239,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
         }
         Err(_) => return Err("The request body is not a JSON object.".into()),
     };
+    no_case_variants(&fields)?;
     let field = |name: &str| unique_field(&fields, name);
     let stream = field("stream")?;
     let options = field("stream_options")?;
@@ -361,6 +362,41 @@ fn unique_field<'a>(fields: &[Field<'a>], name: &str) -> Result<Option<&'a RawVa
     }
 }
 
+/// The fields the gateway reads for an estimate or a price: what [`OutputCap::of`] reads, and
+/// the model.
+const READ_FIELDS: [&str; 6] = [
+    "max_completion_tokens",
+    "max_tokens",
+    "max_output_tokens",
+    "n",
+    "best_of",
+    "model",
+];
+
+/// An error (for a 400) if a top-level key is one of [`READ_FIELDS`] in another letter case
+/// ([`folds_to`]): a case-blind server would read it (a cap the estimate did not count, say)
+/// where the gateway does not. The OpenAI API refuses a field it does not know, so no caller
+/// of it sends one.
+fn no_case_variants(fields: &[Field<'_>]) -> Result<(), String> {
+    for (key, _) in fields {
+        // A key in lowercase ASCII is a variant of no lowercase name but itself.
+        if key
+            .0
+            .bytes()
+            .all(|b| b.is_ascii() && !b.is_ascii_uppercase())
+        {
+            continue;
+        }
+        if let Some(name) = READ_FIELDS.iter().find(|name| folds_to(&key.0, name)) {
+            return Err(format!(
+                "The request body has a field that differs from `{name}` only in letter case: \
+                 name it `{name}`."
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Whether `key` is `name` (ASCII lowercase) to a server that matches field names ignoring
 /// case, as Go's `encoding/json` does (servers written in Go answer the OpenAI API): ASCII
 /// letters in either case, and the two other characters that fold to ASCII letters, `ſ`
@@ -391,6 +427,7 @@ pub fn check_responses_request(body: &[u8]) -> Result<OutputCap, String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(body) else {
         return Err("The request body is not a JSON object.".into());
     };
+    no_case_variants(&fields)?;
     match unique_field(&fields, "background")?.map(RawValue::get) {
         None | Some("false" | "null") => Ok(OutputCap::of(&fields)),
         Some("true") => Err(
@@ -571,7 +608,7 @@ mod tests {
     }
 
     #[test]
-    fn a_field_a_case_blind_server_reads_as_stream_is_refused() {
+    fn a_field_a_case_blind_server_reads_differently_is_refused() {
         // Go's encoding/json streams on any of these; the gateway would not have asked for
         // usage.
         for body in [
@@ -583,6 +620,16 @@ mod tests {
         ] {
             let got = prepare_request(Bytes::copy_from_slice(body), false);
             assert!(got.is_err(), "{}", String::from_utf8_lossy(body));
+        }
+        // Nor any field the estimate or the price reads.
+        for body in [
+            &br#"{"Max_Tokens":100000}"#[..],
+            br#"{"N":8}"#,
+            "{\"max_output_to\u{212A}ens\":9}".as_bytes(),
+        ] {
+            let got = prepare_request(Bytes::copy_from_slice(body), false);
+            assert!(got.is_err(), "{}", String::from_utf8_lossy(body));
+            assert!(check_responses_request(body).is_err());
         }
         let bg = "{\"bac\u{212A}ground\":true}";
         assert!(check_responses_request(bg.as_bytes()).is_err());
