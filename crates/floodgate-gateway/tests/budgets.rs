@@ -163,6 +163,39 @@ async fn a_spent_daily_budget_refuses_until_midnight_utc_and_charges_no_rate_lim
 }
 
 #[tokio::test]
+async fn a_budget_refusal_waits_for_the_rate_limit_too_when_it_frees_later() {
+    // One request a day (a sliding window of a day) and a daily budget the first answer spends
+    // (38 µUSD against 30), 100 s before midnight UTC.
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = tiny_budget()
+        .replace(
+            "rate_limit = { requests = 10 }",
+            "rate_limit = { requests = 1, window_sec = 86400 }",
+        )
+        .replace("usd = 0.0001", "usd = 0.00003");
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let model = "gpt-4o-mini";
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, model, 100).await.status, 200);
+    // The budget frees at midnight, in 100 s; the day's request weighs on the window until the
+    // end of the next day, 86 500 s away: the request passes then, and not before.
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    assert_eq!(r.header("retry-after"), Some("86500"));
+    assert_eq!(r.header("retry-after-ms"), Some("86500000"));
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("retry after 86500s"), "{message}");
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    // Midnight: the budget is whole again, the window still full, as the wait said.
+    clock.advance(Duration::from_secs(100));
+    let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.header("retry-after"), Some("86400"));
+    assert_eq!(up.seen.hits(), 1);
+}
+
+#[tokio::test]
 async fn an_org_budget_refuses_every_key_of_the_org() {
     let up = fake_upstream().await;
     let clock = FakeClock::new(BEFORE_MIDNIGHT);
@@ -429,8 +462,8 @@ async fn a_budget_refusal_carries_the_rate_limit_state() {
     assert_eq!(r.json()["error"]["code"], "budget_exceeded");
     assert_eq!(
         r.header("retry-after"),
-        Some("4"),
-        "the budget's day ends in 4 s"
+        Some("64"),
+        "the budget's day ends in 4 s, the request's minute leaves the window in 64 s"
     );
     assert_eq!(r.header("x-ratelimit-limit-requests"), Some("1"));
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));

@@ -13,11 +13,12 @@
 //! - [`Ctx::upstream_failed`]: the upstream could not answer an admitted request.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::chain::Costs;
+use floodgate::store::Store;
 use floodgate::{BudgetDecision, Budgets, Chain, ChainDecision, Charge, ScopeKind};
 
 use super::state::{AppState, LimitKind, Live};
@@ -310,7 +311,7 @@ impl Ctx {
             };
             match checked {
                 Ok(d) if d.allowed() => {}
-                Ok(d) => return Err(self.refuse_budget(budgets, &d).await),
+                Ok(d) => return Err(self.refuse_budget(budgets, &d, estimate).await),
                 // Budgets fail open on their own (`on_error.budgets`): read as unspent.
                 Err(floodgate::Error::Unavailable(_))
                     if self.state.fails_open(LimitKind::Budgets) => {}
@@ -370,7 +371,9 @@ impl Ctx {
             .note_breaker(read_failed || admitted == Some(true));
         let decision = match both {
             Ok((_, Some(decision))) => decision,
-            Ok((checked, None)) => return Err(self.refuse_budget(budgets, &checked).await),
+            Ok((checked, None)) => {
+                return Err(self.refuse_budget(budgets, &checked, estimate).await);
+            }
             // Budgets fail open on their own (`on_error.budgets`): read as unspent, and then the
             // chain fails as its kinds say.
             Err(floodgate::Error::Unavailable(_))
@@ -579,12 +582,25 @@ impl Ctx {
     /// The 429 for a request refused by a spent budget: `insufficient_quota`, with
     /// `Retry-After` until the budget's period ends and the chain's rate-limit state when it
     /// could be read. Counted in the refusal tally like a rate-limit refusal.
-    async fn refuse_budget(&self, budgets: &Budgets, decision: &BudgetDecision) -> Response {
+    async fn refuse_budget(
+        &self,
+        budgets: &Budgets,
+        decision: &BudgetDecision,
+        estimate: Estimate,
+    ) -> Response {
         let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
-        let (Some(b), Some(wait)) = (exceeded, decision.retry_after) else {
+        let (Some(b), Some(budget_wait)) = (exceeded, decision.retry_after) else {
             let err = AppError::Internal("refused without an exceeded budget".into());
             return self.answer(err, Decision::RefusedUnnamed);
         };
+        // The request passes once its budgets' periods have ended and its rate limits have room
+        // for it: `Retry-After` is the later of the two (a window of a day can outlast the day's
+        // budget), so that a client pacing on it is not refused again.
+        let (rates, window_wait) = match self.rates_and_wait(estimate).await {
+            Some((rates, wait)) => (Some(rates), wait),
+            None => (None, Duration::ZERO),
+        };
+        let wait = budget_wait.max(window_wait);
         // The wait is until every exceeded budget's period ends: when another one's ends after
         // the named one's, the message says which kind it is, or "retry after 23 days" under a
         // "daily cap" would read as a mistake.
@@ -601,13 +617,52 @@ impl Ctx {
         };
         self.count_refusal(b.scope());
         let mut resp = self.answer(err, Decision::Budget(b.scope()));
-        if let Some(rates) = self.rates().await {
-            // The state only: `Retry-After` is the budget's (a read of cost 0 says what is
-            // left, not when a request of cost 1 would pass; the rate-limit resets say that).
+        if let Some(rates) = rates {
+            // The state only: `Retry-After` is written below.
             headers::apply(resp.headers_mut(), &rates, &self.fixed);
         }
         headers::apply_retry_after(resp.headers_mut(), wait);
         resp
+    }
+
+    /// The chain's rate-limit state, read without charging anything, and how long a request of
+    /// this one's costs (1 a request limit, `estimate` a reserving token limit) waits on its
+    /// enforced limits with no other traffic (zero if they would admit it now); `None` when the
+    /// store cannot say. One read of the windows ([`floodgate::store::Store::read_state`]),
+    /// decided as an admission of cost 0 decides them ([`rates`](Self::rates)), so that the
+    /// headers are the same.
+    async fn rates_and_wait(&self, estimate: Estimate) -> Option<(ChainDecision, Duration)> {
+        let limits = self.chain.limits();
+        if limits.iter().any(|l| !l.fits(1)) {
+            // A limit no request can pass: `rates` answers "never" without the store, and no
+            // wait cures it.
+            return self.rates().await.map(|d| (d, Duration::ZERO));
+        }
+        let start = Instant::now();
+        let seen = self.state.store().read_state(limits, &[], None).await;
+        // Timed as the admission of cost 0 it stands for.
+        let metrics = self.state.metrics();
+        metrics.store_call(StoreOp::Admit, start.elapsed(), seen.is_err());
+        let seen = seen.ok()?;
+        let zero = Costs::Each(0);
+        let admitted = floodgate::chain::first_refusal(limits, &seen.snapshots, zero).is_none();
+        let rates =
+            ChainDecision::from_snapshots(limits, &seen.snapshots, seen.now, zero, admitted);
+        let wait = limits
+            .iter()
+            .zip(&seen.snapshots)
+            .filter_map(|(l, s)| {
+                let cost = match l.charge() {
+                    Charge::Reserved => estimate.total(),
+                    Charge::Admission | Charge::Reactive => 1,
+                };
+                l.refuses(s, cost)
+                    .then(|| s.retry_after(l.limit(), l.charge(), cost))
+                    .flatten()
+            })
+            .max()
+            .unwrap_or(Duration::ZERO);
+        Some((rates, wait))
     }
 
     /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
