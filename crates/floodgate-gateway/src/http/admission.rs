@@ -596,9 +596,10 @@ impl Ctx {
         // The request passes once its budgets' periods have ended and its rate limits have room
         // for it: `Retry-After` is the later of the two (a window of a day can outlast the day's
         // budget), so that a client pacing on it is not refused again.
-        let (rates, window_wait) = match self.rates_and_wait(estimate).await {
-            Some((rates, wait)) => (Some(rates), wait),
-            None => (None, Duration::ZERO),
+        let rates = self.rates().await;
+        let window_wait = match &rates {
+            Some(rates) => self.window_wait(rates, budget_wait, estimate).await,
+            None => Duration::ZERO,
         };
         let wait = budget_wait.max(window_wait);
         // The wait is until every exceeded budget's period ends: when another one's ends after
@@ -617,52 +618,58 @@ impl Ctx {
         };
         self.count_refusal(b.scope());
         let mut resp = self.answer(err, Decision::Budget(b.scope()));
-        if let Some(rates) = rates {
+        if let Some(rates) = &rates {
             // The state only: `Retry-After` is written below.
-            headers::apply(resp.headers_mut(), &rates, &self.fixed);
+            headers::apply(resp.headers_mut(), rates, &self.fixed);
         }
         headers::apply_retry_after(resp.headers_mut(), wait);
         resp
     }
 
-    /// The chain's rate-limit state, read without charging anything, and how long a request of
-    /// this one's costs (1 a request limit, `estimate` a reserving token limit) waits on its
-    /// enforced limits with no other traffic (zero if they would admit it now); `None` when the
-    /// store cannot say. One read of the windows ([`floodgate::store::Store::read_state`]),
-    /// decided as an admission of cost 0 decides them ([`rates`](Self::rates)), so that the
-    /// headers are the same.
-    async fn rates_and_wait(&self, estimate: Estimate) -> Option<(ChainDecision, Duration)> {
-        let limits = self.chain.limits();
-        if limits.iter().any(|l| !l.fits(1)) {
-            // A limit no request can pass: `rates` answers "never" without the store, and no
-            // wait cures it.
-            return self.rates().await.map(|d| (d, Duration::ZERO));
+    /// How long a request of this one's costs (1 a request limit, `estimate` a reserving token
+    /// limit) waits on its chain's enforced rate limits with no other traffic, where that can be
+    /// longer than `floor`; `floor` where it cannot, or the store cannot say. `rates`, the
+    /// chain's state at cost 0, bounds each limit's wait by its reset (the time its window
+    /// takes to empty): only a limit short of room whose reset is past `floor` is worth an exact
+    /// answer, read from the windows without charging (one store call, in a budget refusal
+    /// whose period ends before such a window frees: a day's window, or a few seconds before
+    /// midnight).
+    async fn window_wait(
+        &self,
+        rates: &ChainDecision,
+        floor: Duration,
+        estimate: Estimate,
+    ) -> Duration {
+        let cost_of = |charge: Charge| match charge {
+            Charge::Reserved => estimate.total(),
+            Charge::Admission | Charge::Reactive => 1,
+        };
+        let may_outlast = rates
+            .statuses
+            .iter()
+            .any(|st| !st.shadow && st.remaining < cost_of(st.charge) && st.reset > floor);
+        if !may_outlast {
+            return floor;
         }
+        let limits = self.chain.limits();
         let start = Instant::now();
         let seen = self.state.store().read_state(limits, &[], None).await;
-        // Timed as the admission of cost 0 it stands for.
+        // Timed as the admission of cost 0 it stands beside.
         let metrics = self.state.metrics();
         metrics.store_call(StoreOp::Admit, start.elapsed(), seen.is_err());
-        let seen = seen.ok()?;
-        let zero = Costs::Each(0);
-        let admitted = floodgate::chain::first_refusal(limits, &seen.snapshots, zero).is_none();
-        let rates =
-            ChainDecision::from_snapshots(limits, &seen.snapshots, seen.now, zero, admitted);
+        let Ok(seen) = seen else { return floor };
         let wait = limits
             .iter()
             .zip(&seen.snapshots)
             .filter_map(|(l, s)| {
-                let cost = match l.charge() {
-                    Charge::Reserved => estimate.total(),
-                    Charge::Admission | Charge::Reactive => 1,
-                };
+                let cost = cost_of(l.charge());
                 l.refuses(s, cost)
                     .then(|| s.retry_after(l.limit(), l.charge(), cost))
                     .flatten()
             })
             .max()
             .unwrap_or(Duration::ZERO);
-        Some((rates, wait))
+        floor.max(wait)
     }
 
     /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
