@@ -4,7 +4,7 @@
 use std::sync::LazyLock;
 
 use bytes::{Bytes, BytesMut};
-use memchr::memmem::{Finder, FinderRev};
+use memchr::memmem::Finder;
 
 use super::json::{skip_space, string_end};
 use super::usage::{self, TokenUsage};
@@ -32,8 +32,7 @@ pub(crate) struct SseFilter {
     /// The model named by the stream's chunks: the usage chunk's, else the first named.
     pub(crate) model: Option<String>,
     /// Whether a chunk has given a choice its `finish_reason`: the answer is complete, and only
-    /// the usage chunk (and `[DONE]`) may follow. Read from the last `"finish_reason"` field of
-    /// each frame's whole events ([`last_finish_is_a_string`]).
+    /// the usage chunk (and `[DONE]`) may follow.
     pub(crate) answered: bool,
     /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
     /// tokens (a chunk carries about one).
@@ -211,6 +210,7 @@ impl SseFilter {
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
         let mut usage_keys = Hits::new(&USAGE_KEY, &events);
+        let mut finish_keys = (!self.answered).then(|| Hits::new(&FINISH_REASON_KEY, &events));
         while start < events.len() {
             let end = match event_end(&events[start..]) {
                 Some(e) => start + e,
@@ -218,12 +218,19 @@ impl SseFilter {
                 None => break,
             };
             let event = &events[start..end];
+            let finished = finish_keys.as_mut().is_some_and(|k| {
+                k.fields_in(&events, start, end)
+                    .any(|(_, v)| event.get(v) == Some(&b'"'))
+            });
             let usage: Vec<UsageField> = usage_keys
                 .fields_in(&events, start, end)
                 .filter(|&(_, value)| value < event.len())
                 .map(|(key, value)| UsageField { key, value })
                 .collect();
-            let action = self.inspect(event, usage);
+            let action = self.inspect(event, finished, usage);
+            if self.answered {
+                finish_keys = None;
+            }
             if out.is_none() && !matches!(action, Action::Keep) {
                 // The first change: copy what came before, then build the rest.
                 let mut b = BytesMut::with_capacity(events.len());
@@ -239,22 +246,18 @@ impl SseFilter {
             }
             start = end;
         }
-        // One search a frame, from its end: a stream sent event by event (as it is generated)
-        // has each event read; a frame of many events has its last finish_reason read, which
-        // is the answer's last chunk's (only the usage chunk and `[DONE]` follow it).
-        if !self.answered && last_finish_is_a_string(&events[..start]) {
-            self.answered = true;
-        }
         let out = out.map_or_else(|| events.slice(..start), BytesMut::freeze);
         (out, start)
     }
 
-    /// Reads an event's usage; says what to forward. `fields`: its `"usage"` fields, each
-    /// followed by a value.
-    fn inspect(&mut self, event: &[u8], fields: Vec<UsageField>) -> Action {
+    /// Reads an event's usage; says what to forward. `finished`: the event has a
+    /// `"finish_reason"` field whose value is a string (not `null`): a choice of the answer is
+    /// complete. `fields`: its `"usage"` fields, each followed by a value.
+    fn inspect(&mut self, event: &[u8], finished: bool, fields: Vec<UsageField>) -> Action {
         if is_data_event(event) {
             self.events += 1;
         }
+        self.answered |= finished;
         if self.want_model && self.model.is_none() {
             // Until one chunk names it: the first chunk usually does, so this is one search.
             self.model = model_in(event);
@@ -326,8 +329,7 @@ impl UsageField {
 type Key = LazyLock<Finder<'static>>;
 
 static USAGE_KEY: Key = LazyLock::new(|| Finder::new(b"\"usage\""));
-static FINISH_REASON_KEY: LazyLock<FinderRev<'static>> =
-    LazyLock::new(|| FinderRev::new(b"\"finish_reason\""));
+static FINISH_REASON_KEY: Key = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
 
 /// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
@@ -349,26 +351,6 @@ fn fields<'a>(
         }
         None
     })
-}
-
-/// Whether the last `"finish_reason"` field in `events` (a key a colon follows on its line, any
-/// spacing, any nesting) has a string value, not `null`: a choice of the answer is complete.
-/// (A `"finish_reason"` inside a string value has its quotes escaped, so it is not found.)
-fn last_finish_is_a_string(events: &[u8]) -> bool {
-    let key: &FinderRev<'static> = &FINISH_REASON_KEY;
-    let mut end = events.len();
-    while let Some(at) = key.rfind(&events[..end]) {
-        let after = at + key.needle().len();
-        // The key's line: its colon and value are read there, never in the next event.
-        let line = &events[..after
-            + memchr::memchr2(b'\n', b'\r', &events[after..]).unwrap_or(events.len() - after)];
-        let colon = skip_space(line, after);
-        if line.get(colon) == Some(&b':') {
-            return line.get(skip_space(line, colon + 1)) == Some(&b'"');
-        }
-        end = at;
-    }
-    false
 }
 
 /// The string value of the first `"model"` field in `event` (any nesting, any spacing), if any.
@@ -513,25 +495,12 @@ mod tests {
             br#": "finish_reason""#,
             br#"data: {"choices":[{"finish_reason":null},{"finish_reason":"stop"}]}"#,
         ]));
-        // A key's colon is looked for on its own line, not in the next event.
-        assert!(!has_finish_reason(&[
-            br#": "finish_reason""#,
-            br#": "stop""#
-        ]));
-        // The answer's last chunk, then the usage chunk and the end: answered.
+        // With several choices, the first finished one counts, even when another's chunk
+        // follows it in the same frame.
         assert!(has_finish_reason(&[
-            br#"data: {"choices":[{"finish_reason":null}]}"#,
-            br#"data: {"choices":[{"finish_reason":"stop"}]}"#,
-            br#"data: {"choices":[],"usage":{"total_tokens":3}}"#,
-            b"data: [DONE]",
+            br#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
+            br#"data: {"choices":[{"index":1,"delta":{"content":"x"},"finish_reason":null}]}"#,
         ]));
-        // A frame's last finish_reason is the one read; once answered, a stream stays so.
-        let mut f = SseFilter::new(false);
-        f.push(Bytes::from_static(
-            b"data: {\"finish_reason\":\"stop\"}\n\n",
-        ));
-        f.push(Bytes::from_static(b"data: {\"finish_reason\":null}\n\n"));
-        assert!(f.answered);
     }
 
     #[test]
