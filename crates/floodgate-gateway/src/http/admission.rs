@@ -630,8 +630,8 @@ impl Ctx {
     /// limit) waits on its chain's enforced rate limits with no other traffic, where that can be
     /// longer than `floor`; `floor` where it cannot, or the store cannot say. `rates`, the
     /// chain's state at cost 0, bounds each limit's wait by its reset (the time its window
-    /// takes to empty): only a limit short of room whose reset is past `floor` is worth an exact
-    /// answer, read from the windows without charging (one store call, in a budget refusal
+    /// takes to empty) unless that read refused it: only a limit short of room whose reset is
+    /// past `floor`, or one over its max, is worth an exact answer, read from the windows without charging (one store call, in a budget refusal
     /// whose period ends before such a window frees: a day's window, or a few seconds before
     /// midnight).
     async fn window_wait(
@@ -644,10 +644,12 @@ impl Ctx {
             Charge::Reserved => estimate.total(),
             Charge::Admission | Charge::Reactive => 1,
         };
-        let may_outlast = rates
-            .statuses
-            .iter()
-            .any(|st| !st.shadow && st.remaining < cost_of(st.charge) && st.reset > floor);
+        let may_outlast = rates.statuses.iter().any(|st| {
+            // A limit the cost-0 read itself refused (over its max: a reservation's overshoot,
+            // a lowered limit) has that read's wait as its reset, which a larger cost
+            // outlasts: it is no bound.
+            !st.shadow && (st.over || st.remaining < cost_of(st.charge) && st.reset > floor)
+        });
         if !may_outlast {
             return floor;
         }
