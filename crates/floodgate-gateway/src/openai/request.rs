@@ -373,11 +373,12 @@ const READ_FIELDS: [&str; 6] = [
     "model",
 ];
 
-/// An error (for a 400) if a top-level key is one of [`READ_FIELDS`] in another letter case
-/// ([`folds_to`]): a case-blind server would read it (a cap the estimate did not count, say)
+/// An error (for a 400) if one of [`READ_FIELDS`] is named twice, or a top-level key is one
+/// of them in another letter case ([`folds_to`]): a case-blind server would read it (a cap the estimate did not count, say)
 /// where the gateway does not. The OpenAI API refuses a field it does not know, so no caller
 /// of it sends one.
 fn no_case_variants(fields: &[Field<'_>]) -> Result<(), String> {
+    let mut seen = [false; READ_FIELDS.len()];
     for (key, _) in fields {
         // A key in lowercase ASCII is a variant of no lowercase name but itself.
         if key
@@ -385,6 +386,15 @@ fn no_case_variants(fields: &[Field<'_>]) -> Result<(), String> {
             .bytes()
             .all(|b| b.is_ascii() && !b.is_ascii_uppercase())
         {
+            // Named twice, the estimate would read the first where most servers read the last.
+            if let Some(i) = READ_FIELDS.iter().position(|name| *key == **name)
+                && std::mem::replace(&mut seen[i], true)
+            {
+                let name = READ_FIELDS[i];
+                return Err(format!(
+                    "The request body has more than one `{name}` field."
+                ));
+            }
             continue;
         }
         if let Some(name) = READ_FIELDS.iter().find(|name| folds_to(&key.0, name)) {
@@ -625,6 +635,7 @@ mod tests {
         for body in [
             &br#"{"Max_Tokens":100000}"#[..],
             br#"{"N":8}"#,
+            br#"{"max_tokens":10,"max_tokens":100000}"#,
             "{\"max_output_to\u{212A}ens\":9}".as_bytes(),
         ] {
             let got = prepare_request(Bytes::copy_from_slice(body), false);
