@@ -783,22 +783,7 @@ impl MemoryStore {
             else {
                 continue;
             };
-            let expires = c.expires(now);
-            if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
-                slot.state = state;
-                slot.expires = expires;
-            } else {
-                shard.grow(sweep_at);
-                let slot = PeriodSlot {
-                    key: c.key().into(),
-                    state,
-                    expires,
-                };
-                let hasher = &self.inner.hasher;
-                shard
-                    .periods
-                    .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
-            }
+            self.put_period(&mut shard, hash, c, state, (now, sweep_at));
         }
     }
 
@@ -834,6 +819,20 @@ impl MemoryStore {
         let (hash, shard) = self.locate(c.key());
         let mut shard = self.lock(shard);
         let state = PeriodState::added(shard.period(hash, c.key(), now), c.period(), now, amount);
+        self.put_period(&mut shard, hash, c, state, (now, sweep_at));
+        state.total
+    }
+
+    /// Stores counter `c`'s `state` (its key hashed to `hash`) in its locked `shard`, its
+    /// expiry pushed on from `now`; a new slot may sweep the shard first (at `sweep_at`).
+    fn put_period(
+        &self,
+        shard: &mut Shard,
+        hash: u64,
+        c: &PeriodCounter,
+        state: PeriodState,
+        (now, sweep_at): (Timestamp, Timestamp),
+    ) {
         let expires = c.expires(now);
         if let Some(slot) = shard.periods.find_mut(hash, |s| &*s.key == c.key()) {
             slot.state = state;
@@ -850,7 +849,6 @@ impl MemoryStore {
                 .periods
                 .insert_unique(hash, slot, |s| hasher.hash_one(&*s.key));
         }
-        state.total
     }
 }
 
