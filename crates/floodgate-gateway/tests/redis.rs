@@ -349,6 +349,54 @@ async fn budget_chat(gw: &Gateway) -> Reply {
     gw.send(req).await
 }
 
+/// On Redis, a budget refusal's `Retry-After` is read from the windows when a rate limit frees
+/// after the budget: a day's window of one request, used, outlasts the day's budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_budget_refusal_on_redis_waits_for_a_day_window() {
+    let Some(redis) = redis_url() else { return };
+    // The budget is per UTC day on Redis's clock: a run across midnight would see it reset.
+    early_in_a_window(Duration::from_secs(86_400), Duration::from_secs(30)).await;
+    let up = fake_upstream().await;
+    let prefix = format!("fgtest:{}:", unique());
+    // 30 µUSD a day; the one answer spends 38.
+    let text = format!(
+        r#"
+[store]
+backend = "redis"
+url = "{redis}"
+prefix = "{prefix}"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "shared"
+secret = "sk-shared"
+org = "acme"
+rate_limit = {{ requests = 1, window_sec = 86400 }}
+[[prices]]
+model = "gpt-4o-mini"
+input_per_million = 0.15
+output_per_million = 0.60
+[[budgets]]
+scope = "org"
+id = "acme"
+period = "day"
+usd = 0.00003
+"#
+    );
+    let gw = gateway(&text, &up.url()).await;
+    assert_eq!(budget_chat(&gw).await.status, 200);
+    gw.settled().await;
+    let r = budget_chat(&gw).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    // The budget frees at midnight, at most a day away; the day's request weighs on the
+    // window until the end of the next day, more than a day away.
+    let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!(wait > 86_400, "{wait}");
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("0"));
+    assert_eq!(up.seen.hits(), 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_gateways_share_one_budget() {
     let Some(redis) = redis_url() else { return };
