@@ -452,3 +452,33 @@ async fn a_compressed_body_of_a_metered_key_is_refused_with_415_and_charges_noth
     let r = gw.chat("sk-k", CHAT).await;
     assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
 }
+
+/// A metered completion is read before it is forwarded; it reaches the upstream whole, framed by
+/// one `Content-Length` of its length, whether it came with its length or chunked.
+#[tokio::test]
+async fn a_metered_completion_reaches_the_upstream_framed_by_its_length() {
+    let up = fake_upstream().await;
+    let gw = gateway(LIMITED, &up.url()).await;
+    let framing = |up: &FakeUpstream| {
+        let h = up.seen.last_headers();
+        let lengths: Vec<String> = h
+            .get_all("content-length")
+            .iter()
+            .map(|v| v.to_str().unwrap().to_owned())
+            .collect();
+        (lengths, h.contains_key("transfer-encoding"))
+    };
+    let want: Value = serde_json::from_str(CHAT).unwrap();
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(framing(&up), (vec![CHAT.len().to_string()], false));
+    assert_eq!(up.seen.last_body(), want);
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), "");
+    *req.body_mut() = futures_chunks(CHAT.as_bytes().to_vec());
+    req.headers_mut().remove("content-length");
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(framing(&up), (vec![CHAT.len().to_string()], false));
+    assert_eq!(up.seen.last_body(), want);
+    assert_eq!(up.seen.hits(), 2);
+}

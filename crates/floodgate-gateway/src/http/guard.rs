@@ -152,10 +152,18 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
     checked.estimate = estimate(sent_len, prepared.output, rules.default_output);
     checked.stream = prepared.stream;
     checked.model = prepared.model;
-    checked
-        .parts
-        .headers
-        .insert(CONTENT_LENGTH, HeaderValue::from(prepared.body.len()));
+    // A body forwarded as it came keeps the one `Content-Length` it came with (hyper read
+    // exactly that many bytes); a rewritten one, one that came chunked or with the length
+    // repeated, is framed by one header of its length.
+    let headers = &mut checked.parts.headers;
+    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    let framed_as_sent = prepared.body.len() == sent_len
+        && lengths.next().is_some()
+        && lengths.next().is_none()
+        && !headers.contains_key(TRANSFER_ENCODING);
+    if !framed_as_sent {
+        headers.insert(CONTENT_LENGTH, HeaderValue::from(prepared.body.len()));
+    }
     checked.body = Body::new(HeldBody::new(prepared.body, room));
     Ok(checked)
 }

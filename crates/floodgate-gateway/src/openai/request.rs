@@ -247,10 +247,13 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     // Read only to price a response that names no model: a duplicate or a non-string is no
     // model rather than an error.
     let model = if want_model {
-        field("model")
-            .ok()
-            .flatten()
-            .and_then(|m| serde_json::from_str::<String>(m.get()).ok())
+        field("model").ok().flatten().and_then(|m| {
+            match super::usage::plain_string(m.get().as_bytes()) {
+                // The common spelling, read without the parser: a string without escapes.
+                Some(plain) => plain.map(str::to_owned),
+                None => serde_json::from_str::<String>(m.get()).ok(),
+            }
+        })
     } else {
         None
     };
@@ -452,6 +455,38 @@ pub fn check_responses_request(body: &[u8]) -> Result<OutputCap, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_model_is_read_as_a_json_string_escapes_undone() {
+        let model = |body: &'static [u8]| {
+            prepare_request(Bytes::from_static(body), true)
+                .unwrap()
+                .model
+        };
+        assert_eq!(model(br#"{"model":"gpt-4o"}"#).as_deref(), Some("gpt-4o"));
+        // Escaped, it is what the upstream reads: the parser undoes the escapes.
+        assert_eq!(
+            model(br#"{"model":"gpt\u002d4o"}"#).as_deref(),
+            Some("gpt-4o")
+        );
+        assert_eq!(model(br#"{"model":"a\"b"}"#).as_deref(), Some("a\"b"));
+        // Anything but a string is no model.
+        for body in [
+            &br#"{"model":null}"#[..],
+            br#"{"model":4}"#,
+            br#"{"other":1}"#,
+        ] {
+            assert_eq!(
+                prepare_request(Bytes::from_static(body), true)
+                    .unwrap()
+                    .model,
+                None
+            );
+        }
+        // Not asked for: not read.
+        let p = prepare_request(Bytes::from_static(br#"{"model":"m"}"#), false).unwrap();
+        assert_eq!(p.model, None);
+    }
 
     #[test]
     fn the_estimate_is_the_body_plus_the_output_cap_times_the_choices() {

@@ -269,7 +269,7 @@ fn plain_count(raw: &[u8]) -> Option<Option<u64>> {
 
 /// A string value without escapes (its text between the quotes) or `null`; `None` for anything
 /// else.
-fn plain_string(raw: &[u8]) -> Option<Option<&str>> {
+pub(super) fn plain_string(raw: &[u8]) -> Option<Option<&str>> {
     if raw == b"null" {
         return Some(None);
     }
