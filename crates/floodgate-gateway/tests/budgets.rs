@@ -196,6 +196,39 @@ async fn a_budget_refusal_waits_for_the_rate_limit_too_when_it_frees_later() {
 }
 
 #[tokio::test]
+async fn a_budget_refusal_waits_for_a_token_limit_the_answer_overdrew() {
+    // 10 tokens a minute and a daily budget; the first answer uses 1000 tokens (375 µUSD against
+    // 100), 30 s before midnight UTC: the token limit is over its max, not merely full.
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(Timestamp::from_secs(1_796_083_200 + 86_400 - 30));
+    let text = format!(
+        "{}\n[[rate_limits]]\nscope = \"key\"\nid = \"k\"\ntpm = 10\n",
+        tiny_budget()
+    );
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let model = "gpt-4o-mini";
+    assert_eq!(chat_as(&gw, "sk-k", CHAT, model, 1000).await.status, 200);
+    // The budget frees at midnight, in 30 s. The 1000 tokens fill this minute's bucket, 30 s
+    // into it; a request passes a token limit whose window is not full, once they weigh less
+    // than 10 in the next bucket's sliding window: 1000 * (60 - e) / 60 < 10, e > 59.4 s into
+    // it, 89.4 s (and a microsecond) from now.
+    let r = chat_as(&gw, "sk-k", CHAT, model, 1000).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    assert_eq!(r.header("retry-after"), Some("90"));
+    assert_eq!(r.header("retry-after-ms"), Some("89401"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("0"));
+    // At midnight the budget is whole again and the tokens still weigh: refused by the limit,
+    // with what is left of the same wait.
+    clock.advance(Duration::from_secs(30));
+    let r = chat_as(&gw, "sk-k", CHAT, model, 1000).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+    assert_eq!(r.header("retry-after-ms"), Some("59401"));
+    assert_eq!(up.seen.hits(), 1);
+}
+
+#[tokio::test]
 async fn an_org_budget_refuses_every_key_of_the_org() {
     let up = fake_upstream().await;
     let clock = FakeClock::new(BEFORE_MIDNIGHT);
