@@ -280,6 +280,23 @@ fn value_end(buf: &[u8], start: usize) -> Option<usize> {
     }
 }
 
+/// A string value without escapes (its text between the quotes) or `null`; `None` for anything
+/// else.
+pub(super) fn plain_string(raw: &[u8]) -> Option<Option<&str>> {
+    if raw == b"null" {
+        return Some(None);
+    }
+    let text = raw.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
+    if text.contains(&b'\\') {
+        return None;
+    }
+    // Control characters are not allowed unescaped in a JSON string: the full parse decides.
+    if text.iter().any(|&b| b < 0x20) {
+        return None;
+    }
+    std::str::from_utf8(text).ok().map(Some)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

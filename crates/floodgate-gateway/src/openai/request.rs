@@ -248,7 +248,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     // model rather than an error.
     let model = if want_model {
         field("model").ok().flatten().and_then(|m| {
-            match super::usage::plain_string(m.get().as_bytes()) {
+            match super::json::plain_string(m.get().as_bytes()) {
                 // The common spelling, read without the parser: a string without escapes.
                 Some(plain) => plain.map(str::to_owned),
                 None => serde_json::from_str::<String>(m.get()).ok(),

@@ -199,11 +199,11 @@ fn quick_read(body: &[u8]) -> Option<Read> {
     };
     let model = match model {
         None => None,
-        Some(raw) => plain_string(raw)?.map(str::to_owned),
+        Some(raw) => json::plain_string(raw)?.map(str::to_owned),
     };
     let run_step = match object {
         None => false,
-        Some(raw) => plain_string(raw)? == Some("thread.run.step"),
+        Some(raw) => json::plain_string(raw)? == Some("thread.run.step"),
     };
     let usage = if run_step {
         // As `UsageCarrier::usage`: a run step's usage is its run's.
@@ -265,23 +265,6 @@ fn plain_count(raw: &[u8]) -> Option<Option<u64>> {
             .map(Some),
         _ => None,
     }
-}
-
-/// A string value without escapes (its text between the quotes) or `null`; `None` for anything
-/// else.
-pub(super) fn plain_string(raw: &[u8]) -> Option<Option<&str>> {
-    if raw == b"null" {
-        return Some(None);
-    }
-    let text = raw.strip_prefix(b"\"")?.strip_suffix(b"\"")?;
-    if text.contains(&b'\\') {
-        return None;
-    }
-    // Control characters are not allowed unescaped in a JSON string: the full parse decides.
-    if text.iter().any(|&b| b < 0x20) {
-        return None;
-    }
-    std::str::from_utf8(text).ok().map(Some)
 }
 
 /// A Realtime API server event, as far as metering reads it.
