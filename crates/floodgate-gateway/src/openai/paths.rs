@@ -12,6 +12,11 @@ use axum::http::Method;
 /// segment's `;...`). A path taken for a completion that is not one only has its body
 /// checked.
 pub fn is_completion_path(path: &str) -> bool {
+    known(path).map_or_else(|| reads_as_completion(path), |k| k.completion)
+}
+
+/// [`is_completion_path`] for a path [`KNOWN`] does not list: segment by segment.
+fn reads_as_completion(path: &str) -> bool {
     with_segments(path, |s| {
         s.next_back()
             .is_some_and(|l| l.eq_ignore_ascii_case(b"completions"))
@@ -21,6 +26,11 @@ pub fn is_completion_path(path: &str) -> bool {
 /// Whether a request path names the Responses API's create endpoint (`.../responses`), read as
 /// [`is_completion_path`] reads a path.
 pub fn is_responses_path(path: &str) -> bool {
+    known(path).map_or_else(|| reads_as_responses(path), |k| k.responses)
+}
+
+/// [`is_responses_path`] for a path [`KNOWN`] does not list: segment by segment.
+fn reads_as_responses(path: &str) -> bool {
     with_segments(path, |s| {
         s.next_back()
             .is_some_and(|l| l.eq_ignore_ascii_case(b"responses"))
@@ -37,6 +47,13 @@ pub fn is_responses_path(path: &str) -> bool {
 /// carries (chat completions, responses, embeddings, audio, images, streamed runs and their
 /// `submit_tool_outputs`, a response's `compact`, other APIs an upstream serves).
 pub fn is_generating_request(method: &Method, path: &str) -> bool {
+    method == Method::POST
+        && known(path).map_or_else(|| reads_as_generating(path), |k| k.generating)
+}
+
+/// Whether a `POST` to `path` makes the upstream generate ([`is_generating_request`]), for a
+/// path [`KNOWN`] does not list: segment by segment.
+fn reads_as_generating(path: &str) -> bool {
     const STORED: [&[u8]; 4] = [b"completions", b"responses", b"runs", b"batches"];
     // The creates themselves, however the path starts (read as `is_completion_path` reads it,
     // so a body rewritten to ask for usage always has its answer read), and the actions on a
@@ -50,25 +67,77 @@ pub fn is_generating_request(method: &Method, path: &str) -> bool {
     ];
     let named =
         |segment: &[u8], names: &[&[u8]]| names.iter().any(|n| segment.eq_ignore_ascii_case(n));
-    method == Method::POST
-        && with_segments(path, |s| {
-            let Some(last) = s.next_back() else {
-                return true;
-            };
-            if named(last, &GENERATE) {
-                return true;
-            }
-            if named(last, &[b"cancel"]) {
+    with_segments(path, |s| {
+        let Some(last) = s.next_back() else {
+            return true;
+        };
+        if named(last, &GENERATE) {
+            return true;
+        }
+        if named(last, &[b"cancel"]) {
+            return false;
+        }
+        // A segment after a stored collection's name names a stored one.
+        for segment in &mut *s {
+            if named(segment, &STORED) {
                 return false;
             }
-            // A segment after a stored collection's name names a stored one.
-            for segment in &mut *s {
-                if named(segment, &STORED) {
-                    return false;
-                }
-            }
-            true
-        })
+        }
+        true
+    })
+}
+
+/// How a path reads: what [`is_completion_path`], [`is_responses_path`] and (for a `POST`)
+/// [`is_generating_request`] say of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Reading {
+    completion: bool,
+    responses: bool,
+    generating: bool,
+}
+
+/// The paths nearly every metered request names, spelled as the API documents them, with how
+/// they read: told by one comparison each instead of split into segments, on a path every
+/// metered request takes (docs/design.md §6, "Which requests are read"). Every other spelling
+/// is read segment by segment; a test proves each reading here is the one that gives.
+const KNOWN: [(&str, Reading); 4] = [
+    (
+        "/v1/chat/completions",
+        Reading {
+            completion: true,
+            responses: false,
+            generating: true,
+        },
+    ),
+    (
+        "/v1/responses",
+        Reading {
+            completion: false,
+            responses: true,
+            generating: true,
+        },
+    ),
+    (
+        "/v1/completions",
+        Reading {
+            completion: true,
+            responses: false,
+            generating: true,
+        },
+    ),
+    (
+        "/v1/embeddings",
+        Reading {
+            completion: false,
+            responses: false,
+            generating: true,
+        },
+    ),
+];
+
+/// How `path` reads, if it is one of the [`KNOWN`] paths as spelled there.
+fn known(path: &str) -> Option<Reading> {
+    KNOWN.iter().find(|(p, _)| *p == path).map(|&(_, r)| r)
 }
 
 /// `f` of the path's non-empty segments, read as a lenient upstream may read them (see
@@ -173,6 +242,23 @@ mod tests {
             assert!(!post(path), "{path}");
         }
         assert!(!is_generating_request(&Method::GET, "/v1/responses"));
+        assert!(!is_generating_request(&Method::GET, "/v1/chat/completions"));
+    }
+
+    #[test]
+    fn the_known_paths_read_as_their_segments_do() {
+        for (path, reading) in KNOWN {
+            let segments = Reading {
+                completion: reads_as_completion(path),
+                responses: reads_as_responses(path),
+                generating: reads_as_generating(path),
+            };
+            assert_eq!(reading, segments, "{path}");
+            assert_eq!(known(path), Some(reading));
+        }
+        // Only the exact spelling is known; any other goes segment by segment, as before.
+        assert_eq!(known("/v1/chat/completions/"), None);
+        assert_eq!(known("/V1/chat/completions"), None);
         assert!(!is_generating_request(&Method::GET, "/v1/chat/completions"));
     }
 
