@@ -338,7 +338,12 @@ impl Tally {
     fn collect(&self, day: NaiveDate) {
         let mut days = lock(&self.aggregate);
         let subjects = lock(&self.subjects);
-        for w in lock(&self.workers).iter() {
+        lock(&self.workers).retain_mut(|w| {
+            // Counters no worker holds any more (each reload, even a refused one, gives every
+            // worker new ones) take no more counts: emptied now, they go, or every reload would
+            // leave a set behind for good. Told before their counts are taken (`get_mut`
+            // synchronizes with the last holder's drop, so its last counts are seen).
+            let orphaned = Arc::get_mut(w).is_some();
             for (slot, counter) in w.slots.iter().enumerate() {
                 let n = counter.swap(0, Ordering::Relaxed);
                 if n > 0 {
@@ -350,7 +355,8 @@ impl Tally {
                     *count = count.saturating_add(n);
                 }
             }
-        }
+            !orphaned
+        });
         if matches!(self.keep, Keep::Memory) {
             let oldest = oldest_kept(day, self.retention_days);
             days.retain(|d, _| *d >= oldest);
@@ -755,6 +761,33 @@ mod tests {
         assert_eq!(
             days["2026-12-02"],
             BTreeMap::from([("key:alice".into(), 1)])
+        );
+    }
+
+    #[tokio::test]
+    async fn counters_no_worker_holds_go_at_the_flush_after_their_counts() {
+        let tally = Tally::in_memory(&config(None, 90));
+        let kept = tally.worker();
+        for _ in 0..100 {
+            // A reload: every worker gets new counters, and the old ones are dropped.
+            let replaced = tally.worker();
+            replaced.refused(Subject::Key(0));
+            drop(replaced);
+        }
+        kept.refused(Subject::Gateway);
+        assert_eq!(lock(&tally.workers).len(), 101);
+        flush_on(&tally, day("2026-12-01")).await;
+        assert_eq!(lock(&tally.workers).len(), 1, "only the counters still held are kept");
+        assert_eq!(
+            lock(&tally.aggregate)["2026-12-01"],
+            BTreeMap::from([("gateway".into(), 1), ("key:alice".into(), 100)]),
+            "the dropped counters' counts are all taken first"
+        );
+        kept.refused(Subject::Gateway);
+        flush_on(&tally, day("2026-12-02")).await;
+        assert_eq!(
+            lock(&tally.aggregate)["2026-12-02"],
+            BTreeMap::from([("gateway".into(), 1)])
         );
     }
 
