@@ -777,7 +777,11 @@ mod tests {
         kept.refused(Subject::Gateway);
         assert_eq!(lock(&tally.workers).len(), 101);
         flush_on(&tally, day("2026-12-01")).await;
-        assert_eq!(lock(&tally.workers).len(), 1, "only the counters still held are kept");
+        assert_eq!(
+            lock(&tally.workers).len(),
+            1,
+            "only the counters still held are kept"
+        );
         assert_eq!(
             lock(&tally.aggregate)["2026-12-01"],
             BTreeMap::from([("gateway".into(), 1), ("key:alice".into(), 100)]),
