@@ -2140,6 +2140,90 @@ fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     }
 }
 
+#[test]
+fn a_charge_queued_as_its_runtime_ends_is_answered_and_later_calls_are_served() {
+    let test = "a_charge_queued_as_its_runtime_ends_is_answered_and_later_calls_are_served";
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let (home, store) = store_on_own_runtime(&server.url());
+    let limits = vec![req("k", ScopeKind::Key, 100)];
+    assert!(
+        home.block_on(store.admit(&limits, 1.into(), None))
+            .unwrap()
+            .enforced
+    );
+    // A response's charge made by the last task of a runtime that then ends: the queue's
+    // sender is spawned there and never runs.
+    let tokens = vec![ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "tok",
+        Charge::Reactive,
+        WindowLimit::per_minute(1_000),
+    )];
+    let (landed, answer) = std::sync::mpsc::channel();
+    let gone = current_runtime();
+    gone.block_on(async {
+        let spent = floodgate::store::Spent {
+            limits: &tokens,
+            units: 5,
+            counters: &[],
+            amount: 0,
+        };
+        store.charge_then(spent, move |result| {
+            let _ = landed.send(result.is_ok());
+        });
+    });
+    drop(gone);
+    // Before, the charge was never answered, and the queue stayed marked as served by a sender
+    // that would never run: every later call on it waited until the queue filled.
+    assert_eq!(
+        answer.recv_timeout(Duration::from_secs(5)),
+        Ok(false),
+        "the charge is answered, failed with the sender that could not send it"
+    );
+    let later = current_runtime();
+    let answered = later.block_on(async {
+        tokio::time::timeout(Duration::from_secs(5), store.admit(&limits, 1.into(), None)).await
+    });
+    assert!(
+        answered.is_ok_and(|d| d.is_ok_and(|d| d.enforced)),
+        "a later admission is sent by a new sender"
+    );
+}
+
+#[test]
+fn the_breaker_closes_again_when_its_runtime_ends_before_its_probe_first_runs() {
+    let test = "the_breaker_closes_again_when_its_runtime_ends_before_its_probe_first_runs";
+    let Some(mut server) = Server::start(test) else {
+        return;
+    };
+    server.stop();
+    // The store connects while Redis is down: the breaker trips and its probe is spawned on a
+    // runtime that ends before the probe first runs.
+    let boot = current_runtime();
+    let store = boot.block_on(store(&server.url()));
+    drop(boot);
+    server.restart();
+    let limits = vec![req("k", ScopeKind::Key, 100)];
+    let later = current_runtime();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let d = later
+            .block_on(store.admit(&limits, 1.into(), None))
+            .unwrap();
+        if d.enforced {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still failing open 10 s after Redis came back: the breaker stayed open"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
 fn day_budget(id: &str, cap: u64) -> Budgets {
     Budgets::new(vec![Budget::new(
         "org:acme",

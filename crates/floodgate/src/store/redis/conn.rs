@@ -367,7 +367,9 @@ impl Inner {
                 "floodgate: Redis unreachable; deciding without it until it answers again"
             );
         }
-        tokio::spawn(probe(Arc::downgrade(self)));
+        // The probe's hold is taken before its task is spawned: a task dropped before it first
+        // runs closes the breaker too ([`Unprobed`]).
+        tokio::spawn(probe(Unprobed(Arc::downgrade(self))));
     }
 
     /// Closes the breaker after a probe: calls go to Redis again; the first that succeeds logs
@@ -486,20 +488,23 @@ async fn ping(conn: &mut Connection) -> Result<(), String> {
         .map_err(|e| e.to_string())
 }
 
-/// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
-async fn probe(inner: Weak<Inner>) {
-    // Dropped before Redis answered (its runtime shut down, with a store shared across
-    // runtimes), the probe would leave the breaker open for good: it closes it instead, so the
-    // next call tries Redis and, if Redis is still down, trips it again with a new probe.
-    struct Unprobed(Weak<Inner>);
-    impl Drop for Unprobed {
-        fn drop(&mut self) {
-            if let Some(inner) = self.0.upgrade() {
-                inner.reopen();
-            }
+/// A probe's hold on the breaker it was started for. A probe dropped before Redis answered (its
+/// runtime shut down, with a store shared across runtimes, even before the probe first ran)
+/// would leave the breaker open for good: dropping this closes it instead, so the next call
+/// tries Redis and, if Redis is still down, trips it again with a new probe.
+struct Unprobed(Weak<Inner>);
+
+impl Drop for Unprobed {
+    fn drop(&mut self) {
+        if let Some(inner) = self.0.upgrade() {
+            inner.reopen();
         }
     }
-    let _close = Unprobed(inner.clone());
+}
+
+/// Probes Redis until it answers, then closes the breaker. Ends early if the store is dropped.
+async fn probe(close: Unprobed) {
+    let inner = close.0.clone();
     loop {
         let Some(interval) = inner.upgrade().map(|i| i.config.probe_interval) else {
             return;

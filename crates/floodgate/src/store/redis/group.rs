@@ -162,9 +162,44 @@ pub(super) fn enqueue<T, S, F, Fut>(
     };
     if push(&lane, call) {
         let ctx = ctx.clone();
+        // Held before the task is spawned: a task dropped before it first runs (its runtime
+        // shutting down) still lets the queue go.
+        let serving = Serving::new(lane);
         drop(runtime.spawn(async move {
-            serve(&lane, bounds, |batch| send(ctx.clone(), batch)).await;
+            serve(serving, bounds, |batch| send(ctx.clone(), batch)).await;
         }));
+    }
+}
+
+/// A queue's sender's hold on it, taken when [`push`] marks the queue as served. If sending stops
+/// before the queue is empty (a panic, a runtime shutting down, a task dropped before it first
+/// ran), the queue must not stay marked: the queued calls fail and the next call starts a sender
+/// again.
+pub(super) struct Serving<T: Queued> {
+    queue: Arc<Mutex<Queue<T>>>,
+    done: bool,
+}
+
+impl<T: Queued> Serving<T> {
+    pub(super) fn new(queue: Arc<Mutex<Queue<T>>>) -> Serving<T> {
+        Serving { queue, done: false }
+    }
+}
+
+impl<T: Queued> Drop for Serving<T> {
+    fn drop(&mut self) {
+        if !self.done {
+            let queued = {
+                let mut q = lock(&self.queue);
+                q.sending = false;
+                q.lingering = false;
+                std::mem::take(&mut q.pending)
+            };
+            let why = Failure::Unavailable("the batch sender stopped".into());
+            for call in queued {
+                call.fail(&why);
+            }
+        }
     }
 }
 
@@ -187,22 +222,26 @@ pub(super) fn put_back<T>(queue: &Mutex<Queue<T>>, mut calls: Vec<T>) {
 /// Queues `call`; says whether the caller must start a sender ([`serve`]). A call that does not
 /// linger wakes a sender lingering for it.
 fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
-    let mut q = lock(queue);
-    if q.pending.len() >= MAX_PENDING {
-        q.pending.retain(|c| !c.abandoned());
+    let refused = {
+        let mut q = lock(queue);
         if q.pending.len() >= MAX_PENDING {
-            call.fail(&Failure::Unavailable(format!(
-                "{MAX_PENDING} calls already wait for Redis"
-            )));
-            return false;
+            q.pending.retain(|c| !c.abandoned());
         }
-    }
-    if q.lingering && !call.lingers() {
-        q.lingering = false;
-        q.wake.notify_one();
-    }
-    q.pending.push(call);
-    !std::mem::replace(&mut q.sending, true)
+        if q.pending.len() < MAX_PENDING {
+            if q.lingering && !call.lingers() {
+                q.lingering = false;
+                q.wake.notify_one();
+            }
+            q.pending.push(call);
+            return !std::mem::replace(&mut q.sending, true);
+        }
+        call
+    };
+    // Failed with the queue let go: a charge's callback runs here, and may queue a call.
+    refused.fail(&Failure::Unavailable(format!(
+        "{MAX_PENDING} calls already wait for Redis"
+    )));
+    false
 }
 
 /// Sends batches with `send` until the queue is empty. A batch takes the queued calls in order
@@ -219,35 +258,16 @@ fn push<T: Queued>(queue: &Mutex<Queue<T>>, call: T) -> bool {
 /// After a batch, before taking the next, the sender lets the requests that arrived during the
 /// call reach the queue ([`gather`]); the first batch of an idle queue goes without this.
 ///
-/// If sending stops early (a panic, a runtime shutting down), the queue must not stay marked as
-/// served: the queued calls fail and the next call starts a sender again.
-pub(super) async fn serve<T, F, Fut>(queue: &Mutex<Queue<T>>, bounds: Bounds, mut send: F)
+/// `serving` is the sender's hold on the queue ([`Serving`]): let go when the queue is empty, or
+/// with the queued calls failed if sending stops early.
+pub(super) async fn serve<T, F, Fut>(mut serving: Serving<T>, bounds: Bounds, mut send: F)
 where
     T: Queued,
     F: FnMut(Vec<T>) -> Fut,
     Fut: Future<Output = ()>,
 {
-    struct Unmark<'a, T: Queued> {
-        queue: &'a Mutex<Queue<T>>,
-        done: bool,
-    }
-    impl<T: Queued> Drop for Unmark<'_, T> {
-        fn drop(&mut self) {
-            if !self.done {
-                let queued = {
-                    let mut q = lock(self.queue);
-                    q.sending = false;
-                    q.lingering = false;
-                    std::mem::take(&mut q.pending)
-                };
-                let why = Failure::Unavailable("the batch sender stopped".into());
-                for call in queued {
-                    call.fail(&why);
-                }
-            }
-        }
-    }
-    let mut unmark = Unmark { queue, done: false };
+    let queue = Arc::clone(&serving.queue);
+    let queue = &*queue;
     loop {
         let wake = {
             let mut q = lock(queue);
@@ -288,7 +308,7 @@ where
             q.pending = rest;
             if batch.is_empty() {
                 q.sending = false;
-                unmark.done = true;
+                serving.done = true;
                 return;
             }
             batch
@@ -426,7 +446,7 @@ mod tests {
         let (sent, calls) = mpsc::unbounded_channel();
         let (queue, back) = (Arc::clone(queue), Arc::clone(back));
         tokio::spawn(async move {
-            serve(&queue, BOUNDS, |batch: Vec<Call>| {
+            serve(Serving::new(queue), BOUNDS, |batch: Vec<Call>| {
                 let _ = sent.send(batch.iter().map(|c| c.id).collect());
                 let back = Arc::clone(&back);
                 async move { back.notified().await }
