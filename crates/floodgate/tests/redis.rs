@@ -466,6 +466,49 @@ async fn a_budget_checked_admission_on_redis_is_the_check_then_the_admission_in_
     common::run_admit_within(&AnyStore::from(store(&url).await), "org:acme").await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn budget_checked_admissions_with_many_counters_are_split_across_calls() {
+    let test = "budget_checked_admissions_with_many_counters_are_split_across_calls";
+    let Some(url) = redis_url(test) else {
+        return;
+    };
+    let redis = store(&url).await;
+    let prefix = fresh_prefix();
+    // 512 admissions in flight, each one limit and sixteen budget counters: 8 704 keys, more
+    // than one script call can unpack onto Lua's stack. Before, the batch bound counted only
+    // the limits, and all of them went in one call that Redis refused.
+    let mut tasks = JoinSet::new();
+    for i in 0..512 {
+        let redis = redis.clone();
+        let prefix = prefix.clone();
+        tasks.spawn(async move {
+            let limits = vec![ChainLimit::new(
+                &format!("{prefix}org:{i}"),
+                ScopeKind::Key,
+                &format!("k{i}"),
+                Charge::Admission,
+                WindowLimit::per_minute(100),
+            )];
+            let counters: Vec<floodgate::PeriodCounter> = (0..16)
+                .map(|c| {
+                    let key = format!("{{{prefix}org:{i}}}:budget:{c}");
+                    floodgate::PeriodCounter::new(key, Period::Day)
+                })
+                .collect();
+            let caps = vec![1_000; counters.len()];
+            redis
+                .admit_within(&counters, &caps, &limits, 1.into(), None)
+                .await
+        });
+    }
+    while let Some(done) = tasks.join_next().await {
+        let (_, admission) = done
+            .unwrap()
+            .expect("each budget-checked admission is decided");
+        assert!(admission.is_some_and(|a| a.admitted));
+    }
+}
+
 #[tokio::test]
 async fn period_vectors_pass_on_redis() {
     let Some(url) = redis_url("period_vectors_pass_on_redis") else {

@@ -31,6 +31,12 @@ pub(super) struct PendingAdmit {
 pub(super) type Decided = (u64, bool, Vec<(u64, u64)>, Vec<u64>);
 
 impl PendingAdmit {
+    /// The keys it puts in a call: its limits' windows and its gate's counters (each call's
+    /// keys go on Lua's stack at once: `step.rs` BOUNDS).
+    pub(super) fn keys(&self) -> usize {
+        self.limits.len() + self.gate.len()
+    }
+
     /// An admission of `limits` at `costs`, gated by `gate` (counters and their caps; empty:
     /// none), at the pinned time `time` (µs; `None`: the store's clock when the call goes out).
     pub(super) fn new(

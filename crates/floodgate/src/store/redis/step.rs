@@ -47,7 +47,7 @@ impl Queued for Pending {
     }
     fn keys(&self) -> usize {
         match self {
-            Pending::Admit(p) => p.limits.len(),
+            Pending::Admit(p) => p.keys(),
             Pending::Read(p) => p.counters.len(),
             Pending::Charge(p) => p.keys(),
         }
