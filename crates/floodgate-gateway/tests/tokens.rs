@@ -99,6 +99,40 @@ async fn tokens_from_streams_fill_the_window_and_the_usage_chunk_is_hidden() {
 }
 
 #[tokio::test]
+async fn an_answer_is_metered_whatever_the_case_of_its_media_type() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // Media types are case-blind: an upstream that writes them otherwise is metered as one
+    // that writes them in lower case (before, such an answer went uncharged).
+    for (body, content_type, left) in [
+        (CHAT, "Application/JSON; charset=UTF-8", "100"),
+        (CHAT_STREAM, "Text/Event-Stream;charset=utf-8", "80"),
+    ] {
+        let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), body);
+        req.headers_mut()
+            .insert("x-test-tokens", "20".parse().unwrap());
+        req.headers_mut()
+            .insert("x-test-content-type", content_type.parse().unwrap());
+        let r = gw.send(req).await;
+        assert_eq!(r.status, 200, "{content_type}");
+        assert_eq!(
+            r.header("x-ratelimit-remaining-tokens"),
+            Some(left),
+            "{content_type}"
+        );
+        if body == CHAT_STREAM {
+            assert!(
+                events(&r.body).iter().all(|e| !e.contains("usage")),
+                "the usage chunk the caller did not ask for is hidden"
+            );
+        }
+        gw.settled().await;
+    }
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("60"));
+}
+
+#[tokio::test]
 async fn the_usage_chunk_is_kept_when_the_caller_asked_for_it() {
     let up = fake_upstream().await;
     let gw = gateway(CONFIG, &up.url()).await;

@@ -134,15 +134,15 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         let ctype = head
             .headers
             .get(CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or("");
-        if ctype.starts_with("text/event-stream") {
+            .map(|v| media_type(v.as_bytes()))
+            .unwrap_or_default();
+        if ctype.eq_ignore_ascii_case(b"text/event-stream") {
             let strip_usage = stream.is_some_and(|s| !s.caller_wants_usage);
             if strip_usage {
                 head.headers.remove(CONTENT_LENGTH);
             }
             Meter::Sse { strip_usage }
-        } else if ctype.starts_with("application/json") {
+        } else if ctype.eq_ignore_ascii_case(b"application/json") {
             Meter::Json
         } else {
             Meter::None
@@ -176,4 +176,11 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     let charge = (ctx.state.charges(), ctx.chain, admitted.reservation);
     let body = MeteredBody::new(body, meter, charge, spend, line);
     Response::from_parts(head, held(Body::new(body)))
+}
+
+/// A `Content-Type` value's media type, without its parameters (`; charset=...`) and the
+/// spaces around it: compared without regard to case, as media types are (RFC 9110 §8.3.1).
+fn media_type(value: &[u8]) -> &[u8] {
+    let end = value.iter().position(|&b| b == b';').unwrap_or(value.len());
+    value[..end].trim_ascii()
 }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::body::{Body, Bytes};
 use axum::extract::State;
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Request, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use floodgate_gateway::store::GatewayStore;
@@ -115,6 +115,12 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
             "usage": usage,
         }));
         let end = Duration::from_millis(header_u64(&headers, "x-test-end-delay-ms", 0));
+        if let Some(content_type) = headers.get("x-test-content-type") {
+            return Response::builder()
+                .header("content-type", content_type)
+                .body(Body::from(completion.to_string()))
+                .unwrap();
+        }
         if end.is_zero() {
             return axum::Json(completion).into_response();
         }
@@ -179,8 +185,12 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
             Err(std::io::Error::other("the upstream broke off"))
         }),
     );
+    let content_type = headers
+        .get("x-test-content-type")
+        .cloned()
+        .unwrap_or(HeaderValue::from_static("text/event-stream"));
     Response::builder()
-        .header("content-type", "text/event-stream")
+        .header("content-type", content_type)
         // An upstream's own rate-limit headers must not reach the caller.
         .header("x-ratelimit-limit-requests", "999999")
         .body(Body::from_stream(stream))
