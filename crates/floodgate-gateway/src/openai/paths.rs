@@ -5,7 +5,8 @@
 use axum::http::Method;
 
 /// Whether a request path names a completion endpoint (`.../completions`), as a lenient
-/// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), in any case
+/// upstream may read it: percent-escapes decoded (`/v1/chat/completion%73`), once or twice
+/// (`/v1/chat/completion%2573`), in any case
 /// (`/v1/chat/Completions`), with trailing slashes (`/v1/chat/completions/`) or empty segments,
 /// with backslashes for slashes (as the dot-segment check takes them), and with path
 /// parameters (`/v1/chat/completions;v=1`: servlet containers and some routers drop a
@@ -142,18 +143,24 @@ fn known(path: &str) -> Option<Reading> {
 
 /// `f` of the path's non-empty segments, read as a lenient upstream may read them (see
 /// [`is_completion_path`]): percent-escapes decoded, `\\` taken for `/`, each segment's `;`
-/// parameters dropped. `false` for a path that does not start with `/`. Nothing is allocated
-/// for a path without percent-escapes.
+/// parameters dropped. `false` for a path that does not start with `/`. A path with escapes
+/// left after one decoding is read decoded twice as well, as the dot-segment check reads it
+/// (an upstream, or a proxy in front of it, may decode again: `/v1/chat/completion%2573`), and
+/// `f` holds if it holds of either reading: every caller's `true` is the stricter answer (the
+/// body read, the usage charged). Nothing is allocated for a path without percent-escapes.
 fn with_segments(
     path: &str,
-    f: impl FnOnce(&mut dyn DoubleEndedIterator<Item = &[u8]>) -> bool,
+    f: impl Fn(&mut dyn DoubleEndedIterator<Item = &[u8]>) -> bool,
 ) -> bool {
-    let decoded = percent_decoded(path.as_bytes());
-    let mut segments = decoded
-        .split(|&b| b == b'/' || b == b'\\')
-        .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
-        .filter(|segment| !segment.is_empty());
-    decoded.starts_with(b"/") && f(&mut segments)
+    let reads = |decoded: &[u8]| {
+        let mut segments = decoded
+            .split(|&b| b == b'/' || b == b'\\')
+            .map(|segment| segment.split(|&b| b == b';').next().unwrap_or_default())
+            .filter(|segment| !segment.is_empty());
+        decoded.starts_with(b"/") && f(&mut segments)
+    };
+    let once = percent_decoded(path.as_bytes());
+    reads(&once) || (once.contains(&b'%') && reads(&percent_decoded(&once)))
 }
 
 /// `raw` with its percent-escapes decoded (once; a `%` not followed by two hex digits is kept);
@@ -218,6 +225,7 @@ mod tests {
             "/v1/audio/speech",
             "/v1/images/generations",
             "/v1/respons%65s",
+            "/v1/respons%2565s",
             "/v1/threads/runs",
             "/v1/threads/t/runs",
             "/v1/threads/t/runs/r/submit_tool_outputs",
@@ -277,6 +285,11 @@ mod tests {
         assert!(is_completion_path("/v1/chat%5Ccompletions"));
         assert!(is_completion_path("/v1/chat\\completions"));
         assert!(is_completion_path("/completions"));
+        // Decoded twice, as a proxy in front of the upstream and the upstream may each decode.
+        assert!(is_completion_path("/v1/chat/completion%2573"));
+        assert!(is_completion_path("/v1/chat%252Fcompletions"));
+        assert!(is_responses_path("/v1/respons%2565s"));
+        assert!(!is_completion_path("/v1/chat/completion%2574"));
         assert!(!is_completion_path("/v1/completions-like"));
         assert!(!is_completion_path("/v1/embeddings"));
         assert!(!is_completion_path("/"));
