@@ -374,14 +374,15 @@ fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
     // Headers named in `Connection` are hop-by-hop too. Its usual tokens name none to look for:
     // `close`, and `keep-alive` (the header of that name is removed below anyway).
+    // Read as bytes: a value with one byte that is not text (obs-text, which hyper accepts)
+    // still names the others.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|t| !t.eq_ignore_ascii_case("close") && !t.eq_ignore_ascii_case("keep-alive"))
-        .filter_map(|n| HeaderName::from_bytes(n.as_bytes()).ok())
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.eq_ignore_ascii_case(b"close") && !t.eq_ignore_ascii_case(b"keep-alive"))
+        .filter_map(|n| HeaderName::from_bytes(n).ok())
         .collect();
     for name in named {
         headers.remove(name);
@@ -463,6 +464,19 @@ mod tests {
         ]);
         strip_hop_by_hop(&mut h);
         assert_eq!(names(&h), ["content-type", "x-kept"]);
+    }
+
+    #[test]
+    fn a_connection_value_with_a_byte_that_is_not_text_still_names_its_headers() {
+        let mut h = HeaderMap::new();
+        h.append(
+            header::CONNECTION,
+            HeaderValue::from_bytes(b"x-trace, \xe9").unwrap(),
+        );
+        h.append("x-trace", HeaderValue::from_static("1"));
+        h.append("x-kept", HeaderValue::from_static("2"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(names(&h), ["x-kept"]);
     }
 
     #[test]
