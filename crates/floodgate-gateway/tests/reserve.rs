@@ -169,6 +169,10 @@ async fn an_estimate_above_the_limit_is_a_400_naming_the_cap_charged_nothing() {
     let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
     assert!(message.contains("max_tokens"), "{message}");
     assert!(message.contains("org token limit of 1000"), "{message}");
+    // Answered with the chain's state, as every answer after the key is known, and no wait.
+    assert_eq!(r.header("x-ratelimit-limit-tokens"), Some("1000"));
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("1000"));
+    assert_eq!(r.header("retry-after"), None);
     assert_eq!(up.seen.hits(), 0, "never forwarded");
     // Charged nothing: the next request finds the whole window.
     let gws = [Arc::new(gw)];
@@ -451,6 +455,16 @@ async fn a_price_above_a_reserving_budget_is_a_400_charged_nothing() {
     let admitted = statuses.iter().filter(|&&s| s == 200).count() as u64;
     assert_eq!(admitted, 1000 / e, "{statuses:?}");
     settle(&gws).await;
+    // Answered with the chain's state, as every answer after the key is known.
+    let limited = budget_config("reserve").replace(
+        "org = \"acme\"",
+        "org = \"acme\"\nrate_limit = { requests = 100 }",
+    );
+    let gws = replicas(&limited, &up.url(), 1).await;
+    let r = gws[0].chat("sk-k", big).await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("100"));
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("100"));
     // Reactive budgets cannot tell at admission: the same request is admitted.
     let gws = replicas(&budget_config("reactive"), &up.url(), 1).await;
     assert_eq!(gws[0].chat("sk-k", big).await.status, 200);

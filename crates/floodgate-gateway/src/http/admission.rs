@@ -276,8 +276,9 @@ impl Ctx {
             .zip(price)
             .and_then(|(budgets, price)| budget_never_fits(budgets, price, estimate));
         if let Some(err) = never_fits {
-            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
-            return Err(self.answer(err, Decision::BadRequest));
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing, and
+            // answered with the chain's state, as any request refused before admission is.
+            return Err(self.reject(err, Decision::BadRequest).await);
         }
         if let Some(budgets) = &self.budgets
             && price.is_none()
@@ -383,7 +384,7 @@ impl Ctx {
             }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
-        self.decided(decision, None, estimate)
+        self.decided(decision, None)
     }
 
     /// The chain's part of [`admit`](Self::admit): its shadow budgets read, then its rate limits
@@ -403,26 +404,21 @@ impl Ctx {
             }
             Err(e) => return Err(self.answer(e.into(), Decision::StoreError)),
         };
-        self.decided(decision, reserve, estimate)
+        if let Some(err) = self.never_fits(&decision, estimate) {
+            // A client's mistake, not a refusal: not counted in the tally, charged nothing, and
+            // answered with the chain's state, as any request refused before admission is.
+            return Err(self.reject(err, Decision::BadRequest).await);
+        }
+        self.decided(decision, reserve)
     }
 
-    /// The rest of an admission once the chain has decided: a request no wait would let through
-    /// answered 400, the limits counted, a refusal answered 429, else the admission's slots and
-    /// reservation kept for the answer.
+    /// The rest of an admission once the chain has decided: the limits counted, a refusal
+    /// answered 429, else the admission's slots and reservation kept for the answer.
     #[expect(
         clippy::result_large_err,
         reason = "the error is the answer to send, as from the async admissions that call this"
     )]
-    fn decided(
-        &self,
-        decision: ChainDecision,
-        reserve: Option<u64>,
-        estimate: Estimate,
-    ) -> Result<Admitted, Response> {
-        if let Some(err) = self.never_fits(&decision, estimate) {
-            // A client's mistake, not a refusal: not counted in the tally, charged nothing.
-            return Err(self.answer(err, Decision::BadRequest));
-        }
+    fn decided(&self, decision: ChainDecision, reserve: Option<u64>) -> Result<Admitted, Response> {
         self.count_limits(&decision);
         if !decision.admitted {
             return Err(self.refuse(&decision));
