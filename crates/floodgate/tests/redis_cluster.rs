@@ -192,12 +192,21 @@ async fn a_refusal_by_a_later_slot_is_charged_to_none() {
     let customer = req("customer:big", ScopeKind::Customer, "big", 2);
     let gateway = req("gateway", ScopeKind::Gateway, "gateway", 100);
     let chain = Chain::new(vec![key, customer, gateway]);
+    let unlowered = store.lowered();
     for _ in 0..2 {
         assert!(chain.admit_at(&store, 1, now).await.unwrap().admitted);
     }
+    assert_eq!(store.lowered(), unlowered, "admissions lower no count");
     let refused = chain.admit_at(&store, 1, now).await.unwrap();
     assert!(!refused.admitted && refused.enforced);
     assert_eq!(refused.refused_by, Some(1), "the customer's limit refuses");
+    // The refund lowered the key's count: a refusal this process cached before it (another
+    // chain's, sharing the key) no longer answers.
+    assert_ne!(
+        store.lowered(),
+        unlowered,
+        "the refund counts as a lowering"
+    );
     // The key's step was charged, then refunded; the gateway's was read, not run.
     assert_eq!(counts(&store, &chain, now).await, [2, 2, 2]);
     // Its headers describe every limit as now: the gateway's remaining is read from its slot.

@@ -253,6 +253,11 @@ impl RedisStore {
         lease: Option<Lease>,
         now: Option<Timestamp>,
     ) {
+        // A refund lowers a count: this process's refusal caches on this data stop answering
+        // from what they saw before it, before it goes out and again once it has landed, as for
+        // a reconcile's refund (docs/design.md §11). (A refusal seen between the charge and its
+        // refund, of another chain sharing a key, would otherwise stand until its retry time.)
+        self.inner.lowered.bump();
         for (step, at) in admitted {
             // One call per distinct cost (the script takes one amount): one, for requests.
             let mut charged: Vec<(u64, Vec<&ChainLimit>)> = Vec::new();
@@ -288,6 +293,7 @@ impl RedisStore {
                 }
             }
         }
+        self.inner.lowered.bump();
         if let Some(lease) = lease {
             self.forget_lease(lease);
         }
