@@ -17,12 +17,14 @@ pub fn apply(headers: &mut HeaderMap, decision: &ChainDecision, fixed: &ChainHea
     // send rate-limit headers of their own.
     // Every upstream header of the families the gateway speaks goes (`x-ratelimit-*`,
     // `ratelimit*`: also `ratelimit-reset`, `x-ratelimit-used`, ... that the gateway does not
-    // write), so a caller never reads the upstream's limits next to the gateway's. (An
-    // upstream's own `Retry-After` on its 429 or 503 is kept: it is still true for the caller.)
-    if headers.keys().any(is_rate_limit_header) {
+    // write; and the concurrency headers, `x-floodgate-in-flight-*`, which a chain without
+    // concurrency limits does not write), so a caller never reads the upstream's limits next to
+    // the gateway's, or in place of them. (An upstream's own `Retry-After` on its 429 or 503 is
+    // kept: it is still true for the caller.)
+    if headers.keys().any(is_limit_header) {
         let names: Vec<HeaderName> = headers
             .keys()
-            .filter(|n| is_rate_limit_header(n))
+            .filter(|n| is_limit_header(n))
             .cloned()
             .collect();
         for name in names {
@@ -56,11 +58,13 @@ pub fn apply_in_flight(headers: &mut HeaderMap, decision: &ChainDecision) {
     headers.insert(IN_FLIGHT_SCOPE, HeaderValue::from_static(s.scope.as_str()));
 }
 
-/// Whether `name` is of the families of [`ALL`]: all of them start with `x-ratelimit-` or
-/// `ratelimit`.
-fn is_rate_limit_header(name: &HeaderName) -> bool {
+/// Whether `name` is of the families of [`ALL`] (all of them start with `x-ratelimit-` or
+/// `ratelimit`) or a concurrency header ([`apply_in_flight`]).
+fn is_limit_header(name: &HeaderName) -> bool {
     let n = name.as_str();
-    n.starts_with("x-ratelimit-") || n.starts_with("ratelimit")
+    n.starts_with("x-ratelimit-")
+        || n.starts_with("ratelimit")
+        || n.starts_with("x-floodgate-in-flight-")
 }
 
 #[cfg(test)]
@@ -77,6 +81,9 @@ mod tests {
             ("x-ratelimit-reset", "999"),
             ("x-ratelimit-used", "7"),
             ("x-ratelimit-limit-requests", "1"),
+            // Another floodgate's, behind this one, whose chain has concurrency limits.
+            ("x-floodgate-in-flight-remaining", "0"),
+            ("x-floodgate-in-flight-limit", "4"),
             ("content-type", "application/json"),
             ("retry-after", "3"),
         ] {
