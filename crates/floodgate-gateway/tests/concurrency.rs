@@ -59,6 +59,7 @@ impl Gate {
                 "/v1/models",
                 get(|| async { axum::Json(serde_json::json!({"object": "list", "data": []})) }),
             )
+            .route("/v1/realtime", get(declined))
             .with_state(gate.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}", listener.local_addr().unwrap());
@@ -155,6 +156,28 @@ async fn held(State(gate): State<Gate>, headers: HeaderMap, body: Bytes) -> Resp
     let parts = futures_util::stream::iter([Ok(Bytes::from(first))]).chain(after_the_gate);
     Response::builder()
         .header("content-type", ctype)
+        .body(Body::from_stream(parts))
+        .unwrap()
+}
+
+/// Declines a realtime upgrade with a 400 whose body is held at the gate: its first part goes
+/// at once, the rest once the gate lets it through.
+async fn declined(State(gate): State<Gate>) -> Response {
+    let g = &gate.inner;
+    g.held.fetch_add(1, Ordering::SeqCst);
+    g.arrived.fetch_add(1, Ordering::SeqCst);
+    g.changed.notify_waiters();
+    let leaving = Leaving(Arc::clone(&gate.inner));
+    let after_the_gate = futures_util::stream::once(async move {
+        let leaving = leaving;
+        leaving.0.permits.acquire().await.unwrap().forget();
+        Ok::<_, Infallible>(Bytes::from_static(b"model\"}}"))
+    });
+    let first = Ok(Bytes::from_static(b"{\"error\":{\"message\":\"unknown "));
+    let parts = futures_util::stream::iter([first]).chain(after_the_gate);
+    Response::builder()
+        .status(400)
+        .header("content-type", "application/json")
         .body(Body::from_stream(parts))
         .unwrap()
 }
@@ -391,6 +414,31 @@ async fn a_stream_holds_its_slot_until_it_ends_then_gives_it_back() {
         read_until(&mut conn, &mut seen, END_OF_BODY).await;
         let text = String::from_utf8_lossy(&seen).into_owned();
         assert!(text.contains("[DONE]"), "{text}");
+        probe_until_admitted(&gw).await;
+        gw.settled().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_realtime_upgrade_the_upstream_declines_holds_its_slot_until_the_answer_ends() {
+    let (gate, url) = Gate::serve().await;
+    let test = "a_realtime_upgrade_the_upstream_declines_holds_its_slot_until_the_answer_ends";
+    for store in stores(test) {
+        let gw = gateway(&one_at_once(&store), &url).await;
+        let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+        let head = "GET /v1/realtime?model=m HTTP/1.1\r\nhost: x\r\n\
+                    authorization: Bearer sk-k\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\
+                    sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
+        tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+            .await
+            .unwrap();
+        let mut seen = Vec::new();
+        read_until(&mut conn, &mut seen, "unknown").await;
+        assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 400"));
+        // Mid-answer, the slot is held, as for any answer (before, it went back at once).
+        assert!(refused_for_slots(&probe(&gw).await));
+        gate.open(1);
+        read_until(&mut conn, &mut seen, END_OF_BODY).await;
         probe_until_admitted(&gw).await;
         gw.settled().await;
     }

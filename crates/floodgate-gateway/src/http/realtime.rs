@@ -35,6 +35,7 @@ use crate::error::AppError;
 use crate::openai::realtime::{ambiguous_model, query_model};
 use crate::openai::request::Estimate;
 use crate::realtime::{FULL_RETRY_AFTER, SessionMeter, SessionSpend};
+use crate::slots::HoldingBody;
 
 /// Why a WebSocket upgrade request cannot be forwarded as one, if it cannot: the upstream would
 /// refuse it, the session could never start, or the gateway could price it by another model than
@@ -159,10 +160,16 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         // The upstream declined (a 401 for its key, a 400 for an unknown model): its answer,
         // like any proxied response's; the request was admitted and stays charged.
+        // Its concurrency slots are held until that answer is sent whole, as for any answer
+        // (docs/design.md §10).
         ctx.log(resp.status(), admitted.log_as);
         let (mut head, body) = resp.into_parts();
         admitted.apply_headers(&mut head.headers, &ctx);
-        return Response::from_parts(head, Body::new(body));
+        let body = match admitted.take_slots() {
+            Some(slots) => Body::new(HoldingBody::new(Body::new(body), slots)),
+            None => Body::new(body),
+        };
+        return Response::from_parts(head, body);
     }
     let upstream_upgrade = hyper::upgrade::on(&mut resp);
     let (mut head, _) = resp.into_parts();
