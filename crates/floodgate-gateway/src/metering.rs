@@ -35,7 +35,7 @@ use http_body::{Frame, SizeHint};
 
 use crate::access_log::PendingLine;
 use crate::charge::{BudgetReservation, Charger, Held, Reservation};
-use crate::openai::sse::SseFilter;
+use crate::openai::sse::{AnswerEnd, SseFilter};
 use crate::openai::usage::{TokenUsage, usage_and_model_from_json};
 use crate::pricing::Prices;
 
@@ -61,6 +61,8 @@ pub enum Meter {
     Sse {
         /// Whether to drop the usage-only chunk.
         strip_usage: bool,
+        /// What tells that its answer is complete, only its usage still to come.
+        ends: AnswerEnd,
     },
 }
 
@@ -166,9 +168,10 @@ impl MeteredBody {
                 chunks: Frames::default(),
                 size: 0,
             },
-            Meter::Sse { strip_usage } => {
+            Meter::Sse { strip_usage, ends } => {
                 let mut f = SseFilter::new(strip_usage);
                 f.want_model = spend.is_some();
+                f.ends = ends;
                 Mode::Sse(f)
             }
         };

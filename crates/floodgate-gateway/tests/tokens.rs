@@ -310,6 +310,23 @@ async fn a_stream_left_after_its_answer_is_charged_its_usage_that_came_later() {
 }
 
 #[tokio::test]
+async fn a_responses_stream_left_after_its_output_is_charged_its_usage_that_came_later() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // The Responses API ends its output with `response.output_item.done`; the usage comes with
+    // `response.completed`, here 300 ms later, after the caller has gone. Before, only a
+    // finish_reason told an answer complete, so such a stream was cut there and charged a
+    // token an event (4), its input tokens never.
+    let body = r#"{"model":"m","stream":true,"input":"hi"}"#;
+    let delay = "x-test-usage-delay-ms: 300\r\n";
+    let (conn, _) =
+        send_to_and_read_until(gw.addr, "/v1/responses", body, delay, "output_item.done").await;
+    drop(conn);
+    let left = tokens_left(&gw).await;
+    assert_eq!(left.as_deref(), Some("40"));
+}
+
+#[tokio::test]
 async fn a_stream_left_mid_answer_is_cut_and_charges_the_chunks_it_passed() {
     let up = fake_upstream().await;
     let gw = gateway(CONFIG, &up.url()).await;

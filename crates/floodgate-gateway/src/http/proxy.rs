@@ -15,6 +15,7 @@ use crate::access_log::{self, Decision};
 use crate::error::AppError;
 use crate::metering::{Meter, MeteredBody, Spend};
 use crate::openai::realtime::is_realtime;
+use crate::openai::sse::AnswerEnd;
 use crate::openai::usage::TokenUsage;
 use crate::slots::HoldingBody;
 
@@ -141,7 +142,14 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
             if strip_usage {
                 head.headers.remove(CONTENT_LENGTH);
             }
-            Meter::Sse { strip_usage }
+            // A completion's stream (asked for usage) ends its answer with a finish_reason;
+            // another (the Responses API's) with an event that closes its output.
+            let ends = if stream.is_some() {
+                AnswerEnd::FinishReason
+            } else {
+                AnswerEnd::DoneEvent
+            };
+            Meter::Sse { strip_usage, ends }
         } else if ctype.eq_ignore_ascii_case(b"application/json") {
             Meter::Json
         } else {

@@ -31,12 +31,29 @@ pub(crate) struct SseFilter {
     pub(crate) want_model: bool,
     /// The model named by the stream's chunks: the usage chunk's, else the first named.
     pub(crate) model: Option<String>,
-    /// Whether a chunk has given a choice its `finish_reason`: the answer is complete, and only
-    /// the usage chunk (and `[DONE]`) may follow.
+    /// What tells that the answer is complete ([`AnswerEnd`]).
+    pub(crate) ends: AnswerEnd,
+    /// Whether an event has told that the answer is complete ([`AnswerEnd`]), so that only
+    /// its usage (and the stream's end) may follow.
     pub(crate) answered: bool,
     /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
     /// tokens (a chunk carries about one).
     pub(crate) events: u64,
+}
+
+/// What tells, in a stream, that its answer is complete and only its usage is still to come: a
+/// caller that leaves after it has the rest read on for the usage (docs/design.md §6).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum AnswerEnd {
+    /// A chat or text completion's stream: a chunk that gives a choice its `finish_reason` (a
+    /// string, not `null`); the usage chunk follows.
+    FinishReason,
+    /// Any other stream (the Responses API's, the Assistants API's): an event that closes an
+    /// output item or a message (`response.output_item.done`, `thread.message.completed`, in
+    /// its `event:` line or its data); the usage comes with the response's or the run's
+    /// completion event. (An answer of several items reads on after its first: bounded, as
+    /// any reading on is.)
+    DoneEvent,
 }
 
 /// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
@@ -105,6 +122,7 @@ impl SseFilter {
             usage: None,
             want_model: false,
             model: None,
+            ends: AnswerEnd::FinishReason,
             answered: false,
             events: 0,
         }
@@ -210,7 +228,8 @@ impl SseFilter {
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
         let mut usage_keys = Hits::new(&USAGE_KEY, &events);
-        let mut finish_keys = (!self.answered).then(|| Hits::new(&FINISH_REASON_KEY, &events));
+        let mut finish_keys = (!self.answered && self.ends == AnswerEnd::FinishReason)
+            .then(|| Hits::new(&FINISH_REASON_KEY, &events));
         while start < events.len() {
             let end = match event_end(&events[start..]) {
                 Some(e) => start + e,
@@ -218,10 +237,15 @@ impl SseFilter {
                 None => break,
             };
             let event = &events[start..end];
-            let finished = finish_keys.as_mut().is_some_and(|k| {
-                k.fields_in(&events, start, end)
-                    .any(|(_, v)| event.get(v) == Some(&b'"'))
-            });
+            let finished = match self.ends {
+                AnswerEnd::FinishReason => finish_keys.as_mut().is_some_and(|k| {
+                    k.fields_in(&events, start, end)
+                        .any(|(_, v)| event.get(v) == Some(&b'"'))
+                }),
+                AnswerEnd::DoneEvent => {
+                    !self.answered && DONE_EVENTS.iter().any(|k| k.find(event).is_some())
+                }
+            };
             let usage: Vec<UsageField> = usage_keys
                 .fields_in(&events, start, end)
                 .filter(|&(_, value)| value < event.len())
@@ -250,9 +274,9 @@ impl SseFilter {
         (out, start)
     }
 
-    /// Reads an event's usage; says what to forward. `finished`: the event has a
-    /// `"finish_reason"` field whose value is a string (not `null`): a choice of the answer is
-    /// complete. `fields`: its `"usage"` fields, each followed by a value.
+    /// Reads an event's usage; says what to forward. `finished`: the event tells that the
+    /// answer is complete ([`AnswerEnd`]). `fields`: its `"usage"` fields, each followed by a
+    /// value.
     fn inspect(&mut self, event: &[u8], finished: bool, fields: Vec<UsageField>) -> Action {
         if is_data_event(event) {
             self.events += 1;
@@ -331,6 +355,11 @@ type Key = LazyLock<Finder<'static>>;
 static USAGE_KEY: Key = LazyLock::new(|| Finder::new(b"\"usage\""));
 static FINISH_REASON_KEY: Key = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
+/// The events that close an output item or a message ([`AnswerEnd::DoneEvent`]).
+static DONE_EVENTS: [Key; 2] = [
+    LazyLock::new(|| Finder::new(b"response.output_item.done")),
+    LazyLock::new(|| Finder::new(b"thread.message.completed")),
+];
 
 /// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
 /// the key and of its value (`event.len()` if the event ends there). (A key inside a string
@@ -500,6 +529,46 @@ mod tests {
         assert!(has_finish_reason(&[
             br#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
             br#"data: {"choices":[{"index":1,"delta":{"content":"x"},"finish_reason":null}]}"#,
+        ]));
+    }
+
+    /// Whether a stream of `events` that ends its answers by [`AnswerEnd::DoneEvent`] has told
+    /// that its answer is complete.
+    fn has_done_event(events: &[&[u8]]) -> bool {
+        let mut f = SseFilter::new(false);
+        f.ends = AnswerEnd::DoneEvent;
+        let stream: Vec<u8> = events.iter().flat_map(|e| [*e, b"\n\n"].concat()).collect();
+        f.push(Bytes::from(stream));
+        f.answered
+    }
+
+    #[test]
+    fn a_responses_or_assistants_answer_is_complete_at_its_closing_event() {
+        let responses: [&[u8]; 4] = [
+            b"event: response.created\ndata: {\"type\":\"response.created\"}",
+            b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\"}",
+            b"event: response.output_text.done\ndata: {\"type\":\"response.output_text.done\"}",
+            b"event: response.output_item.done\ndata: {\"type\":\"response.output_item.done\"}",
+        ];
+        assert!(!has_done_event(&responses[..3]));
+        assert!(has_done_event(&responses));
+        // Told by its data alone too (an upstream that sends no `event:` lines).
+        assert!(has_done_event(&[
+            br#"data: {"type":"response.output_item.done","item":{}}"#
+        ]));
+        assert!(has_done_event(&[
+            b"event: thread.message.completed\ndata: {\"object\":\"thread.message\"}"
+        ]));
+        assert!(!has_done_event(&[
+            b"event: thread.message.delta\ndata: {\"object\":\"thread.message.delta\"}"
+        ]));
+        // A chat completion's finish_reason is not how these streams end, and the other way
+        // round.
+        assert!(!has_done_event(&[
+            br#"data: {"choices":[{"delta":{},"finish_reason":"stop"}]}"#
+        ]));
+        assert!(!has_finish_reason(&[
+            br#"data: {"type":"response.output_item.done"}"#
         ]));
     }
 

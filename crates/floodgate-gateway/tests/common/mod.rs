@@ -202,21 +202,56 @@ async fn slow() -> &'static str {
     "late"
 }
 
-/// A Responses API response object with its usage (total `x-test-tokens`, default 50).
-async fn response_object(
-    State(seen): State<Seen>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> axum::Json<Value> {
+/// A Responses API response object with its usage (total `x-test-tokens`, default 50); for a
+/// body with `"stream": true`, its event stream, the usage in `response.completed`, which comes
+/// `x-test-usage-delay-ms` after the output is done.
+async fn response_object(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
+    let streams = serde_json::from_slice::<Value>(&body).is_ok_and(|b| b["stream"] == json!(true));
     *seen.last_raw_body.lock().unwrap() = Some(body);
     let total = header_u64(&headers, "x-test-tokens", 50);
-    axum::Json(json!({
+    let response = json!({
         "id": "resp_1",
         "object": "response",
         "status": "completed",
         "model": "fake",
         "usage": {"input_tokens": total / 2, "output_tokens": total - total / 2, "total_tokens": total}
-    }))
+    });
+    if !streams {
+        return axum::Json(response).into_response();
+    }
+    let usage_delay = Duration::from_millis(header_u64(&headers, "x-test-usage-delay-ms", 0));
+    let event = |kind: &str, data: Value| format!("event: {kind}\ndata: {data}\n\n");
+    let output = [
+        ("response.created", json!({"type": "response.created"})),
+        (
+            "response.output_text.delta",
+            json!({"type": "response.output_text.delta", "delta": "Hello"}),
+        ),
+        (
+            "response.output_text.done",
+            json!({"type": "response.output_text.done", "text": "Hello"}),
+        ),
+        (
+            "response.output_item.done",
+            json!({"type": "response.output_item.done", "item": {"type": "message"}}),
+        ),
+    ]
+    .map(|(kind, data)| event(kind, data))
+    .concat();
+    let completed = event(
+        "response.completed",
+        json!({"type": "response.completed", "response": response}),
+    );
+    let parts = [(Duration::ZERO, output), (usage_delay, completed)];
+    let stream = futures_util::stream::unfold(parts.into_iter(), |mut it| async move {
+        let (wait, part) = it.next()?;
+        tokio::time::sleep(wait).await;
+        Some((Ok::<_, Infallible>(Bytes::from(part)), it))
+    });
+    Response::builder()
+        .header("content-type", "text/event-stream")
+        .body(Body::from_stream(stream))
+        .unwrap()
 }
 
 /// The fake upstream's API, recording into `seen`.
@@ -498,9 +533,20 @@ pub async fn send_and_read_until(
     extra: &str,
     until: &str,
 ) -> (tokio::net::TcpStream, Vec<u8>) {
+    send_to_and_read_until(addr, "/v1/chat/completions", body, extra, until).await
+}
+
+/// As [`send_and_read_until`], to `path`.
+pub async fn send_to_and_read_until(
+    addr: impl tokio::net::ToSocketAddrs,
+    path: &str,
+    body: &str,
+    extra: &str,
+    until: &str,
+) -> (tokio::net::TcpStream, Vec<u8>) {
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     let head = format!(
-        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
          x-test-tokens: 60\r\n{extra}content-type: application/json\r\n\
          content-length: {}\r\n\r\n{body}",
         body.len()
