@@ -346,6 +346,24 @@ fn a_bad_redis_url_is_a_config_error_wherever_it_comes_from() {
     .expect_err("a bad port is refused")
     .to_string();
     assert!(!shown.contains("hunter2"), "{shown}");
+    // A password with a `?` in it, unencoded, in the file, the environment or a cluster's seeds.
+    let bad = "redis://:hunter?2@127.0.0.1:nope/0";
+    let cluster = text.replace(
+        "url = \"redis://127.0.0.1:6379/0\"",
+        &format!("urls = [\"{bad}\"]"),
+    );
+    for shown in [
+        Config::parse_with_env(
+            "q.toml",
+            &text.replace("redis://127.0.0.1:6379/0", bad),
+            None,
+        ),
+        Config::parse_with_env("qenv.toml", text, Some(bad.into())),
+        Config::parse_with_env("qcluster.toml", &cluster, None),
+    ] {
+        let shown = shown.expect_err("a bad port is refused").to_string();
+        assert!(!shown.contains("hunter"), "{shown}");
+    }
     // A Unix socket's URL carries its password as a query parameter.
     let shown = Config::parse_with_env(
         "unix.toml",

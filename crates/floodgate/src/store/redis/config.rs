@@ -153,17 +153,20 @@ impl fmt::Debug for RedisConfig {
     }
 }
 
-/// `url` with its credentials replaced: those between `://` and `@`, and a `pass` or `password`
-/// query parameter (how a `unix://` URL carries its password).
+/// `url` with its credentials replaced: those between `://` and the last `@` (a password may
+/// hold a `?`, `#` or `/` unencoded, which then does not end it; a query with an `@` in it is
+/// redacted too, more than needed, never less), and a `pass` or `password` query parameter (how
+/// a `unix://` URL carries its password).
 fn redacted(url: &str) -> String {
-    let (base, query) = match url.split_once('?') {
+    let (mut out, rest) = match (url.find("://"), url.rfind('@')) {
+        (Some(s), Some(at)) if at > s => (format!("{}://***@", &url[..s]), &url[at + 1..]),
+        _ => (String::new(), url),
+    };
+    let (base, query) = match rest.split_once('?') {
         Some((base, query)) => (base, Some(query)),
-        None => (url, None),
+        None => (rest, None),
     };
-    let mut out = match (base.find("://"), base.rfind('@')) {
-        (Some(s), Some(at)) if at > s => format!("{}://***@{}", &base[..s], &base[at + 1..]),
-        _ => base.to_owned(),
-    };
+    out.push_str(base);
     if let Some(query) = query {
         out.push('?');
         for (i, param) in query.split('&').enumerate() {
@@ -204,6 +207,15 @@ mod tests {
         assert_eq!(
             redacted("rediss://u:p@db/0?protocol=resp3"),
             "rediss://***@db/0?protocol=resp3"
+        );
+        // A password with a `?`, `#` or `/` in it, unencoded: all of it goes.
+        assert_eq!(
+            redacted("redis://:hunter?2@db:6379/0"),
+            "redis://***@db:6379/0"
+        );
+        assert_eq!(
+            redacted("redis://user:s3cr?et/x#y@db/0?pass=z"),
+            "redis://***@db/0?pass=***"
         );
     }
 }
