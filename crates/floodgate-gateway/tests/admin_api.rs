@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Body;
-use axum::http::{HeaderMap, Request, StatusCode};
+use axum::http::{HeaderMap, HeaderValue, Request, StatusCode};
 use floodgate_gateway::admin::{self, Admin, WRONG_SECRET_DELAY};
 use floodgate_gateway::tally::Tally;
 use floodgate_gateway::{AppState, Process};
@@ -473,6 +473,50 @@ async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
     // A forged cookie neither.
     let forged = [("cookie", "floodgate_session=99999999999.00.00")];
     assert_eq!(s.call("GET", "/admin/usage", &forged, "").await.status, 401);
+}
+
+#[tokio::test]
+async fn a_session_shares_its_cookie_line_with_another_apps_cookie_that_is_not_text() {
+    let up = fake_upstream().await;
+    let s = setup("", &up.url()).await;
+    let json = [("content-type", "application/json")];
+    let signed_in = s
+        .call(
+            "POST",
+            "/console/sign-in",
+            &json,
+            r#"{"secret":"sk-ops-secret"}"#,
+        )
+        .await;
+    assert_eq!(signed_in.status, 200);
+    let cookie = signed_in.headers["set-cookie"].to_str().unwrap();
+    let session = cookie.split(';').next().unwrap();
+    // A browser sends every cookie of the host on one line, whatever port set it: here another
+    // local app's, in UTF-8, beside the session's.
+    let line =
+        HeaderValue::from_bytes(&[b"pref=caf\xc3\xa9; ", session.as_bytes()].concat()).unwrap();
+    let req = Request::builder()
+        .uri(format!("http://{}/admin/usage", s.admin))
+        .header("cookie", line.clone())
+        .body(Body::empty())
+        .unwrap();
+    let status = s.client.request(req).await.unwrap().status();
+    assert_eq!(status, StatusCode::OK, "the session is read from the line");
+    let mut req = s.gw.request(
+        "POST",
+        "/v1/chat/completions",
+        Some("sk-alice-secret"),
+        CHAT,
+    );
+    req.headers_mut().insert("cookie", line);
+    assert_eq!(s.gw.send(req).await.status, 200);
+    let forwarded = up.seen.last_headers();
+    let forwarded = forwarded.get("cookie").map(HeaderValue::as_bytes);
+    assert_eq!(
+        forwarded,
+        Some(&b"pref=caf\xc3\xa9"[..]),
+        "the session's cookie never reaches the upstream"
+    );
 }
 
 /// One call over a fresh connection from `client`: its status and body.

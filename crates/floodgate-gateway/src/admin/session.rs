@@ -233,12 +233,18 @@ impl Sessions {
 
     /// The session of a request's `floodgate_session` cookie at `now`, if one is valid.
     pub fn from_headers(&self, headers: &HeaderMap, now: u64) -> Option<Session> {
+        // Read as bytes: another app's cookie on the same line (a browser sends one line for
+        // every cookie of the host, whatever port set it) may hold bytes that are not text.
         headers
             .get_all(COOKIE_HEADER)
             .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(';'))
-            .filter_map(|c| c.trim().strip_prefix(COOKIE)?.strip_prefix('='))
+            .flat_map(|v| v.as_bytes().split(|&b| b == b';'))
+            .filter_map(|c| {
+                c.trim_ascii()
+                    .strip_prefix(COOKIE.as_bytes())?
+                    .strip_prefix(b"=")
+            })
+            .filter_map(|value| std::str::from_utf8(value).ok())
             .find_map(|value| self.verify(value, now))
     }
 

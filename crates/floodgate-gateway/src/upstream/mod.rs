@@ -328,34 +328,33 @@ fn to_origin_form<B>(req: &mut Request<B>, prefix: &str) -> Result<(), AppError>
 }
 
 /// Takes the admin console's session cookie ([`SESSION_COOKIE`]) out of the request's cookies;
-/// the others go on as they came. A request without it is not touched.
+/// the others go on as they came. A request without it is not touched. Read as bytes: a
+/// browser sends one `Cookie` line for every cookie of the host, whatever port set it, and
+/// another app's cookie with a byte that is not text in it must not hide the session's.
 fn strip_session_cookie(headers: &mut HeaderMap) {
-    let is_session = |c: &str| {
-        c.trim()
-            .strip_prefix(SESSION_COOKIE)
-            .is_some_and(|rest| rest.trim_start().starts_with('='))
+    let is_session = |c: &[u8]| {
+        c.trim_ascii()
+            .strip_prefix(SESSION_COOKIE.as_bytes())
+            .is_some_and(|rest| rest.trim_ascii_start().starts_with(b"="))
     };
     let carries = headers
         .get_all(header::COOKIE)
         .iter()
-        .any(|v| v.to_str().is_ok_and(|v| v.split(';').any(is_session)));
+        .any(|v| v.as_bytes().split(|&b| b == b';').any(is_session));
     if !carries {
         return;
     }
     let kept: Vec<HeaderValue> = headers
         .get_all(header::COOKIE)
         .iter()
-        .filter_map(|v| match v.to_str() {
-            Ok(text) => {
-                let rest: Vec<&str> = text
-                    .split(';')
-                    .filter(|c| !is_session(c))
-                    .map(str::trim)
-                    .collect();
-                HeaderValue::from_str(&rest.join("; ")).ok()
-            }
-            // Not text, so not the session's (which is): as it came.
-            Err(_) => Some(v.clone()),
+        .filter_map(|v| {
+            let rest: Vec<&[u8]> = v
+                .as_bytes()
+                .split(|&b| b == b';')
+                .filter(|c| !is_session(c))
+                .map(<[u8]>::trim_ascii)
+                .collect();
+            HeaderValue::from_bytes(&rest.join(&b"; "[..])).ok()
         })
         .filter(|v| !v.is_empty())
         .collect();
@@ -428,6 +427,18 @@ mod tests {
         none.append(header::COOKIE, HeaderValue::from_static("a=1"));
         strip_session_cookie(&mut none);
         assert_eq!(none.get(header::COOKIE).unwrap(), "a=1");
+        // Another app's cookie on the same line, with bytes that are not text: the session's
+        // still goes (before, the whole line went on as it came), the other stays as it was.
+        let mut mixed = HeaderMap::new();
+        mixed.append(
+            header::COOKIE,
+            HeaderValue::from_bytes(b"pref=caf\xc3\xa9; floodgate_session=123.n.t").unwrap(),
+        );
+        strip_session_cookie(&mut mixed);
+        assert_eq!(
+            mixed.get(header::COOKIE).unwrap().as_bytes(),
+            b"pref=caf\xc3\xa9"
+        );
     }
 
     fn headers(pairs: &[(&str, &str)]) -> HeaderMap {
