@@ -13,6 +13,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("alerts-secret-of-a-key.toml", 9, "alerts.secret"),
     ("alerts-zero-flush.toml", 5, "alerts.flush_sec"),
     ("admin-secret-of-a-key.toml", 9, "admin.secret"),
+    ("admin-secret-of-the-alerts.toml", 8, "admin.secret"),
     ("api-key-env-not-a-name.toml", 3, "upstream.api_key_env"),
     ("bad-backend.toml", 2, "backend"),
     ("tokens-unknown-mode.toml", 5, "gateway.tokens"),
@@ -154,6 +155,7 @@ fn errors_never_echo_what_may_be_a_secret() {
         ("redis-urls-not-a-list.toml", "hunter2"),
         ("upstream-url-with-query.toml", "sk-live-123"),
         ("admin-secret-of-a-key.toml", "sk-alice"),
+        ("admin-secret-of-the-alerts.toml", "sk-ops"),
         ("alerts-secret-of-a-key.toml", "sk-alice"),
     ] {
         let path = fixtures().join(file);

@@ -180,7 +180,7 @@ impl Validator<'_> {
         self.gateway_limit(raw.gateway, &mut limits)?;
         let keys = self.keys(raw.keys, &mut limits)?;
         let alerts = self.alerts(raw.alerts, &keys.hashes, store.backend)?;
-        let admin = self.admin(raw.admin, &keys.hashes)?;
+        let admin = self.admin(raw.admin, &keys.hashes, alerts.secret_sha256)?;
         self.rate_limits(raw.rate_limits, &keys.ids, tokens, &mut limits)?;
 
         let prices = self.prices(raw.prices)?;
@@ -476,12 +476,13 @@ impl Validator<'_> {
         Ok(alerts)
     }
 
-    /// `[admin]`: its listen address (loopback by default), its secret (never a key's), and
-    /// whether `/metrics` asks for it (then it must be set).
+    /// `[admin]`: its listen address (loopback by default), its secret (never a key's, nor the
+    /// alerts' `alerts`), and whether `/metrics` asks for it (then it must be set).
     fn admin(
         &self,
         raw: Option<RawAdmin>,
         key_hashes: &HashMap<[u8; 32], usize>,
+        alerts: Option<[u8; 32]>,
     ) -> Result<Option<AdminConfig>, ConfigError> {
         let Some(raw) = raw else {
             return Ok(None);
@@ -511,6 +512,16 @@ impl Validator<'_> {
                 span,
                 name,
                 format!("keys[{i}] has the same secret: give the admin listener one of its own"),
+            ));
+        }
+        if secret_sha256.is_some() && secret_sha256 == alerts {
+            // `/alerts` answers on the callers' port, without the admin listener's pause
+            // between wrong guesses: the same secret there could be guessed at full speed.
+            let (span, name) = secret_span();
+            return Err(self.error(
+                span,
+                name,
+                "[alerts] has the same secret: give the admin listener one of its own",
             ));
         }
         let metrics_auth = raw.metrics_auth.as_ref().is_some_and(|m| *m.get_ref());
