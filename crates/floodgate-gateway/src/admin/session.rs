@@ -170,10 +170,10 @@ impl Sessions {
             return Verdict::Busy;
         };
         let _turn = place.turn.lock().await;
-        // Digests compared: equal length always, and a digest's bytes tell nothing of the
-        // secret's.
+        // Digests compared, in constant time: equal length always, and a digest's bytes tell
+        // nothing of the secret's.
         let digest = <[u8; 32]>::from(Sha256::digest(presented.as_bytes()));
-        if want.is_some_and(|want| digest == *want) {
+        if want.is_some_and(|want| crate::auth::same_digest(&digest, want)) {
             return Verdict::Right;
         }
         tokio::time::sleep(WRONG_SECRET_DELAY).await;

@@ -63,7 +63,10 @@ fn alerts_authorized(state: &AppState, req: &Request) -> bool {
         .and_then(|v| v.trim().split_once(' '))
         .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
         .map(|(_, token)| <[u8; 32]>::from(Sha256::digest(token.trim().as_bytes())));
-    presented.is_some() && presented == state.live().alerts_secret
+    match (presented, state.live().alerts_secret) {
+        (Some(presented), Some(secret)) => crate::auth::same_digest(&presented, &secret),
+        _ => false,
+    }
 }
 
 /// `GET /alerts`: the refusal tally as `rate_limit` alerts.
