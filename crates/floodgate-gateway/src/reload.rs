@@ -119,10 +119,31 @@ impl Reloader {
         for warning in new.unused_limit_warnings() {
             tracing::warn!("{warning}");
         }
+        for key in moved_keys(&running, &new) {
+            tracing::warn!(
+                key,
+                "the key's org changed: its own limits, budgets and slots, and its project's, \
+                 team's and business unit's, start anew under its new org"
+            );
+        }
         self.process.set_running(new.clone());
         *running = new;
         Ok(())
     }
+}
+
+/// The ids of the keys of both configs whose org `new` changes: the state of their own limits
+/// (and their project's, team's and business unit's) lives under their org, so it starts anew.
+pub fn moved_keys<'a>(old: &Config, new: &'a Config) -> Vec<&'a str> {
+    new.keys
+        .iter()
+        .filter(|k| {
+            old.keys
+                .iter()
+                .any(|o| o.id == k.id && o.tenant() != k.tenant())
+        })
+        .map(|k| k.id.as_str())
+        .collect()
 }
 
 /// What `new` changes that only a restart can.
@@ -212,5 +233,36 @@ pub async fn watch(reloader: &Reloader) {
         if text_digest(&text) != reloader.running_digest() {
             let _ = reloader.reload();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(keys: &str) -> Config {
+        let text = format!("[upstream]\ndemo = true\n{keys}");
+        Config::parse_with_env("test.toml", &text, None).expect("a valid config")
+    }
+
+    #[test]
+    fn the_keys_whose_org_a_reload_changes_are_named() {
+        let old = config(
+            "[[keys]]\nid = \"a\"\nsecret = \"sk-a\"\n\
+             [[keys]]\nid = \"b\"\nsecret = \"sk-b\"\norg = \"acme\"\n\
+             [[keys]]\nid = \"c\"\nsecret = \"sk-c\"\norg = \"acme\"\n\
+             [[keys]]\nid = \"d\"\nsecret = \"sk-d\"\norg = \"acme\"\n",
+        );
+        let new = config(
+            "[[keys]]\nid = \"a\"\nsecret = \"sk-a\"\norg = \"acme\"\n\
+             [[keys]]\nid = \"b\"\nsecret = \"sk-b\"\n\
+             [[keys]]\nid = \"c\"\nsecret = \"sk-c\"\norg = \"beta\"\n\
+             [[keys]]\nid = \"d\"\nsecret = \"sk-d2\"\norg = \"acme\"\n\
+             [[keys]]\nid = \"e\"\nsecret = \"sk-e\"\norg = \"beta\"\n",
+        );
+        // An org given, taken away or renamed; not a key whose org stays (its secret changed),
+        // nor one that is new.
+        assert_eq!(moved_keys(&old, &new), ["a", "b", "c"]);
+        assert!(moved_keys(&new, &new).is_empty());
     }
 }
