@@ -259,9 +259,19 @@ impl Budgets {
     /// requests reserving together each sees the reservations before its own, and the admitted
     /// ones never sum past a cap. A refused reservation is counted for the moment between its
     /// add and its refund, which errs towards stricter for concurrent requests.
+    ///
+    /// An amount above a budget's cap fits in no period: refused without adding anything, with
+    /// no time to wait (as a chain refuses a cost above a limit's max), its spend read.
     pub async fn reserve<S: Store>(&self, store: &S, amount: u64) -> Result<BudgetDecision, Error> {
         if self.budgets.is_empty() {
             return Ok(decide(&[], &[], Timestamp::now()));
+        }
+        if let Some(i) = self.budgets.iter().position(|b| amount > b.cap) {
+            let mut decision = self.check(store).await?;
+            decision.exceeded_by = Some(decision.exceeded_by.map_or(i, |e| e.min(i)));
+            decision.retry_after = None;
+            decision.waits_for = None;
+            return Ok(decision);
         }
         let seen = store.add_periods(&self.counters, amount, None).await?;
         let before: Vec<u64> = seen

@@ -1335,6 +1335,15 @@ pub async fn race_reserved_budget<S: Store + Clone + 'static>(store: S, tenant: 
             .all(|d| d.retry_after.is_some())
     );
     assert_eq!(budgets.check(&store).await.unwrap().spent, [1000]);
+    // A reservation above the cap fits in no period: refused with no time to wait, nothing
+    // added (before, it waited for the period's end, and one whose add saturated took back
+    // more than it had added).
+    for amount in [1001, 1 << 53, u64::MAX] {
+        let d = budgets.reserve(&store, amount).await.unwrap();
+        assert_eq!((d.exceeded_by, d.retry_after), (Some(0), None), "{amount}");
+        assert_eq!(d.spent, [1000], "{amount}");
+    }
+    assert_eq!(budgets.check(&store).await.unwrap().spent, [1000]);
     for d in &admitted {
         budgets.reconcile(&store, d.now, 30 - 100).await.unwrap();
     }
