@@ -147,7 +147,8 @@ pub struct ScopeUsage {
     pub limits: Vec<LimitUsage>,
     /// Each budget.
     pub budgets: Vec<BudgetUsage>,
-    /// Requests running against the scope's concurrency limit; `null` for a scope without one.
+    /// Requests running against the scope's concurrency limit; `null` for a scope without one
+    /// (and, in a reset's answer, when the store could not read them after the reset).
     pub in_flight: Option<InFlight>,
 }
 
@@ -236,11 +237,11 @@ fn state_of<'a>(
 fn usage_of<'a>(
     scopes: impl Iterator<Item = &'a Scope>,
     seen: &StateObservation,
-    running: &[u64],
+    running: Option<&[u64]>,
 ) -> Vec<ScopeUsage> {
     let mut snapshots = seen.snapshots.iter();
     let mut totals = seen.totals.iter();
-    let mut running = running.iter();
+    let mut running = running.map(<[u64]>::iter);
     scopes
         .map(|s| ScopeUsage {
             scope: s.kind.as_str(),
@@ -258,9 +259,11 @@ fn usage_of<'a>(
                 .zip(totals.by_ref())
                 .map(|((b, shadow), spent)| budget_usage(b, *shadow, *spent, seen.now))
                 .collect(),
-            in_flight: s.in_flight.as_ref().map(|l| InFlight {
-                current: running.next().copied().unwrap_or(0),
-                max: l.max(),
+            in_flight: s.in_flight.as_ref().and_then(|l| {
+                Some(InFlight {
+                    current: running.as_mut()?.next().copied().unwrap_or(0),
+                    max: l.max(),
+                })
             }),
         })
         .collect()
@@ -343,7 +346,7 @@ pub async fn usage(
         now: rfc3339(seen.now),
         store: crate::store::name(store),
         total: matching.len(),
-        scopes: usage_of(page.iter().copied(), &seen, &running),
+        scopes: usage_of(page.iter().copied(), &seen, Some(&running)),
         next_cursor: (end < matching.len()).then(|| end.to_string()),
     })
 }
@@ -394,11 +397,13 @@ pub async fn reset(
     // A reset clears windows and spend, never the slots of requests still running: those are
     // shown as they are.
     let slots = slots_of(found.iter().copied());
-    let running = store.read_running(&slots, Some(seen.now)).await?;
+    // Read after the clear has landed: a read that fails then must not answer the reset as
+    // failed (it was made, and is logged as made); the slots are shown as unknown (`null`).
+    let running = store.read_running(&slots, Some(seen.now)).await.ok();
     // Without `budgets` no counter was read: each scope's budgets list is empty.
     Ok(Reset {
         now: rfc3339(seen.now),
-        cleared: usage_of(found.iter().copied(), &seen, &running),
+        cleared: usage_of(found.iter().copied(), &seen, running.as_deref()),
     })
 }
 
