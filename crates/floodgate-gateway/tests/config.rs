@@ -100,6 +100,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("max-body-too-large.toml", 3, "server.max_body_mib"),
     ("zero-window.toml", 7, "keys[0].rate_limit.window_sec"),
     ("budget-negative-usd.toml", 8, "budgets[0].usd"),
+    ("budget-usd-below-a-micro-dollar.toml", 8, "budgets[0].usd"),
     ("budget-usd-not-finite.toml", 7, "budgets[0].usd"),
     ("budget-unknown-period.toml", 7, "budgets[0].period"),
     ("budget-unknown-scope.toml", 5, "budgets[0].scope"),
@@ -107,6 +108,11 @@ const CASES: &[(&str, usize, &str)] = &[
     ("budget-for-unknown-key.toml", 10, "budgets[0].id"),
     ("duplicate-price.toml", 10, "prices[1].model"),
     ("negative-price.toml", 7, "prices[0].output_per_million"),
+    (
+        "price-below-the-precision.toml",
+        6,
+        "prices[0].input_per_million",
+    ),
     ("price-not-a-number.toml", 6, "prices[0].input_per_million"),
     ("unknown-budget-field.toml", 9, "eur"),
 ];

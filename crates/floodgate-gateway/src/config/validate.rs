@@ -705,7 +705,17 @@ impl Validator<'_> {
             // integer, so that a cost is exact (0.15 * 100 is not 15 in floating point).
             let pico = |v: &Spanned<f64>, name: &str| -> Result<u64, ConfigError> {
                 let x = self.dollars(v, field(name), MAX_PRICE_PER_MILLION)?;
-                Ok((x * 1e6).round() as u64)
+                let pico = (x * 1e6).round() as u64;
+                if x > 0.0 && pico == 0 {
+                    // It would price as free, which a price above 0 does not say.
+                    return Err(self.error(
+                        v.span(),
+                        field(name),
+                        "is below the price table's precision (0.000001 USD per million \
+                         tokens): write 0 for free",
+                    ));
+                }
+                Ok(pico)
             };
             prices.push(PriceConfig {
                 model,
@@ -746,6 +756,15 @@ impl Validator<'_> {
                 )
             })?;
             let usd = self.dollars(&b.usd, field("usd"), MAX_BUDGET_USD)?;
+            let micro_usd = (usd * 1e6).round() as u64;
+            if usd > 0.0 && micro_usd == 0 {
+                // It would cap at 0, refusing everything, which a budget above 0 does not say.
+                return Err(self.error(
+                    b.usd.span(),
+                    field("usd"),
+                    "is below a budget's precision (0.000001 USD): write 0 to refuse everything",
+                ));
+            }
             if let Some(first) = seen.insert((kind, id.clone(), period), i) {
                 return Err(self.error(
                     b.period.span(),
@@ -755,7 +774,7 @@ impl Validator<'_> {
             }
             budgets.entry((kind, id)).or_default().push(BudgetConfig {
                 period,
-                micro_usd: (usd * 1e6).round() as u64,
+                micro_usd,
                 shadow: b.shadow.unwrap_or(false),
             });
         }
