@@ -115,6 +115,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ),
     ("price-not-a-number.toml", 6, "prices[0].input_per_million"),
     ("unknown-budget-field.toml", 9, "eur"),
+    ("table-written-twice.toml", 7, "server"),
 ];
 
 fn fixtures() -> PathBuf {
@@ -139,6 +140,20 @@ fn every_bad_config_names_file_line_and_field() {
         );
         assert!(shown.contains(&format!("field `{field}`")), "{shown}");
     }
+}
+
+#[test]
+fn a_file_that_is_not_utf8_is_refused_where_it_stops_being_text() {
+    let path = std::env::temp_dir().join(format!("floodgate-latin1-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        b"[upstream]\ndemo = true\n[[keys]]\nid = \"caf\xe9\"\nsecret = \"sk-k\"\n",
+    )
+    .unwrap();
+    let err = Config::load(&path).expect_err("a byte that is not UTF-8");
+    std::fs::remove_file(&path).unwrap();
+    assert_eq!((err.line, err.column), (4, 10), "{err}");
+    assert!(err.to_string().contains("not UTF-8"), "{err}");
 }
 
 #[test]

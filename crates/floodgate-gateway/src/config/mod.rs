@@ -40,12 +40,27 @@ impl Config {
     /// Reads and validates the config at `path`.
     pub fn load(path: impl AsRef<Path>) -> Result<Config, ConfigError> {
         let path = path.as_ref();
-        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        let bytes = std::fs::read(path).map_err(|e| ConfigError {
             file: path.to_path_buf(),
             line: 0,
             column: 0,
             field: "-".into(),
             message: format!("cannot read the file: {e}"),
+        })?;
+        let text = String::from_utf8(bytes).map_err(|e| {
+            // Read, but not text: where the first byte that is not UTF-8 is.
+            let before = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+            let line_start = before
+                .iter()
+                .rposition(|&b| b == b'\n')
+                .map_or(0, |i| i + 1);
+            ConfigError {
+                file: path.to_path_buf(),
+                line: before.iter().filter(|&&b| b == b'\n').count() + 1,
+                column: before.len() - line_start + 1,
+                field: "-".into(),
+                message: "is not UTF-8 text, as a TOML file must be".into(),
+            }
         })?;
         Config::parse(path, &text)
     }

@@ -147,10 +147,13 @@ impl Validator<'_> {
         if !at.is_empty() && self.text[start + at.len()..].trim_start().starts_with('=') {
             return Some(at);
         }
-        // A table header: `[name]` or `[[name]]`.
-        let header = self.text[start..].lines().next().unwrap_or("").trim();
+        // A table header: `[name]` or `[[name]]`, the span at its start or inside it (a table
+        // written twice is reported at its name).
+        let header = self.text[line_start..].lines().next().unwrap_or("").trim();
         let name = header.trim_start_matches('[').trim_end_matches(']').trim();
-        if header.starts_with('[') && !name.is_empty() {
+        // (A line of an array written over several lines starts with `[` too: not a header.)
+        let names_a_table = name.chars().all(|c| is_key(c) || c == '"' || c == ' ');
+        if header.starts_with('[') && !name.is_empty() && names_a_table {
             return Some(name.to_owned());
         }
         // A broken value: the key its line assigns.
