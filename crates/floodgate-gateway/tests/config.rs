@@ -157,6 +157,30 @@ fn a_file_that_is_not_utf8_is_refused_where_it_stops_being_text() {
 }
 
 #[test]
+fn a_key_toml_cannot_read_says_so_and_a_url_in_a_field_of_choices_is_not_echoed() {
+    let err = Config::parse_with_env("key.toml", "[upstream]\ndemo = true\né = 5\n", None)
+        .expect_err("a key with a character TOML does not take unquoted")
+        .to_string();
+    assert!(err.contains("unquoted key"), "toml's own words: {err}");
+    assert!(
+        !err.contains("not shown"),
+        "nothing of a value to hide: {err}"
+    );
+    let text = "[store]\nbackend = \"redis://:hunter2@db:6379/0\"\n[upstream]\ndemo = true\n";
+    let err = Config::parse_with_env("backend.toml", text, None)
+        .expect_err("a URL is not a backend")
+        .to_string();
+    assert!(!err.contains("hunter2"), "{err}");
+    assert!(err.contains("memory"), "the choices are still named: {err}");
+    // A misspelt choice is still shown.
+    let text = "[store]\nbackend = \"memroy\"\n[upstream]\ndemo = true\n";
+    let err = Config::parse_with_env("typo.toml", text, None)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("memroy"), "{err}");
+}
+
+#[test]
 fn errors_never_echo_what_may_be_a_secret() {
     let path = fixtures().join("api-key-env-not-a-name.toml");
     let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)

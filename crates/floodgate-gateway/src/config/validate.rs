@@ -88,12 +88,21 @@ impl Validator<'_> {
             .unwrap_or_else(|| "-".into());
         // "invalid type: integer `8675309`, expected a string": never echo a secret's value (a
         // key's or the admin's secret, a Redis URL's password), however the key was written
-        // (`admin.secret = ...`, `"secret" = ...`), nor any value whose key is not known.
-        if message.starts_with("invalid")
-            && self.may_hold_secret(&field, span.clone())
+        // (`admin.secret = ...`, `"secret" = ...`), nor any value whose key is not known. Only
+        // these messages echo a value (toml's own, `invalid unquoted key, expected ...`, do
+        // not, and read as they are). A URL with credentials pasted into a field of a few
+        // choices (`unknown variant`) is not shown either.
+        let echoes = message.starts_with("invalid type") || message.starts_with("invalid value");
+        let credentials = message.starts_with("unknown variant")
+            && message
+                .split_once("://")
+                .is_some_and(|(_, rest)| rest.contains('@'));
+        if ((echoes && self.may_hold_secret(&field, span.clone())) || credentials)
             && (message.contains('`') || message.contains('"'))
         {
-            let expected = message.rsplit_once(", ").map_or("", |(_, e)| e);
+            let expected = message
+                .split_once(", expected ")
+                .map_or(String::new(), |(_, e)| format!("expected {e}"));
             let message = format!("invalid value (not shown: it may be a secret); {expected}");
             return self.error(span, field, message);
         }
