@@ -334,6 +334,26 @@ async fn unlimited_shadow_mode_and_wildcards() {
 }
 
 #[tokio::test]
+async fn a_star_matches_any_run_in_a_value_and_only_itself_in_a_key() {
+    let (mut s, _dir) = service(&["star-in-a-key.yaml"]).await;
+    let limit = |r: &RateLimitResponse| {
+        r.statuses[0]
+            .current_limit
+            .as_ref()
+            .map(|l| l.requests_per_unit)
+    };
+    // Before, a key `a*` matched any key starting with `a`.
+    let r = s.call(request("stars", &[&[("abc", "x")]])).await;
+    assert_eq!(limit(&r), None);
+    let r = s.call(request("stars", &[&[("a*", "x")]])).await;
+    assert_eq!(limit(&r), Some(1));
+    let r = s.call(request("stars", &[&[("b", "xyz")]])).await;
+    assert_eq!(limit(&r), Some(2));
+    let r = s.call(request("stars", &[&[("b", "y")]])).await;
+    assert_eq!(limit(&r), None);
+}
+
+#[tokio::test]
 async fn replaces_drops_the_named_rule_and_leaves_its_counter_alone() {
     // Example 7.
     let (mut s, _dir) = service(&["readme-example07-10.yaml"]).await;

@@ -463,8 +463,11 @@ fn descriptors(
             Some((v, f)) => descriptors(ctx, v, &f, &keys)?,
             None => Level::default(),
         };
-        if full.contains('*') {
-            let parts = full.split('*').map(str::to_owned).collect();
+        // A `*` in the value matches any run of characters; one in the key is the key's own
+        // character (docs/envoy.md), matched as written.
+        if value.contains('*') {
+            let mut parts: Vec<String> = value.split('*').map(str::to_owned).collect();
+            parts[0] = format!("{key}_{}", parts[0]);
             level.wildcards.push((full.clone(), parts));
         }
         level.children.insert(
