@@ -383,6 +383,52 @@ async fn past_max_connections_a_new_connection_waits_until_one_closes() {
     );
 }
 
+#[tokio::test]
+async fn max_connections_holds_across_workers_without_a_slot_held_idle() {
+    // Two workers of one process, as `serve` makes them: one bound, each its own socket (the
+    // kernel gives each connection to one of them).
+    let up = fake_upstream().await;
+    let c = config(
+        "[server]\nmax_connections = 1\n[upstream]\nbase_url = \"{upstream}\"\n",
+        &up.url(),
+    );
+    let (process, first) = process_and_worker(&c).await;
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let second = floodgate_gateway::AppState::for_worker(&c, store, &process).unwrap();
+    let mut addrs = Vec::new();
+    for state in [first, second] {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        addrs.push(listener.local_addr().unwrap());
+        tokio::spawn(floodgate_gateway::run(
+            listener,
+            state,
+            std::future::pending(),
+        ));
+    }
+    let answered = Duration::from_secs(5);
+    // Nothing open: the second worker serves at once (before, the first worker held the one
+    // slot while it waited for a connection of its own, and this one waited with it).
+    let mut b = TcpStream::connect(addrs[1]).await.unwrap();
+    assert_eq!(
+        health(&mut b, answered).await.as_deref(),
+        Some("HTTP/1.1 200 OK")
+    );
+    // One open: a connection to the other worker waits, then is served once it closes.
+    let mut a = TcpStream::connect(addrs[0]).await.unwrap();
+    let waiting = tokio::spawn(async move { health(&mut a, answered).await });
+    assert_eq!(
+        health(
+            &mut TcpStream::connect(addrs[1]).await.unwrap(),
+            Duration::from_millis(300)
+        )
+        .await,
+        None,
+        "not served past the cap"
+    );
+    drop(b);
+    assert_eq!(waiting.await.unwrap().as_deref(), Some("HTTP/1.1 200 OK"));
+}
+
 /// An upstream that counts the requests that arrive and reads none of their bodies until `gate`
 /// gives it a permit for each: the gateway's forwarding of a large body stalls, and the body
 /// keeps its room meanwhile.

@@ -40,15 +40,6 @@ pub async fn run(
     let _heartbeat = Heartbeat::start(state.header_timeout());
     let connections = state.connections();
     loop {
-        // At `[server] max_connections` open connections the loop stops accepting until one
-        // closes: new callers wait in the listen backlog, as with nginx's worker_connections.
-        let slot = tokio::select! {
-            slot = Arc::clone(connections).acquire_owned() => match slot {
-                Ok(slot) => slot,
-                Err(_) => break,
-            },
-            () = &mut shutdown => break,
-        };
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => tcp,
@@ -62,6 +53,19 @@ pub async fn run(
                         () = &mut shutdown => break,
                     }
                 }
+            },
+            () = &mut shutdown => break,
+        };
+        // At `[server] max_connections` open connections (across the process's workers) the
+        // connection just accepted waits for one to close, and the loop with it: later callers
+        // wait in the listen backlog, as with nginx's worker_connections. Accepted first, then
+        // counted: a worker that took a slot and then waited in `accept` on its own socket
+        // (empty, while the kernel gave new connections to another worker's) would hold a slot
+        // no connection used, and callers of the other worker would wait with slots free.
+        let slot = tokio::select! {
+            slot = Arc::clone(connections).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => break,
             },
             () = &mut shutdown => break,
         };
