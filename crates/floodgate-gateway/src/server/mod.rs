@@ -179,7 +179,6 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             let _ = stopping.wait_for(|s| *s).await;
         }));
     }
-    let (ready_tx, ready_rx) = mpsc::channel::<Result<(SocketAddr, AppState), StartError>>();
     // Each worker's state, for reloads.
     let mut states = Vec::with_capacity(workers);
     let (done_tx, mut done_rx) = tmpsc::unbounded_channel::<std::io::Result<()>>();
@@ -191,6 +190,9 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
         if *stop_rx.borrow() {
             break;
         }
+        // A channel of the worker's own, whose only sender it holds: if it dies before it says
+        // whether it listens, the wait below ends (a sender kept here would wait for good).
+        let (ready_tx, ready_rx) = mpsc::channel::<Result<(SocketAddr, AppState), StartError>>();
         let worker = Worker {
             bind: addr,
             reuse_port: workers > 1,
@@ -199,7 +201,7 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             process: process.clone(),
             stop: stop_rx.clone(),
             stop_clock: stop_clock.clone(),
-            ready: ready_tx.clone(),
+            ready: ready_tx,
             done: done_tx.clone(),
         };
         let spawned = std::thread::Builder::new()
