@@ -108,6 +108,8 @@ pub struct MeteredBody {
     line: PendingLine,
     /// Tracks the charge still to come, from the body's start to the charge landing.
     held: Option<Held>,
+    /// The upstream's trailers, held back while what the body read before them goes out.
+    trailers: Option<Frame<Bytes>>,
 }
 
 /// A JSON body's frames, kept to read its usage at its end: the first on its own (a body
@@ -184,6 +186,7 @@ impl MeteredBody {
             usage: None,
             model: None,
             held: Some(charger.hold()),
+            trailers: None,
             charger: charger.clone(),
             chain: Some(chain),
             reservation,
@@ -250,6 +253,7 @@ impl MeteredBody {
             spend: self.spend.take(),
             line: self.line.clone(),
             held: self.held.take(),
+            trailers: self.trailers.take(),
         }
     }
 }
@@ -347,6 +351,9 @@ impl http_body::Body for MeteredBody {
     ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
         let this = self.get_mut();
         loop {
+            if let Some(trailers) = this.trailers.take() {
+                return Poll::Ready(Some(Ok(trailers)));
+            }
             if this.finished {
                 return Poll::Ready(None);
             }
@@ -370,7 +377,21 @@ impl http_body::Body for MeteredBody {
             };
             let data = match frame.into_data() {
                 Ok(data) => data,
-                Err(trailers) => return Poll::Ready(Some(Ok(trailers))),
+                Err(trailers) => {
+                    // Trailers come last: the body is all here. An event the filter still holds
+                    // (its final blank line never came) is read and goes out before them, as at
+                    // the body's end: hyper sends nothing of a body after its trailers.
+                    let rest = match &mut this.mode {
+                        Mode::Sse(f) => f.flush(),
+                        _ => Bytes::new(),
+                    };
+                    this.finish();
+                    if rest.is_empty() {
+                        return Poll::Ready(Some(Ok(trailers)));
+                    }
+                    this.trailers = Some(trailers);
+                    return Poll::Ready(Some(Ok(Frame::data(rest))));
+                }
             };
             match &mut this.mode {
                 Mode::Pass => {}
@@ -400,6 +421,9 @@ impl http_body::Body for MeteredBody {
     }
 
     fn is_end_stream(&self) -> bool {
+        if self.trailers.is_some() {
+            return false;
+        }
         self.finished
             || match &self.mode {
                 Mode::Sse(f) => f.pending.is_empty() && self.inner.is_end_stream(),

@@ -326,6 +326,82 @@ async fn a_responses_stream_left_after_its_output_is_charged_its_usage_that_came
     assert_eq!(left.as_deref(), Some("40"));
 }
 
+/// An upstream that answers every request (kept alive) with a chunked event stream whose
+/// usage event lacks its final blank line, followed by trailers.
+async fn trailing_upstream() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut seen = Vec::new();
+                let mut buf = [0u8; 4096];
+                loop {
+                    // A request: its head, then as many body bytes as it announces.
+                    let head_end = loop {
+                        if let Some(at) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break at + 4;
+                        }
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&seen[..head_end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    while seen.len() < head_end + length {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => seen.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    seen.drain(..head_end + length);
+                    let chunk = |text: &str| format!("{:x}\r\n{text}\r\n", text.len());
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                         transfer-encoding: chunked\r\ntrailer: x-done\r\n\r\n{}{}0\r\nx-done: 1\r\n\r\n",
+                        chunk(
+                            "data: {\"choices\":[{\"delta\":{\"content\":\"hi\"},\"finish_reason\":\"stop\"}]}\n\n"
+                        ),
+                        chunk(
+                            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":4,\"completion_tokens\":5,\"total_tokens\":9}}"
+                        ),
+                    );
+                    if conn.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn a_last_event_cut_short_by_trailers_is_read_and_passed_on() {
+    let gw = gateway(CONFIG, &trailing_upstream().await).await;
+    // The usage event has no final blank line, and trailers follow it. Before, the trailers
+    // went out while the event was still held, hyper sent nothing of the body after them, and
+    // the stream was charged as one cut short (a token an event), its usage never read.
+    let r = gw.chat("sk-k", CHAT_STREAM_USAGE).await;
+    assert_eq!(r.status, 200);
+    let events = events(&r.body);
+    assert!(
+        events
+            .last()
+            .is_some_and(|e| e.contains("\"total_tokens\":9")),
+        "the last event reaches the caller: {events:?}"
+    );
+    gw.settled().await;
+    let r = gw.chat("sk-k", CHAT_STREAM_USAGE).await;
+    assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("91"));
+}
+
 #[tokio::test]
 async fn a_stream_left_mid_answer_is_cut_and_charges_the_chunks_it_passed() {
     let up = fake_upstream().await;
