@@ -562,7 +562,10 @@ impl Relay {
     /// chain's `rate_limits.updated` to `out`: read at a cost of 0, charging nothing. Nothing
     /// when the store cannot say.
     async fn tell_after(&mut self, done: u64, out: &mut Vec<u8>) {
-        if done <= self.told || !self.between_frames() {
+        // The event is a message of its own: not inside a fragmented one either (RFC 6455
+        // §5.4), where only control frames may come between fragments. It waits for the next
+        // read then, as it does for a frame still passing.
+        if done <= self.told || !self.between_frames() || self.fragmented {
             return;
         }
         self.told = done;
@@ -841,6 +844,64 @@ mod tests {
         drop(a);
         assert_eq!(live.count(), 1);
         assert!(live.take(2).is_some());
+    }
+
+    /// A server stream's frames, as (fin, opcode, payload).
+    fn frames_of(mut s: &[u8]) -> Vec<(bool, u8, Vec<u8>)> {
+        let mut frames = Vec::new();
+        while !s.is_empty() {
+            let (header, len, fin, opcode, _) = frame_header(s).unwrap();
+            let end = header + len as usize;
+            frames.push((fin, opcode, s[header..end].to_vec()));
+            s = &s[end..];
+        }
+        frames
+    }
+
+    #[tokio::test]
+    async fn the_gateways_limits_event_waits_for_a_fragmented_message_to_end() {
+        let (pending, pending_spend) = (AtomicU64::new(0), AtomicU64::new(0));
+        let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
+        let charger = Charger::new(store.clone(), crate::metrics::Metrics::new());
+        let limit = |charge| {
+            floodgate::ChainLimit::new(
+                "key:k",
+                floodgate::ScopeKind::Key,
+                "k",
+                charge,
+                floodgate::WindowLimit::per_minute(100),
+            )
+        };
+        let chain = Chain::new(vec![
+            limit(floodgate::Charge::Admission),
+            limit(floodgate::Charge::Reactive),
+        ]);
+        let mut dir = Direction::new(Some(Meter {
+            pending: &pending,
+            pending_spend: &pending_spend,
+            prices: None,
+            model: None,
+            total: 0,
+            key: "k",
+            warned_unknown: false,
+            charger: &charger,
+            done: 0,
+        }));
+        dir.relay = Some(Relay::new(Arc::new(chain), store));
+        // One read: a turn's end, then the first fragment of the next message; the next read:
+        // its last fragment.
+        let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
+        let mut first = frame(true, 1, done, None);
+        first.extend(frame(false, 1, br#"{"type":"response.out"#, None));
+        let second = frame(true, 0, br#"put_text.delta"}"#, None);
+        let mut from = first.as_slice().chain(second.as_slice());
+        let mut out = Vec::new();
+        assert!(pump(&mut from, &mut out, &mut dir).await.is_ok());
+        let kinds: Vec<(bool, u8)> = frames_of(&out).iter().map(|f| (f.0, f.1)).collect();
+        // Before, the event came between the two fragments: (true, 1) in the middle.
+        assert_eq!(kinds, [(true, 1), (false, 1), (true, 0), (true, 1)]);
+        let told = frames_of(&out).pop().unwrap().2;
+        assert!(String::from_utf8_lossy(&told).contains("rate_limits.updated"));
     }
 
     #[test]
