@@ -17,8 +17,11 @@
 //! Spend is priced by the model the upstream says it runs, `session.model` in its latest
 //! `session.created` or `session.updated` event, and before the first by the URL's `?model=`.
 //! Only messages whose first bytes may be those events are held. Metering reads a copy of each
-//! piece as it is read, before it is forwarded: it never delays, changes or closes a session,
-//! and a full token window only refuses later requests and upgrades.
+//! piece as it is read, before it is forwarded: it never changes or closes a session, and a
+//! full token window only refuses later requests and upgrades. (One delay is known: in a
+//! metered session the piece that ends a turn, with its `response.done`, goes out with the
+//! gateway's `rate_limits.updated` after it, once the store has answered the read of the
+//! limits: a store round trip a turn, up to the store's call timeout.)
 //!
 //! **Shutdown.** A draining worker lets its live sessions go on for `[realtime] drain_sec`, then
 //! closes them: a close frame with status 1001 (going away) to each side where it fits between
