@@ -181,6 +181,21 @@ fn a_key_toml_cannot_read_says_so_and_a_url_in_a_field_of_choices_is_not_echoed(
 }
 
 #[test]
+fn the_config_reference_in_the_docs_is_a_valid_config() {
+    // docs/gateway.md's reference, every field at once, is what operators copy from.
+    let docs = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/gateway.md");
+    let docs = std::fs::read_to_string(docs).unwrap();
+    let block = docs
+        .split("```toml\n")
+        .nth(1)
+        .and_then(|rest| rest.split("```").next())
+        .expect("the reference's toml block");
+    let file = std::env::temp_dir().join("floodgate-reference.toml");
+    let config = Config::parse_with_env(&file, block, None);
+    assert!(config.is_ok(), "{}", config.unwrap_err());
+}
+
+#[test]
 fn errors_never_echo_what_may_be_a_secret() {
     let path = fixtures().join("api-key-env-not-a-name.toml");
     let err = Config::parse_with_env(&path, &std::fs::read_to_string(&path).unwrap(), None)
