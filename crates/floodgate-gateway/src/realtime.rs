@@ -18,10 +18,9 @@
 //! `session.created` or `session.updated` event, and before the first by the URL's `?model=`.
 //! Only messages whose first bytes may be those events are held. Metering reads a copy of each
 //! piece as it is read, before it is forwarded: it never changes or closes a session, and a
-//! full token window only refuses later requests and upgrades. (One delay is known: in a
-//! metered session the piece that ends a turn, with its `response.done`, goes out with the
-//! gateway's `rate_limits.updated` after it, once the store has answered the read of the
-//! limits: a store round trip a turn, up to the store's call timeout.)
+//! full token window only refuses later requests and upgrades. (In a metered session the
+//! gateway's `rate_limits.updated` follows a turn's `response.done` once the store has answered
+//! the read of the limits; the turn's end goes out before that read, not after it.)
 //!
 //! **Shutdown.** A draining worker lets its live sessions go on for `[realtime] drain_sec`, then
 //! closes them: a close frame with status 1001 (going away) to each side where it fits between
@@ -456,26 +455,39 @@ where
         }
         dir.passed(&buf[..n]);
         let done = dir.meter.as_ref().map_or(0, |m| m.done);
-        let out: std::borrow::Cow<'_, [u8]> = match &mut dir.relay {
-            None => std::borrow::Cow::Borrowed(&buf[..n]),
-            Some(relay) => {
-                let mut out = Vec::with_capacity(n);
-                relay.feed(&buf[..n], &mut out);
-                relay.tell_after(done, &mut out).await;
-                std::borrow::Cow::Owned(out)
-            }
-        };
-        if out.is_empty() {
+        let Some(relay) = &mut dir.relay else {
+            send(to, &mut dir.writing, &buf[..n]).await?;
             continue;
-        }
-        dir.writing = true;
-        let sent = async {
-            to.write_all(&out).await?;
-            to.flush().await
         };
-        sent.await.map_err(Failure::Write)?;
-        dir.writing = false;
+        let mut out = Vec::with_capacity(n);
+        relay.feed(&buf[..n], &mut out);
+        // The piece goes out first, then the gateway's limits event after it, once the store
+        // has answered its read: the turn's end never waits for the store, and a drain that
+        // cancels the read loses the event alone, never a byte of the upstream's.
+        send(to, &mut dir.writing, &out).await?;
+        out.clear();
+        if let Some(relay) = &mut dir.relay {
+            relay.tell_after(done, &mut out).await;
+        }
+        send(to, &mut dir.writing, &out).await?;
     }
+}
+
+/// Writes `bytes` to `to` and flushes them, with `writing` set while they go (a close frame
+/// must not be put in the middle of them).
+async fn send<W: AsyncWrite + Unpin>(
+    to: &mut W,
+    writing: &mut bool,
+    bytes: &[u8],
+) -> Result<(), Failure> {
+    if bytes.is_empty() {
+        return Ok(());
+    }
+    *writing = true;
+    to.write_all(bytes).await.map_err(Failure::Write)?;
+    to.flush().await.map_err(Failure::Write)?;
+    *writing = false;
+    Ok(())
 }
 
 /// Most bytes of a single-frame text message held to read its `type`: the events replaced are
@@ -788,16 +800,43 @@ mod tests {
     use super::*;
     use crate::openai::frames::frame;
 
-    /// A writer whose peer is gone.
-    struct Gone;
+    /// A meter of key `k` on these counters and charger, no prices.
+    fn meter<'a>(
+        pending: &'a AtomicU64,
+        pending_spend: &'a AtomicU64,
+        charger: &'a Charger,
+    ) -> Meter<'a> {
+        Meter {
+            pending,
+            pending_spend,
+            prices: None,
+            model: None,
+            total: 0,
+            key: "k",
+            warned_unknown: false,
+            charger,
+            done: 0,
+        }
+    }
 
-    impl AsyncWrite for Gone {
+    /// A writer that keeps each write apart, or whose peer is gone (every write fails).
+    #[derive(Default)]
+    struct Writes {
+        gone: bool,
+        each: Vec<Vec<u8>>,
+    }
+
+    impl AsyncWrite for Writes {
         fn poll_write(
-            self: std::pin::Pin<&mut Self>,
+            mut self: std::pin::Pin<&mut Self>,
             _: &mut std::task::Context<'_>,
-            _: &[u8],
+            bytes: &[u8],
         ) -> std::task::Poll<std::io::Result<usize>> {
-            std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()))
+            if self.gone {
+                return std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
+            }
+            self.each.push(bytes.to_vec());
+            std::task::Poll::Ready(Ok(bytes.len()))
         }
         fn poll_flush(
             self: std::pin::Pin<&mut Self>,
@@ -818,20 +857,14 @@ mod tests {
         let (pending, pending_spend) = (AtomicU64::new(0), AtomicU64::new(0));
         let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
         let charger = Charger::new(store, crate::metrics::Metrics::new());
-        let mut dir = Direction::new(Some(Meter {
-            pending: &pending,
-            pending_spend: &pending_spend,
-            prices: None,
-            model: None,
-            total: 0,
-            key: "k",
-            warned_unknown: false,
-            charger: &charger,
-            done: 0,
-        }));
+        let mut dir = Direction::new(Some(meter(&pending, &pending_spend, &charger)));
         let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
         let stream = frame(true, 1, done, None);
-        let r = pump(&mut stream.as_slice(), &mut Gone, &mut dir).await;
+        let mut gone = Writes {
+            gone: true,
+            each: Vec::new(),
+        };
+        let r = pump(&mut stream.as_slice(), &mut gone, &mut dir).await;
         assert!(matches!(r, Err(Failure::Write(_))), "{r:?}");
         assert_eq!(pending.load(Ordering::SeqCst), 9);
         assert!(!dir.between_frames(), "the caller may have part of a frame");
@@ -879,17 +912,7 @@ mod tests {
             limit(floodgate::Charge::Admission),
             limit(floodgate::Charge::Reactive),
         ]);
-        let mut dir = Direction::new(Some(Meter {
-            pending: &pending,
-            pending_spend: &pending_spend,
-            prices: None,
-            model: None,
-            total: 0,
-            key: "k",
-            warned_unknown: false,
-            charger: &charger,
-            done: 0,
-        }));
+        let mut dir = Direction::new(Some(meter(&pending, &pending_spend, &charger)));
         dir.relay = Some(Relay::new(Arc::new(chain), store));
         // One read: a turn's end, then the first fragment of the next message; the next read:
         // its last fragment.
@@ -905,6 +928,35 @@ mod tests {
         assert_eq!(kinds, [(true, 1), (false, 1), (true, 0), (true, 1)]);
         let told = frames_of(&out).pop().unwrap().2;
         assert!(String::from_utf8_lossy(&told).contains("rate_limits.updated"));
+    }
+
+    #[tokio::test]
+    async fn a_turns_end_goes_out_before_the_store_is_read_for_the_limits_event() {
+        let (pending, pending_spend) = (AtomicU64::new(0), AtomicU64::new(0));
+        let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
+        let charger = Charger::new(store.clone(), crate::metrics::Metrics::new());
+        let chain = Chain::new(vec![floodgate::ChainLimit::new(
+            "key:k",
+            floodgate::ScopeKind::Key,
+            "k",
+            floodgate::Charge::Reactive,
+            floodgate::WindowLimit::per_minute(100),
+        )]);
+        let mut dir = Direction::new(Some(meter(&pending, &pending_spend, &charger)));
+        dir.relay = Some(Relay::new(Arc::new(chain), store));
+        let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
+        let piece = frame(true, 1, done, None);
+        let mut writes = Writes::default();
+        assert!(
+            pump(&mut piece.as_slice(), &mut writes, &mut dir)
+                .await
+                .is_ok()
+        );
+        // Two writes: the upstream's piece whole (before, it waited for the store's read and
+        // went out in one write with the event), then the gateway's event.
+        assert_eq!(writes.each.len(), 2, "{}", writes.each.len());
+        assert_eq!(writes.each[0], piece);
+        assert!(String::from_utf8_lossy(&writes.each[1]).contains("rate_limits.updated"));
     }
 
     #[test]
