@@ -96,6 +96,13 @@ impl Answer {
 }
 
 impl Setup {
+    /// The console's sign-in with the admin secret.
+    async fn sign_in(&self) -> Answer {
+        let json = [("content-type", "application/json")];
+        let secret = r#"{"secret":"sk-ops-secret"}"#;
+        self.call("POST", "/console/sign-in", &json, secret).await
+    }
+
     async fn call(&self, method: &str, path: &str, headers: &[(&str, &str)], body: &str) -> Answer {
         let mut b = Request::builder()
             .method(method)
@@ -386,14 +393,7 @@ async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
     assert_eq!(wrong.status, 401);
     assert!(start.elapsed() >= WRONG_SECRET_DELAY);
     assert!(!wrong.headers.contains_key("set-cookie"));
-    let right = s
-        .call(
-            "POST",
-            "/console/sign-in",
-            &json,
-            r#"{"secret":"sk-ops-secret"}"#,
-        )
-        .await;
+    let right = s.sign_in().await;
     assert_eq!(right.status, 200);
     let cookie = right.headers["set-cookie"].to_str().unwrap().to_owned();
     for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", "Max-Age="] {
@@ -479,15 +479,7 @@ async fn only_the_admin_secret_or_a_session_opens_the_admin_api() {
 async fn a_session_shares_its_cookie_line_with_another_apps_cookie_that_is_not_text() {
     let up = fake_upstream().await;
     let s = setup("", &up.url()).await;
-    let json = [("content-type", "application/json")];
-    let signed_in = s
-        .call(
-            "POST",
-            "/console/sign-in",
-            &json,
-            r#"{"secret":"sk-ops-secret"}"#,
-        )
-        .await;
+    let signed_in = s.sign_in().await;
     assert_eq!(signed_in.status, 200);
     let cookie = signed_in.headers["set-cookie"].to_str().unwrap();
     let session = cookie.split(';').next().unwrap();
