@@ -50,8 +50,9 @@ pub enum AppError {
         /// Another exceeded budget whose period ends later (it sets the wait): its scope's kind
         /// and its period.
         later: Option<(ScopeKind, Period)>,
-        /// The wait until every exceeded budget's period ends.
-        retry_after: Duration,
+        /// The wait until every exceeded budget's period ends; none when an exceeded budget's
+        /// cap is 0, which no period's end lets through.
+        retry_after: Option<Duration>,
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
@@ -193,11 +194,17 @@ impl AppError {
                     }
                     None => String::new(),
                 };
-                let message = format!(
-                    "Budget exceeded for {scope}: its {} spend cap (UTC) is reached{too}. Please retry after {}s.",
-                    adjective(*period),
-                    crate::headers::ceil_secs(*retry_after)
-                );
+                let message = match retry_after {
+                    Some(wait) => format!(
+                        "Budget exceeded for {scope}: its {} spend cap (UTC) is reached{too}. Please retry after {}s.",
+                        adjective(*period),
+                        crate::headers::ceil_secs(*wait)
+                    ),
+                    None => format!(
+                        "Budget exceeded for {scope}: its {} spend cap is 0, so no request passes.",
+                        adjective(*period)
+                    ),
+                };
                 (message, "insufficient_quota", "budget_exceeded")
             }
             AppError::BadRequest(why) => (why.clone(), "invalid_request_error", "invalid_request"),

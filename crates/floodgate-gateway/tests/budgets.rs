@@ -509,3 +509,30 @@ async fn a_budget_refusal_carries_the_rate_limit_state() {
     );
     assert_eq!(up.seen.hits(), 1);
 }
+
+#[tokio::test]
+async fn a_budget_of_zero_refuses_with_no_time_to_wait_reactive_or_reserving() {
+    let up = fake_upstream().await;
+    for tokens in ["", "[gateway]\ntokens = \"reserve\"\n"] {
+        let clock = FakeClock::new(BEFORE_MIDNIGHT);
+        let text = format!(
+            "{tokens}{}",
+            tiny_budget().replace("usd = 0.0001", "usd = 0")
+        );
+        let gw = pinned_gateway(&text, &up.url(), &clock).await;
+        // An unpriced model too: its price of 0 does not fit a cap of 0.
+        for model in ["gpt-4o", "unpriced"] {
+            let r = chat_as(&gw, "sk-k", CHAT, model, 100).await;
+            assert_eq!(r.status, 429, "{tokens} {model}: {}", r.text());
+            assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+            let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+            assert!(message.contains("cap is 0"), "{message}");
+            // Midnight would not mend it: no `Retry-After` invites a retry that is refused
+            // again (as for a limit of 0); the chain's state is there.
+            assert_eq!(r.header("retry-after"), None, "{tokens} {model}");
+            assert_eq!(r.header("retry-after-ms"), None, "{tokens} {model}");
+            assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("10"));
+        }
+    }
+    assert_eq!(up.seen.hits(), 0);
+}

@@ -114,7 +114,8 @@ pub struct BudgetDecision {
     pub spent: Vec<u64>,
     /// The first budget, in order, whose spend has reached its cap.
     pub exceeded_by: Option<usize>,
-    /// For a refusal, the wait until every exceeded budget's period has ended.
+    /// For a refusal, the wait until every exceeded budget's period has ended; none when an
+    /// exceeded budget's cap is 0, which no period's end lets through.
     pub retry_after: Option<Duration>,
     /// For a refusal, the exceeded budget whose period ends last (the first of those that end
     /// together): the one `retry_after` waits for.
@@ -279,22 +280,22 @@ impl Budgets {
             .iter()
             .map(|t| t.saturating_sub(amount))
             .collect();
-        let over = |i: usize, b: &Budget| seen.totals.get(i).is_some_and(|&t| t > b.cap);
-        let mut decision = decided(&self.budgets, before, seen.now);
-        decision.exceeded_by = self
+        // Over when the reservation does not fit, or when the budget was spent already: a
+        // reservation of 0 (a free model's) on a spent budget is refused, as `check` refuses it.
+        let over = |i: usize, b: &Budget| {
+            seen.totals.get(i).is_some_and(|&t| t > b.cap)
+                || before.get(i).is_some_and(|&s| s >= b.cap)
+        };
+        let exceeded_by = self
             .budgets
             .iter()
             .enumerate()
             .position(|(i, b)| over(i, b));
-        let mut longest: Option<(usize, Duration)> = None;
-        for (i, b) in self.budgets.iter().enumerate().filter(|(i, b)| over(*i, b)) {
-            let wait = b.period().remaining(seen.now);
-            if longest.is_none_or(|(_, w)| wait > w) {
-                longest = Some((i, wait));
-            }
-        }
-        decision.retry_after = longest.map(|(_, w)| w);
-        decision.waits_for = longest.map(|(i, _)| i);
+        let (retry_after, waits_for) = longest_wait(&self.budgets, seen.now, over);
+        let mut decision = decided(&self.budgets, before, seen.now);
+        decision.exceeded_by = exceeded_by;
+        decision.retry_after = retry_after;
+        decision.waits_for = waits_for;
         if !decision.allowed() {
             let refund = -i64::try_from(amount).unwrap_or(i64::MAX);
             store
@@ -330,25 +331,38 @@ pub fn decide(budgets: &[Budget], spent: &[u64], now: Timestamp) -> BudgetDecisi
 /// [`decide`], keeping `spent` in the decision rather than a copy: a request's check allocates
 /// one list, not two.
 fn decided(budgets: &[Budget], spent: Vec<u64>, now: Timestamp) -> BudgetDecision {
-    let mut exceeded_by = None;
-    let mut longest: Option<(usize, Duration)> = None;
-    for (i, (b, &s)) in budgets.iter().zip(&spent).enumerate() {
-        if s >= b.cap {
-            exceeded_by.get_or_insert(i);
-            let wait = b.period().remaining(now);
-            if longest.is_none_or(|(_, w)| wait > w) {
-                longest = Some((i, wait));
-            }
-        }
-    }
+    let over = |i: usize, b: &Budget| spent.get(i).is_some_and(|&s| s >= b.cap);
+    let exceeded_by = budgets.iter().enumerate().position(|(i, b)| over(i, b));
+    let (retry_after, waits_for) = longest_wait(budgets, now, over);
     BudgetDecision {
         now,
         enforced: true,
         spent,
         exceeded_by,
-        retry_after: longest.map(|(_, w)| w),
-        waits_for: longest.map(|(i, _)| i),
+        retry_after,
+        waits_for,
     }
+}
+
+/// The wait until every budget that is `over` has its period end, and the one that ends last
+/// (the first of those that end together); none when no budget is over, or when one that is over
+/// has a cap of 0, which no period's end lets through (a limit of 0 has no retry time either).
+fn longest_wait(
+    budgets: &[Budget],
+    now: Timestamp,
+    over: impl Fn(usize, &Budget) -> bool,
+) -> (Option<Duration>, Option<usize>) {
+    let mut longest: Option<(usize, Duration)> = None;
+    for (i, b) in budgets.iter().enumerate().filter(|(i, b)| over(*i, b)) {
+        if b.cap == 0 {
+            return (None, None);
+        }
+        let wait = b.period().remaining(now);
+        if longest.is_none_or(|(_, w)| wait > w) {
+            longest = Some((i, wait));
+        }
+    }
+    (longest.map(|(_, w)| w), longest.map(|(i, _)| i))
 }
 
 impl fmt::Display for Budget {
@@ -381,8 +395,14 @@ mod tests {
         assert_eq!(d.exceeded_by, Some(0));
         assert_eq!(d.retry_after, Some(Duration::from_secs(1_388_760)));
         assert_eq!(d.waits_for, Some(1));
-        // A cap of 0 refuses from the start.
-        let zero = [Budget::new("org:a", ScopeKind::Key, "k", Period::Day, 0)];
-        assert_eq!(decide(&zero, &[0], now).exceeded_by, Some(0));
+        // A cap of 0 refuses from the start, and forever: no time to wait, even beside a
+        // budget that a period's end would free.
+        let zero = [
+            Budget::new("org:a", ScopeKind::Key, "k", Period::Day, 0),
+            Budget::new("org:a", ScopeKind::Org, "a", Period::Month, 100),
+        ];
+        let d = decide(&zero, &[0, 100], now);
+        assert_eq!(d.exceeded_by, Some(0));
+        assert_eq!((d.retry_after, d.waits_for), (None, None));
     }
 }

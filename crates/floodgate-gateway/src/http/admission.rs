@@ -584,20 +584,21 @@ impl Ctx {
         decision: &BudgetDecision,
         estimate: Estimate,
     ) -> Response {
-        let exceeded = decision.exceeded_by.and_then(|i| budgets.budgets().get(i));
-        let (Some(b), Some(budget_wait)) = (exceeded, decision.retry_after) else {
+        let Some(b) = decision.exceeded_by.and_then(|i| budgets.budgets().get(i)) else {
             let err = AppError::Internal("refused without an exceeded budget".into());
             return self.answer(err, Decision::RefusedUnnamed);
         };
         // The request passes once its budgets' periods have ended and its rate limits have room
         // for it: `Retry-After` is the later of the two (a window of a day can outlast the day's
-        // budget), so that a client pacing on it is not refused again.
+        // budget), so that a client pacing on it is not refused again. A budget with a cap of 0
+        // lets nothing through, ever: no wait is announced, as for a limit of 0.
         let rates = self.rates().await;
-        let window_wait = match &rates {
-            Some(rates) => self.window_wait(rates, budget_wait, estimate).await,
-            None => Duration::ZERO,
+        let wait = match (decision.retry_after, &rates) {
+            (Some(budget_wait), Some(rates)) => {
+                Some(budget_wait.max(self.window_wait(rates, budget_wait, estimate).await))
+            }
+            (wait, _) => wait,
         };
-        let wait = budget_wait.max(window_wait);
         // The wait is until every exceeded budget's period ends: when another one's ends after
         // the named one's, the message says which kind it is, or "retry after 23 days" under a
         // "daily cap" would read as a mistake.
@@ -618,7 +619,9 @@ impl Ctx {
             // The state only: `Retry-After` is written below.
             headers::apply(resp.headers_mut(), rates, &self.fixed);
         }
-        headers::apply_retry_after(resp.headers_mut(), wait);
+        if let Some(wait) = wait {
+            headers::apply_retry_after(resp.headers_mut(), wait);
+        }
         resp
     }
 

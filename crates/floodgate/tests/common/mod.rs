@@ -1344,6 +1344,27 @@ pub async fn race_reserved_budget<S: Store + Clone + 'static>(store: S, tenant: 
         assert_eq!(d.spent, [1000], "{amount}");
     }
     assert_eq!(budgets.check(&store).await.unwrap().spent, [1000]);
+    // A reservation of 0 (a free model's) on the spent budget is refused, as a check is, and
+    // waits for the period's end; nothing is added.
+    let d = budgets.reserve(&store, 0).await.unwrap();
+    assert!(!d.allowed() && d.retry_after.is_some(), "{d:?}");
+    assert_eq!(d.spent, [1000]);
+    // A budget with a cap of 0 refuses every reservation, 0 included, and no period's end lets
+    // one through: no time to wait.
+    let zero = Budgets::new(vec![Budget::new(
+        tenant,
+        ScopeKind::Key,
+        "race-zero",
+        Period::Day,
+        0,
+    )]);
+    for amount in [0, 1] {
+        let d = zero.reserve(&store, amount).await.unwrap();
+        assert_eq!((d.exceeded_by, d.retry_after), (Some(0), None), "{amount}");
+        let d = zero.check(&store).await.unwrap();
+        assert_eq!((d.exceeded_by, d.retry_after), (Some(0), None), "{amount}");
+    }
+    assert_eq!(zero.check(&store).await.unwrap().spent, [0]);
     for d in &admitted {
         budgets.reconcile(&store, d.now, 30 - 100).await.unwrap();
     }
