@@ -2728,3 +2728,90 @@ async fn concurrent_releases_in_batches_give_back_every_slot_once() {
         assert_eq!(running, [0, 0], "round {round}");
     }
 }
+
+/// A slot admission whose reply was lost with its connection is replayed (`Replay::Once`): the
+/// very same call again, which finds its own lease in the slot set. It answers as the first
+/// did, admitted, and charges nothing twice. Before, it counted its own first charge against
+/// itself: a window of 1 answered refused, so no one held (or would release) the slot it had
+/// taken, which stayed taken for the whole lease.
+#[tokio::test]
+async fn a_replayed_slot_admission_answers_as_the_first_and_charges_once() {
+    let Some(url) = redis_url("a_replayed_slot_admission_answers_as_the_first_and_charges_once")
+    else {
+        return;
+    };
+    let script =
+        redis::Script::new(floodgate::store::redis::script_source("admit_holding").unwrap());
+    let mut con = raw(&url).await;
+    let p = fresh_prefix();
+    let (window, slots) = (format!("{p}{{t}}:w"), format!("{p}{{t}}:s"));
+    // admit_holding.lua's arguments: the time, one window (a minute, max 1, charged at
+    // admission, its TTL, cost 1), the lease's member and time, then one slot set of 5.
+    let call = || {
+        let mut inv = script.key(&window);
+        inv.key(&slots)
+            .arg(common::T0)
+            .arg(1)
+            .arg("tag-1")
+            .arg(15_000_000u64)
+            .arg(60_000_000u64)
+            .arg(1)
+            .arg("a")
+            .arg(120_000)
+            .arg(1)
+            .arg(5)
+            .arg("c");
+        inv
+    };
+    let first: Vec<u64> = call().invoke_async(&mut con).await.unwrap();
+    let replay: Vec<u64> = call().invoke_async(&mut con).await.unwrap();
+    assert_eq!(
+        first,
+        [common::T0, 0, 0, 0, 1],
+        "admitted, nothing before it"
+    );
+    assert_eq!(replay, first, "the replay answers as the first did");
+    let held: Vec<String> = con.zrange(&slots, 0, -1).await.unwrap();
+    assert_eq!(held, ["tag-1"]);
+    let state: String = con.get(&window).await.unwrap();
+    assert_eq!(
+        state,
+        format!("{} 1 0", common::T0 / 60_000_000),
+        "charged once"
+    );
+}
+
+/// Replicas whose leases differ (a rolling change of `[store] lease_sec`) share slot sets: one
+/// with a shorter lease taking a slot must not shorten the set's life below another's live
+/// member, or the set expires under it and its request runs without a slot (its renewals,
+/// `ZADD XX`, do nothing on a missing key).
+#[tokio::test]
+async fn a_shorter_lease_elsewhere_does_not_shorten_a_live_slots_life() {
+    let Some(url) = redis_url("a_shorter_lease_elsewhere_does_not_shorten_a_live_slots_life")
+    else {
+        return;
+    };
+    let base = config(&url);
+    let lease = |secs| RedisConfig {
+        lease: Duration::from_secs(secs),
+        ..base.clone()
+    };
+    let a = RedisStore::connect(lease(15)).await.unwrap();
+    let b = RedisStore::connect(lease(1)).await.unwrap();
+    let chain = Chain::new(vec![req("two", ScopeKind::Key, 1000)]).with_in_flight(vec![
+        InFlightLimit::new("org:acme", ScopeKind::Key, "two", 2),
+    ]);
+    let held = chain.admit(&a, 1).await.unwrap();
+    assert!(held.admitted);
+    let other = chain.admit(&b, 1).await.unwrap();
+    assert!(other.admitted);
+    chain.release(&b, other.lease).await.unwrap();
+    let set = a.redis_key(chain.in_flight()[0].key());
+    let ttl: i64 = raw(&url).await.pttl(&set).await.unwrap();
+    assert!(
+        ttl > 10_000,
+        "A's slot, leased for 15 s, lives as long: {ttl} ms left"
+    );
+    assert_eq!(a.read_running(chain.in_flight(), None).await.unwrap(), [1]);
+    chain.release(&a, held.lease).await.unwrap();
+}

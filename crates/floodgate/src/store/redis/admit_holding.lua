@@ -14,6 +14,8 @@
 -- max, kind ('a' charged at admission, 'r' reactive, 's' appended for a shadow limit: 'as',
 -- 'rs'), TTL (ms), and the limit's cost (its own: chain.rs Costs); then per slot set j, ARGV[b + 1..b + 2] with b = 4 + 5 * n + 2 * (j - 1): max,
 -- kind ('c', or 'cs' for a shadow limit, which takes a slot but never refuses).
+-- A replayed call (its reply lost with its connection: scripts.rs) finds its lease in every
+-- slot set, which only an admission adds it to: it answers admitted and charges nothing again.
 -- Reply: {now, cur_1, prev_1, ..., cur_n, prev_n, running_1, ..., running_m, admitted}: each
 -- window's counts at `now` before the charge, each slot set's members other than this lease
 -- (live ones), and 1 or 0.
@@ -42,18 +44,32 @@ for i = 1, n do
     if (cur - max) * w + carried >= 0 then admitted = false end
   end
 end
+-- A member is only ever added by an admission: finding this lease's in every set means this
+-- call is a replay of one that already admitted (its reply lost with its connection).
+local replayed = m > 0
 for j = 1, m do
   local key = KEYS[n + j]
   local b = 4 + 5 * n + 2 * (j - 1)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', now)
   local running = redis.call('ZCARD', key)
   -- A replayed call finds its own lease: it is not counted against itself.
-  if redis.call('ZSCORE', key, member) then running = running - 1 end
+  if redis.call('ZSCORE', key, member) then running = running - 1 else replayed = false end
   reply[#reply + 1] = running
   if ARGV[b + 2] == 'c' and running >= tonumber(ARGV[b + 1]) then admitted = false end
 end
-if admitted then
+if replayed then
+  -- Admitted and charged already: answer so again, with the counts the first call saw, and
+  -- charge nothing twice (the slots' expiries are renewed below, as a renewal would).
+  admitted = true
   for i = 1, n do
+    local kind = ARGV[4 + 5 * (i - 1) + 3]
+    if kind == 'a' or kind == 'as' then
+      reply[2 * i] = math.max(0, CUR[i] - COST[i])
+    end
+  end
+end
+if admitted then
+  for i = 1, replayed and 0 or n do
     local a = 4 + 5 * (i - 1)
     local kind = ARGV[a + 3]
     if kind == 'a' or kind == 'as' then
@@ -65,7 +81,10 @@ if admitted then
   local ms = string.format('%d', math.ceil(lease / 1000))
   for j = 1, m do
     redis.call('ZADD', KEYS[n + j], now + lease, member)
-    redis.call('PEXPIRE', KEYS[n + j], ms)
+    -- Only ever lengthened: a replica with a shorter lease must not cut another's live slots.
+    if redis.call('PTTL', KEYS[n + j]) < tonumber(ms) then
+      redis.call('PEXPIRE', KEYS[n + j], ms)
+    end
   end
   reply[#reply + 1] = 1
 else
