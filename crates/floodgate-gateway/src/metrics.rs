@@ -489,15 +489,18 @@ impl TypedMetric for Histogram {
 
 impl EncodeMetric for Histogram {
     fn encode(&self, mut encoder: MetricEncoder) -> Result<(), fmt::Error> {
-        let mut cumulative = 0;
+        // Each bucket's own count: the encoder writes them cumulative itself (prometheus-client's
+        // text encoder sums them), so that `le="+Inf"` is `_count`.
+        let mut count = 0;
         let mut buckets = Vec::with_capacity(self.0.counts.len());
         for (i, c) in self.0.counts.iter().enumerate() {
-            cumulative += c.load(Ordering::Relaxed);
+            let n = c.load(Ordering::Relaxed);
+            count += n;
             let bound = self.0.bounds.get(i).copied().unwrap_or(f64::INFINITY);
-            buckets.push((bound, cumulative));
+            buckets.push((bound, n));
         }
         let sum = self.0.sum_nanos.load(Ordering::Relaxed) as f64 / 1e9;
-        encoder.encode_histogram::<NoLabelSet>(sum, cumulative, &buckets, None)
+        encoder.encode_histogram::<NoLabelSet>(sum, count, &buckets, None)
     }
 
     fn metric_type(&self) -> MetricType {
@@ -535,5 +538,39 @@ mod tests {
             assert!(text.contains(line), "{line} in\n{text}");
         }
         assert!(!text.contains("sk-"), "no secret, no id");
+    }
+
+    /// Buckets are cumulative once: every bucket from the observation's up holds it, and
+    /// `le="+Inf"` equals `_count`, as Prometheus requires (`histogram_quantile` reads them so).
+    /// Before, the encoder summed counts that were cumulative already.
+    #[test]
+    fn histogram_buckets_are_cumulative_once_and_inf_is_the_count() {
+        let m = Metrics::new();
+        m.store_call(StoreOp::Admit, Duration::from_micros(70), false);
+        m.store_call(StoreOp::Admit, Duration::from_millis(3), false);
+        m.store_call(StoreOp::Admit, Duration::from_secs(5), false);
+        let text = m.encode();
+        let series = "floodgate_store_duration_seconds_bucket{le=\"";
+        let buckets: Vec<(f64, u64)> = text
+            .lines()
+            .filter(|l| l.starts_with(series) && l.contains("op=\"admit\""))
+            .map(|l| {
+                let rest = &l[series.len()..];
+                let (le, _) = rest.split_once('"').unwrap();
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap()
+                };
+                (le, l.rsplit(' ').next().unwrap().parse().unwrap())
+            })
+            .collect();
+        assert!(buckets.len() > 3, "{text}");
+        for &(le, n) in &buckets {
+            let want = [70e-6, 3e-3, 5.0].iter().filter(|&&d| d <= le).count() as u64;
+            assert_eq!(n, want, "le={le} in\n{text}");
+        }
+        assert_eq!(buckets.last().map(|b| b.1), Some(3));
+        assert!(text.contains("floodgate_store_duration_seconds_count{op=\"admit\"} 3"));
     }
 }
