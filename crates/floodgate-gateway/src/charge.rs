@@ -175,6 +175,14 @@ impl Charger {
         self.metrics.tokens(input, output);
     }
 
+    /// Counts `micro_usd` spent in the metrics (a realtime turn's, which [`spend_now`](
+    /// Self::spend_now) adds to its budgets).
+    pub fn count_spend(&self, micro_usd: u64) {
+        if micro_usd > 0 {
+            self.metrics.spend(micro_usd);
+        }
+    }
+
     /// The store charges go to.
     pub fn store(&self) -> &GatewayStore {
         &self.store
@@ -216,6 +224,11 @@ impl Charger {
             .filter(|c| tokens > 0 && c.has_reactive() || c.has_reserved())
             .cloned();
         let budgets = budgets.filter(|b| micro_usd > 0 && !b.is_empty()).cloned();
+        // The spend is counted once, whichever way it lands: added to budgets, or settling a
+        // reservation (whose difference can be 0 when the estimate was exact).
+        if micro_usd > 0 && (budgets.is_some() || reserved.is_some()) {
+            self.metrics.spend(micro_usd);
+        }
         let reserved = reserved.filter(|(_, delta)| *delta != 0);
         if chain.is_none() && budgets.is_none() && reserved.is_none() {
             return;
@@ -276,12 +289,9 @@ impl Charger {
             counters: budgets.map_or(&[][..], |b| b.counters()),
             amount: micro_usd,
         };
-        // What is counted is what the store charges.
+        // What is timed is what the store charges.
         let tokens = if spent.records() { tokens } else { 0 };
         let micro_usd = if spent.adds() { micro_usd } else { 0 };
-        if micro_usd > 0 {
-            self.metrics.spend(micro_usd);
-        }
         let metrics = self.metrics.clone();
         let start = std::time::Instant::now();
         let landed = move |done: Result<(), floodgate::Error>| {
@@ -394,13 +404,13 @@ impl Charger {
     }
 
     /// Adds `micro_usd` to every budget of `budgets` now, once: spend is never replayed, since
-    /// a double-applied increment would corrupt a budget (docs/design.md §5).
+    /// a double-applied increment would corrupt a budget (docs/design.md §5). Not counted in
+    /// the metrics: the caller counts what was spent ([`count_spend`](Self::count_spend)).
     pub async fn spend_now(&self, budgets: &Budgets, micro_usd: u64) {
         if micro_usd == 0 || budgets.is_empty() {
             return;
         }
         let _held = self.hold();
-        self.metrics.spend(micro_usd);
         let start = std::time::Instant::now();
         let spent = budgets.spend(&self.store, micro_usd).await;
         let metrics = &self.metrics;

@@ -382,6 +382,9 @@ impl Session {
         }
         if let Some(spend) = &self.spend {
             let micro_usd = pending_spend.swap(0, Ordering::SeqCst);
+            if !spend.budgets.is_empty() {
+                self.charger.count_spend(micro_usd);
+            }
             self.charger.spend_now(&spend.budgets, micro_usd).await;
         }
         let error = match &end {

@@ -245,3 +245,47 @@ usd = 10
     assert_eq!(at("floodgate_store_breaker_open"), 1.0);
     common::promtool_accepts(&text);
 }
+
+/// `floodgate_spend_usd_total` counts the spend priced from metered responses whether the
+/// enforced budgets are charged after the answer or reserve the estimate's price at admission
+/// (`[gateway] tokens = "reserve"`) and are reconciled with it. Before, a reserved spend was
+/// never counted.
+#[tokio::test]
+async fn the_spend_metric_counts_reserved_budgets_spend_too() {
+    let budgeted = |mode: &str| {
+        format!(
+            r#"
+[admin]
+listen = "127.0.0.1:0"
+secret = "sk-ops"
+[gateway]
+tokens = "{mode}"
+[upstream]
+base_url = "{{upstream}}"
+[[keys]]
+id = "k"
+secret = "sk-k"
+[[prices]]
+model = "*"
+input_per_million = 1000.0
+output_per_million = 1000.0
+[[budgets]]
+scope = "key"
+id = "k"
+period = "day"
+usd = 100.0
+"#
+        )
+    };
+    let mut spent = Vec::new();
+    for mode in ["reactive", "reserve"] {
+        let up = fake_upstream().await;
+        let (gw, admin) = with_admin(&budgeted(mode), &up.url()).await;
+        assert_eq!(gw.chat("sk-k", CHAT).await.status, 200);
+        gw.settled().await;
+        let (_, text) = admin_get(admin, "/metrics", None).await;
+        spent.push((mode, value(&text, "floodgate_spend_usd_total")));
+    }
+    // 25 input and 25 output tokens at 1000 USD per million each: 0.05 USD, in either mode.
+    assert_eq!(spent, [("reactive", 0.05), ("reserve", 0.05)]);
+}
