@@ -332,3 +332,112 @@ async fn a_connection_left_to_finish_an_upload_is_reused_after_it() {
         "A's connection was closed after its upload, not reused"
     );
 }
+
+/// A key with a request limit only: its bodies go on to the upstream as they come, unread.
+const STREAMING: &str = r#"
+[server]
+header_timeout_sec = 1
+[upstream]
+base_url = "{upstream}"
+timeout_sec = 1
+[[keys]]
+id = "k"
+secret = "sk-k"
+rate_limit = { requests = 100 }
+"#;
+
+/// `POST /v1/chat/completions` head for key `k`, with `framing` (`content-length: N` or
+/// `transfer-encoding: chunked`).
+fn upload_head(framing: &str) -> String {
+    format!(
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+         content-type: application/json\r\n{framing}\r\n\r\n"
+    )
+}
+
+/// The gateway's count of upstream calls that failed (`status_class="error"`).
+fn upstream_errors(gw: &Gateway) -> String {
+    let text = gw.state.metrics().encode();
+    let series = r#"floodgate_upstream_duration_seconds_count{status_class="error"}"#;
+    text.lines()
+        .find(|l| l.starts_with(series))
+        .map_or_else(|| "0".to_owned(), |l| l[series.len()..].trim().to_owned())
+}
+
+/// A caller's own broken upload (malformed chunked framing, or cut short by its half-close) is
+/// its doing: 400, not a 502 that blames the upstream in the answer, the log and the metrics.
+#[tokio::test]
+async fn a_streamed_body_the_caller_breaks_is_a_400_not_an_upstream_failure() {
+    let up = fake_upstream().await;
+    let gw = gateway(STREAMING, &up.url()).await;
+    let broken: [(&str, &[u8]); 2] = [
+        ("transfer-encoding: chunked", b"1\r\n{\r\nzz\r\n"),
+        ("content-length: 1000", b"{\"model\":"),
+    ];
+    for (framing, body) in broken {
+        let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+        conn.write_all(upload_head(framing).as_bytes())
+            .await
+            .unwrap();
+        conn.write_all(body).await.unwrap();
+        // The caller is done sending: its body ends short of its length.
+        conn.shutdown().await.unwrap();
+        let (got, _) = read_until_closed(&mut conn, Instant::now()).await;
+        assert!(got.starts_with("HTTP/1.1 400"), "{framing}: {got}");
+        assert!(got.contains("could not be read"), "{framing}: {got}");
+    }
+    assert_eq!(upstream_errors(&gw), "0");
+}
+
+/// An upload that keeps coming (a byte every 100 ms, for 2.7 s) is not cut off by the
+/// upstream's `timeout_sec` (1 s): that counts from the body's last piece, since the upstream
+/// cannot answer before it has the request.
+#[tokio::test]
+async fn an_upload_that_keeps_coming_outlasts_the_upstreams_timeout() {
+    let up = fake_upstream().await;
+    let gw = gateway(STREAMING, &up.url()).await;
+    let body = CHAT.as_bytes();
+    let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+    let framing = format!("content-length: {}", body.len());
+    conn.write_all(upload_head(&framing).as_bytes())
+        .await
+        .unwrap();
+    let start = Instant::now();
+    for chunk in body.chunks((body.len() / 27).max(1)) {
+        // The caller's pace, not a wait for the gateway.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        conn.write_all(chunk).await.unwrap();
+    }
+    let mut got = vec![0u8; 4096];
+    let n = conn.read(&mut got).await.unwrap();
+    let got = String::from_utf8_lossy(&got[..n]).into_owned();
+    assert!(start.elapsed() > Duration::from_secs(2));
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(up.seen.hits(), 1);
+}
+
+/// An upload that stops coming is cut off after `header_timeout_sec` of silence (1 s here):
+/// 408, charged the request it was admitted as, and no upstream failure.
+#[tokio::test]
+async fn an_upload_that_stops_coming_is_a_408() {
+    let up = fake_upstream().await;
+    let gw = gateway(
+        &STREAMING.replace("\ntimeout_sec = 1\n", "\ntimeout_sec = 60\n"),
+        &up.url(),
+    )
+    .await;
+    let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+    conn.write_all(upload_head("content-length: 1000").as_bytes())
+        .await
+        .unwrap();
+    let start = Instant::now();
+    conn.write_all(b"{\"model\":").await.unwrap();
+    let (got, after) = read_until_closed(&mut conn, start).await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(
+        after >= Duration::from_millis(900) && after < Duration::from_secs(5),
+        "answered after {after:?}"
+    );
+    assert!(got.contains("x-ratelimit-remaining: 99"), "{got}");
+    assert_eq!(upstream_errors(&gw), "0");
+}

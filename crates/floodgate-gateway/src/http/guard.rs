@@ -63,6 +63,8 @@ pub(super) struct Checked {
     /// length plus its output cap ([`estimate`](crate::openai::request::estimate)); 0 for a
     /// request whose body is not read (not a completion or Responses create).
     pub(super) estimate: Estimate,
+    /// Its body goes on as the caller sends it (it was not read before admission).
+    pub(super) streamed: bool,
 }
 
 /// A refusal: the error to answer and how the log line names it.
@@ -127,9 +129,11 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
         model: None,
         generating,
         estimate: Estimate::default(),
+        streamed: false,
     };
     if !(completion || responses) {
         checked.body = body;
+        checked.streamed = true;
         return Ok(checked);
     }
     let (bytes, room) = read_body(&checked.parts, body, rules).await?;

@@ -86,6 +86,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         model,
         generating,
         estimate,
+        streamed,
     } = match guard::check(req, &rules).await {
         Ok(checked) => checked,
         Err((err, decision)) => return ctx.reject(err, decision).await,
@@ -107,14 +108,18 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
 
     let gone = ctx.caller_gone(&admitted);
     let asked = Instant::now();
+    let upload_idle = streamed.then(|| ctx.state.header_timeout());
     let sent = ctx
         .live
         .upstream
-        .send(Request::from_parts(parts, body))
+        .send(Request::from_parts(parts, body), upload_idle)
         .await;
     gone.disarm();
-    let status = sent.as_ref().ok().map(|r| r.status().as_u16());
-    ctx.state.metrics().upstream(status, asked.elapsed());
+    // A body the caller broke or stopped sending is not the upstream's failure.
+    if !matches!(sent, Err(AppError::BadRequest(_) | AppError::BodyTimeout)) {
+        let status = sent.as_ref().ok().map(|r| r.status().as_u16());
+        ctx.state.metrics().upstream(status, asked.elapsed());
+    }
     let resp = match sent {
         Ok(r) => r,
         Err(err) => return ctx.upstream_failed(&admitted, err),

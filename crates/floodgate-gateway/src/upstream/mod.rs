@@ -4,12 +4,14 @@
 //! The caller's `Authorization` (the gateway key) and `X-Floodgate-Customer` never leave the
 //! gateway; the upstream's own key, if configured, is sent instead. Hop-by-hop headers are
 //! dropped in both directions. Connect failures (TLS handshakes included) answer 502; no response
-//! headers within `[upstream] timeout_sec` answer 504.
+//! headers within `[upstream] timeout_sec` of the request body's last piece answer 504
+//! ([`upload`]: a caller's body streamed on is timed as it comes).
 //!
 //! An in-process target ([`InProcess`]) stands in for a remote upstream: the demo plugs into
 //! it, so that this client knows nothing of what serves it.
 
 mod pool;
+mod upload;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -32,7 +34,8 @@ use crate::config::{UpstreamConfig, UpstreamTarget};
 use crate::error::AppError;
 use crate::startup::StartError;
 
-use pool::{CONNECT_TIMEOUT, Pool, Tls, cause, handshake};
+use pool::{CONNECT_TIMEOUT, Failed, Pool, Tls, cause, handshake};
+use upload::{Progress, Upload, answered_within};
 
 /// Headers that describe one connection, not the message: never forwarded. (A `static`: a
 /// `const` array would be built anew at each use.)
@@ -193,7 +196,16 @@ impl Upstream {
     }
 
     /// Forwards `req` and returns the upstream's response head with its body still streaming.
-    pub async fn send(&self, mut req: Request<Body>) -> Result<Response<Body>, AppError> {
+    ///
+    /// With `upload_idle`, the body is the caller's, sent on as it comes: it must keep coming,
+    /// a piece at least every `upload_idle` (else 408), and the upstream's `timeout_sec` counts
+    /// from its last piece. A body that fails on its way (malformed, cut off) is a 400: the
+    /// caller's doing, not the upstream's.
+    pub async fn send(
+        &self,
+        mut req: Request<Body>,
+        upload_idle: Option<Duration>,
+    ) -> Result<Response<Body>, AppError> {
         match self.address(&mut req)? {
             Addressed::InProcess(target) => {
                 let resp = target
@@ -205,10 +217,29 @@ impl Upstream {
                 Ok(resp)
             }
             Addressed::Pool(pool) => {
-                let resp = match tokio::time::timeout(self.timeout, pool.send(req)).await {
-                    Err(_) => return Err(AppError::UpstreamTimeout),
-                    Ok(Err(cause)) => return Err(AppError::UpstreamUnavailable(cause)),
-                    Ok(Ok(resp)) => resp,
+                let sent = match upload_idle {
+                    Some(idle) if !http_body::Body::is_end_stream(req.body()) => {
+                        let progress = Arc::new(Progress::new());
+                        let upload = Arc::clone(&progress);
+                        let req = req.map(|body| Body::new(Upload::new(body, idle, upload)));
+                        answered_within(pool.send(req), self.timeout, &progress).await
+                    }
+                    _ => tokio::time::timeout(self.timeout, pool.send(req))
+                        .await
+                        .ok(),
+                };
+                let resp = match sent {
+                    None => return Err(AppError::UpstreamTimeout),
+                    Some(Err(Failed::Upstream(cause))) => {
+                        return Err(AppError::UpstreamUnavailable(cause));
+                    }
+                    Some(Err(Failed::Body { stalled: true })) => return Err(AppError::BodyTimeout),
+                    Some(Err(Failed::Body { stalled: false })) => {
+                        return Err(AppError::BadRequest(
+                            "The request body could not be read.".into(),
+                        ));
+                    }
+                    Some(Ok(resp)) => resp,
                 };
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);

@@ -108,11 +108,12 @@ impl Pool {
     /// new connection: sending it twice changes nothing upstream (RFC 9110, 9.2.2), as nginx's
     /// `proxy_next_upstream` does by default. An answer that cannot be parsed is no reason to
     /// send again. Any other failure is the answer: a request that may have reached the
-    /// upstream is never sent twice. Errors are causes for the log.
+    /// upstream is never sent twice. A failure of the request's own body (the caller's broken
+    /// or cut upload) is told apart from the upstream's.
     pub(super) async fn send(
         self: &Arc<Self>,
         mut req: Request<Body>,
-    ) -> Result<Response<Body>, String> {
+    ) -> Result<Response<Body>, Failed> {
         let mut fresh_only = false;
         // Whether this request has waited out REUSE_READY_WAIT once: it does not wait on a second
         // busy connection, so that several uploads in flight cost it one wait, not one each.
@@ -147,7 +148,9 @@ impl Pool {
                 if reused {
                     continue;
                 }
-                return Err("the upstream closed a new connection".into());
+                return Err(Failed::Upstream(
+                    "the upstream closed a new connection".into(),
+                ));
             }
             // Only on a reused connection: a new one that fails is the upstream's answer.
             let again = if reused { resendable(&req) } else { None };
@@ -176,7 +179,7 @@ impl Pool {
                         req = copy;
                         fresh_only = true;
                     }
-                    _ => return Err(cause(e.error())),
+                    _ => return Err(Failed::of(e.error())),
                 },
             }
         }
@@ -267,6 +270,39 @@ where
         }
     });
     Ok(conn)
+}
+
+/// Why a request got no answer.
+#[derive(Debug)]
+pub(super) enum Failed {
+    /// The upstream could not be reached or failed; the cause, for the log.
+    Upstream(String),
+    /// The request's body failed on its way: the caller's upload was malformed or cut off, or
+    /// (`stalled`) the caller sent nothing for `header_timeout_sec`.
+    Body {
+        /// Whether the caller stopped sending ([`super::upload::Stalled`]).
+        stalled: bool,
+    },
+}
+
+impl Failed {
+    /// What `e`, hyper's error for a request, says failed. hyper gives a body's own error as
+    /// the cause of a user error; its other user errors on a client (the connection's task gone)
+    /// have no cause, and are the connection's.
+    fn of(e: &hyper::Error) -> Failed {
+        match std::error::Error::source(e) {
+            Some(body) if e.is_user() => Failed::Body {
+                stalled: super::upload::stalled(body),
+            },
+            _ => Failed::Upstream(cause(e)),
+        }
+    }
+}
+
+impl From<String> for Failed {
+    fn from(cause: String) -> Failed {
+        Failed::Upstream(cause)
+    }
 }
 
 /// Whether `e` says the connection went away under a request (closed before any answer, reset,

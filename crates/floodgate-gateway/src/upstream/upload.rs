@@ -1,0 +1,151 @@
+//! A request body that goes to the upstream as the caller sends it, timed as nginx times one
+//! (`client_body_timeout`, `proxy_read_timeout`): the caller must hand over each piece within
+//! `[server] header_timeout_sec` of the last, and the upstream's `[upstream] timeout_sec` to
+//! answer counts from the upload's last progress, not from its start, since an upstream cannot
+//! answer a request before it has it (docs/gateway.md, "Errors and what they charge").
+
+use std::future::Future;
+use std::pin::{Pin, pin};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::Body;
+use bytes::Bytes;
+use http_body::{Frame, SizeHint};
+use tokio::time::{Instant, Sleep};
+
+/// When an upload last made progress: its last piece handed to the connection, or its end.
+/// Shared by the body (which the connection polls) and the wait for the answer.
+#[derive(Debug)]
+pub(super) struct Progress {
+    start: Instant,
+    /// Nanoseconds from `start` to the last progress.
+    last: AtomicU64,
+}
+
+impl Progress {
+    /// Progress as of now.
+    pub(super) fn new() -> Progress {
+        Progress {
+            start: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+
+    fn mark(&self) {
+        let nanos = u64::try_from(self.start.elapsed().as_nanos()).unwrap_or(u64::MAX);
+        self.last.fetch_max(nanos, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_nanos(self.last.load(Ordering::Relaxed))
+    }
+}
+
+/// The error an upload fails with when its caller sent nothing for `idle`.
+#[derive(Debug)]
+pub(super) struct Stalled;
+
+impl std::fmt::Display for Stalled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the caller stopped sending the request body")
+    }
+}
+
+impl std::error::Error for Stalled {}
+
+/// Whether `e`, or an error it was caused by, is [`Stalled`].
+pub(super) fn stalled(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(e);
+    while let Some(e) = next {
+        if e.is::<Stalled>() {
+            return true;
+        }
+        next = e.source();
+    }
+    false
+}
+
+/// A caller's body on its way upstream: fails with [`Stalled`] when the caller sends nothing
+/// for `idle` while the connection waits for it, and marks [`Progress`] at each piece.
+pub(super) struct Upload {
+    inner: Body,
+    idle: Duration,
+    progress: Arc<Progress>,
+    /// The stall timer, armed while the connection waits for a piece (made on the first wait).
+    timer: Option<Pin<Box<Sleep>>>,
+    armed: bool,
+}
+
+impl Upload {
+    pub(super) fn new(inner: Body, idle: Duration, progress: Arc<Progress>) -> Upload {
+        Upload {
+            inner,
+            idle,
+            progress,
+            timer: None,
+            armed: false,
+        }
+    }
+}
+
+impl http_body::Body for Upload {
+    type Data = Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, axum::Error>>> {
+        let this = &mut *self;
+        match Pin::new(&mut this.inner).poll_frame(cx) {
+            Poll::Ready(frame) => {
+                this.armed = false;
+                this.progress.mark();
+                Poll::Ready(frame)
+            }
+            Poll::Pending => {
+                let deadline = Instant::now() + this.idle;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if !this.armed {
+                    timer.as_mut().reset(deadline);
+                    this.armed = true;
+                }
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(axum::Error::new(Stalled)))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// `send`'s output, or `None` once `timeout` has passed since the upload's last progress with
+/// no answer.
+pub(super) async fn answered_within<F: Future>(
+    send: F,
+    timeout: Duration,
+    progress: &Progress,
+) -> Option<F::Output> {
+    let mut send = pin!(send);
+    loop {
+        let deadline = progress.last() + timeout;
+        match tokio::time::timeout_at(deadline, &mut send).await {
+            Ok(out) => return Some(out),
+            Err(_) if progress.last() + timeout <= Instant::now() => return None,
+            Err(_) => {}
+        }
+    }
+}
