@@ -50,9 +50,9 @@ pub enum AppError {
         /// Another exceeded budget whose period ends later (it sets the wait): its scope's kind
         /// and its period.
         later: Option<(ScopeKind, Period)>,
-        /// The wait until every exceeded budget's period ends; none when an exceeded budget's
-        /// cap is 0, which no period's end lets through.
-        retry_after: Option<Duration>,
+        /// The wait until every exceeded budget's period ends and the chain's rate limits have
+        /// room, or why no wait lets the request through.
+        retry_after: Result<Duration, NoWait>,
     },
     /// The request body could not be read, or was too large to inspect (nothing charged).
     BadRequest(String),
@@ -102,6 +102,16 @@ pub enum AppError {
     UpstreamTimeout,
     /// Anything else (500); the cause is logged.
     Internal(String),
+}
+
+/// Why a budget refusal announces no wait: nothing lets the request through, ever.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoWait {
+    /// A budget of this scope kind and period has a cap of 0.
+    ZeroCap(ScopeKind, Period),
+    /// A rate limit of the chain can never pass the request (a limit of 0, an estimate above a
+    /// reserving limit's max).
+    RateLimit,
 }
 
 impl AppError {
@@ -194,15 +204,21 @@ impl AppError {
                     }
                     None => String::new(),
                 };
+                let spent = adjective(*period);
                 let message = match retry_after {
-                    Some(wait) => format!(
-                        "Budget exceeded for {scope}: its {} spend cap (UTC) is reached{too}. Please retry after {}s.",
-                        adjective(*period),
+                    Ok(wait) => format!(
+                        "Budget exceeded for {scope}: its {spent} spend cap (UTC) is reached{too}. Please retry after {}s.",
                         crate::headers::ceil_secs(*wait)
                     ),
-                    None => format!(
-                        "Budget exceeded for {scope}: its {} spend cap is 0, so no request passes.",
-                        adjective(*period)
+                    Err(NoWait::ZeroCap(kind, p)) if (*kind, *p) == (*scope, *period) => format!(
+                        "Budget exceeded for {scope}: its {spent} spend cap is 0, so no request passes."
+                    ),
+                    Err(NoWait::ZeroCap(kind, p)) => format!(
+                        "Budget exceeded for {scope}: its {spent} spend cap (UTC) is reached, and the {kind}'s {} cap is 0, so no request passes.",
+                        adjective(*p)
+                    ),
+                    Err(NoWait::RateLimit) => format!(
+                        "Budget exceeded for {scope}: its {spent} spend cap (UTC) is reached{too}, and this request can never pass a rate limit of its chain."
                     ),
                 };
                 (message, "insufficient_quota", "budget_exceeded")

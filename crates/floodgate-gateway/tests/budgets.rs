@@ -536,3 +536,27 @@ async fn a_budget_of_zero_refuses_with_no_time_to_wait_reactive_or_reserving() {
     }
     assert_eq!(up.seen.hits(), 0);
 }
+
+/// A spent budget's 429 waits for the budget and the rate limits both: a key that no request
+/// can pass (`requests = 0`, a key blocked) is not invited back at midnight, and the cost-0 read
+/// of its state leaves no `Retry-After` of its own behind.
+#[tokio::test]
+async fn a_spent_budget_on_a_key_that_can_never_pass_announces_no_wait() {
+    let up = fake_upstream().await;
+    let clock = FakeClock::new(BEFORE_MIDNIGHT);
+    let text = tiny_budget().replace("requests = 10", "requests = 0");
+    let gw = pinned_gateway(&text, &up.url(), &clock).await;
+    let live = gw.state.live();
+    let key = live.keys.lookup("sk-k").unwrap();
+    let budgets = live.keys.chain_for(key, None).budgets.unwrap();
+    budgets.spend(gw.state.store(), 100).await.unwrap();
+    let r = chat_as(&gw, "sk-k", CHAT, "gpt-4o", 100).await;
+    assert_eq!(r.status, 429, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "budget_exceeded");
+    assert_eq!(r.header("retry-after"), None, "the key can never pass");
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(message.contains("can never pass a rate limit"), "{message}");
+    assert_eq!(r.header("retry-after-ms"), None);
+    assert_eq!(r.header("x-ratelimit-limit-requests"), Some("0"));
+    assert_eq!(up.seen.hits(), 0);
+}

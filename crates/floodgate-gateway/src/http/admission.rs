@@ -26,7 +26,7 @@ use crate::access_log::{self, CallerGone, Decision, PendingLine};
 use crate::auth::{KeyEntry, ResolvedChain};
 use crate::charge::{BudgetReservation, HeldReservation, Reservation};
 use crate::config::usd;
-use crate::error::AppError;
+use crate::error::{AppError, NoWait};
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
 use crate::openai::request::Estimate;
@@ -590,14 +590,24 @@ impl Ctx {
         };
         // The request passes once its budgets' periods have ended and its rate limits have room
         // for it: `Retry-After` is the later of the two (a window of a day can outlast the day's
-        // budget), so that a client pacing on it is not refused again. A budget with a cap of 0
-        // lets nothing through, ever: no wait is announced, as for a limit of 0.
+        // budget), so that a client pacing on it is not refused again. A budget with a cap of 0,
+        // or a rate limit the request can never pass (`requests = 0`, an estimate above a
+        // reserving limit), lets nothing through, ever: no wait is announced, as for a limit of
+        // 0 alone.
         let rates = self.rates().await;
         let wait = match (decision.retry_after, &rates) {
-            (Some(budget_wait), Some(rates)) => {
-                Some(budget_wait.max(self.window_wait(rates, budget_wait, estimate).await))
-            }
-            (wait, _) => wait,
+            (Some(budget_wait), Some(rates)) => self
+                .window_wait(rates, budget_wait, estimate)
+                .await
+                .ok_or(NoWait::RateLimit),
+            (Some(budget_wait), None) => Ok(budget_wait),
+            (None, _) => Err(budgets
+                .budgets()
+                .iter()
+                .find(|b| b.cap() == 0)
+                .map_or(NoWait::RateLimit, |z| {
+                    NoWait::ZeroCap(z.scope(), z.period())
+                })),
         };
         // The wait is until every exceeded budget's period ends: when another one's ends after
         // the named one's, the message says which kind it is, or "retry after 23 days" under a
@@ -615,19 +625,23 @@ impl Ctx {
         };
         self.count_refusal(b.scope());
         let mut resp = self.answer(err, Decision::Budget(b.scope()));
+        let h = resp.headers_mut();
         if let Some(rates) = &rates {
-            // The state only: `Retry-After` is written below.
-            headers::apply(resp.headers_mut(), rates, &self.fixed);
+            // The state only: a wait the read itself was refused with is not this answer's.
+            headers::apply(h, rates, &self.fixed);
+            h.remove(axum::http::header::RETRY_AFTER);
+            h.remove("retry-after-ms");
         }
-        if let Some(wait) = wait {
-            headers::apply_retry_after(resp.headers_mut(), wait);
+        if let Ok(wait) = wait {
+            headers::apply_retry_after(h, wait);
         }
         resp
     }
 
     /// How long a request of this one's costs (1 a request limit, `estimate` a reserving token
     /// limit) waits on its chain's enforced rate limits with no other traffic, where that can be
-    /// longer than `floor`; `floor` where it cannot, or the store cannot say. `rates`, the
+    /// longer than `floor`; `floor` where it cannot, or the store cannot say; `None` when it can
+    /// never pass (a limit of 0, a cost above a limit's max). `rates`, the
     /// chain's state at cost 0, bounds each limit's wait by its reset (the time its window
     /// takes to empty) unless that read refused it: only a limit short of room whose reset is
     /// past `floor`, or one over its max, is worth an exact answer, read from the windows without charging (one store call, in a budget refusal
@@ -638,11 +652,15 @@ impl Ctx {
         rates: &ChainDecision,
         floor: Duration,
         estimate: Estimate,
-    ) -> Duration {
+    ) -> Option<Duration> {
         let cost_of = |charge: Charge| match charge {
             Charge::Reserved => estimate.total(),
             Charge::Admission | Charge::Reactive => 1,
         };
+        let limits = self.chain.limits();
+        if limits.iter().any(|l| !l.fits(cost_of(l.charge()))) {
+            return None;
+        }
         let may_outlast = rates.statuses.iter().any(|st| {
             // A limit the cost-0 read itself refused (over its max: a reservation's overshoot,
             // a lowered limit) has that read's wait as its reset, which a larger cost
@@ -650,27 +668,25 @@ impl Ctx {
             !st.shadow && (st.over || st.remaining < cost_of(st.charge) && st.reset > floor)
         });
         if !may_outlast {
-            return floor;
+            return Some(floor);
         }
-        let limits = self.chain.limits();
         let start = Instant::now();
         let seen = self.state.store().read_state(limits, &[], None).await;
         // Timed as the admission of cost 0 it stands beside.
         let metrics = self.state.metrics();
         metrics.store_call(StoreOp::Admit, start.elapsed(), seen.is_err());
-        let Ok(seen) = seen else { return floor };
-        let wait = limits
-            .iter()
-            .zip(&seen.snapshots)
-            .filter_map(|(l, s)| {
-                let cost = cost_of(l.charge());
-                l.refuses(s, cost)
-                    .then(|| s.retry_after(l.limit(), l.charge(), cost))
-                    .flatten()
-            })
-            .max()
-            .unwrap_or(Duration::ZERO);
-        floor.max(wait)
+        let Ok(seen) = seen else {
+            return Some(floor);
+        };
+        let mut wait = floor;
+        for (l, s) in limits.iter().zip(&seen.snapshots) {
+            let cost = cost_of(l.charge());
+            if l.refuses(s, cost) {
+                // A limit that refuses with no time to wait never lets the request through.
+                wait = wait.max(s.retry_after(l.limit(), l.charge(), cost)?);
+            }
+        }
+        Some(wait)
     }
 
     /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
