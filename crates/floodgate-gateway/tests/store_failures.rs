@@ -78,3 +78,30 @@ async fn an_unlimited_key_is_served_even_when_failing_closed() {
     }
     assert_eq!(up.seen.hits(), 3);
 }
+
+/// Shadow limits never refuse, the store down included: with every limit in shadow
+/// (`[gateway] shadow = true`, as when rolling limits out), failing closed refuses nothing, as
+/// for a key with no limit; an enforced limit beside them still fails closed.
+#[tokio::test]
+async fn a_chain_of_shadow_limits_is_served_when_failing_closed() {
+    let up = fake_upstream().await;
+    let shadow =
+        config("closed", dead_port()).replace("[upstream]", "[gateway]\nshadow = true\n[upstream]");
+    let gw = gateway(&shadow, &up.url()).await;
+    for _ in 0..3 {
+        let r = gw.chat("sk-k", CHAT).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert!(
+            r.header("x-ratelimit-limit").is_none(),
+            "no state, no headers"
+        );
+    }
+    assert_eq!(up.seen.hits(), 3);
+    let one = config("closed", dead_port()).replace(
+        "rate_limit = { requests = 1 }",
+        "rate_limit = { requests = 1, shadow = true }\n[[rate_limits]]\nscope = \"org\"\nid = \"o\"\nrpm = 5",
+    ).replace("secret = \"sk-k\"", "secret = \"sk-k\"\norg = \"o\"");
+    let gw = gateway(&one, &up.url()).await;
+    assert_eq!(gw.chat("sk-k", CHAT).await.status, 503);
+    assert_eq!(up.seen.hits(), 3);
+}

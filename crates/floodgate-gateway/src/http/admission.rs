@@ -489,13 +489,15 @@ impl Ctx {
     }
 
     /// Whether a store failure lets this request's chain through unchecked: every kind of
-    /// limit it has (requests, concurrency counted as requests, tokens) fails open.
+    /// enforced limit it has (requests, concurrency counted as requests, tokens) fails open. A
+    /// shadow limit never refuses, so it never refuses for want of a store either: a chain of
+    /// shadow limits alone goes through, as one with no limits does.
     fn chain_fails_open(&self) -> bool {
-        let limits = self.chain.limits();
-        let has_tokens = limits.iter().any(|l| l.charge().counts_tokens());
+        let limits = self.chain.limits().iter().filter(|l| !l.is_shadow());
+        let has_tokens = limits.clone().any(|l| l.charge().counts_tokens());
         // Concurrency limits count requests: they fail as request limits do.
-        let counts_requests = limits.iter().any(|l| l.charge() == Charge::Admission)
-            || !self.chain.in_flight().is_empty();
+        let counts_requests = limits.clone().any(|l| l.charge() == Charge::Admission)
+            || self.chain.in_flight().iter().any(|l| !l.is_shadow());
         // A reserving token limit is a token limit: it fails as `on_error.tokens` says.
         (!counts_requests || self.state.fails_open(LimitKind::Requests))
             && (!has_tokens || self.state.fails_open(LimitKind::Tokens))
