@@ -398,8 +398,13 @@ impl Charger {
         let done = r.budgets.reconcile(&self.store, r.at, delta).await;
         let metrics = &self.metrics;
         metrics.store_call(StoreOp::Reconcile, start.elapsed(), done.is_err());
-        if let Err(e) = done {
-            tracing::warn!(error = %e, delta, "could not reconcile a budget reservation");
+        match done {
+            Ok(()) => {}
+            // The store logs an outage once; a line a request would flood the log.
+            Err(e @ floodgate::Error::Unavailable(_)) => {
+                tracing::debug!(error = %e, delta, "could not reconcile a budget reservation");
+            }
+            Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a budget reservation"),
         }
     }
 
