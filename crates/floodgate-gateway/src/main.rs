@@ -148,7 +148,8 @@ fn rls(args: RlsArgs) -> ExitCode {
     match floodgate_gateway::rls::serve(&options) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{e}");
+            // Printed, not logged: a start that fails says why whatever `RUST_LOG` lets through.
+            eprintln!("error: {e}");
             ExitCode::FAILURE
         }
     }
@@ -195,7 +196,9 @@ fn serve(path: &PathBuf) -> ExitCode {
     match floodgate_gateway::server::serve(&config) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!("{}: {e}", path.display());
+            // Printed, not logged, as a config error is: a start that fails says why whatever
+            // `RUST_LOG` lets through (`floodgate_gateway=warn` filters the binary's own target).
+            eprintln!("error: {}: {e}", path.display());
             ExitCode::FAILURE
         }
     }

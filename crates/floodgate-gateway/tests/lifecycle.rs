@@ -62,6 +62,11 @@ struct Binary {
 impl Binary {
     /// Starts `floodgate serve` on `config`; its stderr is kept for `stderr()` if `keep_stderr`.
     fn start(name: &str, config: &str, keep_stderr: bool) -> Binary {
+        Binary::start_logging(name, config, keep_stderr, "info")
+    }
+
+    /// [`start`](Self::start) with `RUST_LOG` set to `filter`.
+    fn start_logging(name: &str, config: &str, keep_stderr: bool, filter: &str) -> Binary {
         let path =
             std::env::temp_dir().join(format!("floodgate-{name}-{}.toml", std::process::id()));
         std::fs::write(&path, config).unwrap();
@@ -71,7 +76,7 @@ impl Binary {
             // The config's store is the test's, and the log at its default level, whatever the
             // environment says.
             .env_remove("FLOODGATE_REDIS_URL")
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", filter)
             .stdout(Stdio::null())
             .stderr(if keep_stderr {
                 Stdio::piped()
@@ -306,16 +311,17 @@ async fn a_port_another_gateway_listens_on_is_refused() {
     other.bind("127.0.0.1:0".parse().unwrap()).unwrap();
     let port = other.local_addr().unwrap().port();
     let _listening = other.listen(16).unwrap();
-    let mut gw = Binary::start(
-        "taken",
-        &format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\ndemo = true\n"),
-        true,
-    );
-    let status = gw.exited(Duration::from_secs(10)).await;
-    let status = status.expect("a second gateway started on a taken port");
-    assert!(!status.success());
-    let err = gw.stderr();
-    assert!(err.contains("cannot listen on"), "{err}");
+    let config =
+        format!("[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 2\n[upstream]\ndemo = true\n");
+    // Said whatever the log level lets through: with the log off too.
+    for filter in ["info", "off"] {
+        let mut gw = Binary::start_logging("taken", &config, true, filter);
+        let status = gw.exited(Duration::from_secs(10)).await;
+        let status = status.expect("a second gateway started on a taken port");
+        assert!(!status.success());
+        let err = gw.stderr();
+        assert!(err.contains("cannot listen on"), "RUST_LOG={filter}: {err}");
+    }
 }
 
 #[cfg(unix)]
