@@ -246,7 +246,7 @@ impl Metrics {
         let breaker_open = Gauge::default();
         registry.register(
             "floodgate_store_breaker_open",
-            "1 while the store's circuit breaker is open (Redis unreachable, being probed)",
+            "Workers whose store circuit breaker is open (Redis unreachable, being probed)",
             breaker_open.clone(),
         );
         let upstream_family = Family::<
@@ -362,9 +362,15 @@ impl Metrics {
         }
     }
 
-    /// Sets whether the store's circuit breaker is open.
-    pub fn breaker_open(&self, open: bool) {
-        self.0.breaker_open.set(i64::from(open));
+    /// Counts a worker's store circuit breaker opening (`true`) or closing. Each worker has a
+    /// breaker of its own (a store connection of its own): the gauge is how many are open, so
+    /// that one closing does not hide another still open.
+    pub fn breaker_changed(&self, open: bool) {
+        if open {
+            self.0.breaker_open.inc();
+        } else {
+            self.0.breaker_open.dec();
+        }
     }
 
     /// Times an upstream answer of `status` (`None`: no answer: a connect failure, a timeout).
@@ -538,6 +544,29 @@ mod tests {
             assert!(text.contains(line), "{line} in\n{text}");
         }
         assert!(!text.contains("sk-"), "no secret, no id");
+    }
+
+    #[test]
+    fn the_breaker_gauge_counts_the_workers_whose_breaker_is_open() {
+        let m = Metrics::new();
+        let gauge = |m: &Metrics| {
+            let text = m.encode();
+            let line = text
+                .lines()
+                .find(|l| l.starts_with("floodgate_store_breaker_open "))
+                .map(str::to_owned);
+            line.unwrap_or_default()
+        };
+        m.breaker_changed(true);
+        m.breaker_changed(true);
+        m.breaker_changed(false);
+        assert_eq!(
+            gauge(&m),
+            "floodgate_store_breaker_open 1",
+            "one still open"
+        );
+        m.breaker_changed(false);
+        assert_eq!(gauge(&m), "floodgate_store_breaker_open 0");
     }
 
     /// Buckets are cumulative once: every bucket from the observation's up holds it, and

@@ -293,8 +293,9 @@ impl AppState {
         }
         if let floodgate::store::AnyStore::Redis(redis) = self.store() {
             let open = redis.stats().breaker_open;
-            self.inner.breaker_seen_open.store(open, Ordering::Relaxed);
-            self.inner.metrics.breaker_open(open);
+            if self.inner.breaker_seen_open.swap(open, Ordering::Relaxed) != open {
+                self.inner.metrics.breaker_changed(open);
+            }
         }
     }
 
