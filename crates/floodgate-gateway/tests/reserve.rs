@@ -491,3 +491,24 @@ async fn three_replicas_on_redis_never_overrun_a_reserving_budget() {
     settle(&gws).await;
     assert_eq!(next(&gws[1]).await.0, 429);
 }
+
+/// A token limit of 0 blocks the scope's token use whichever way its tokens are charged: a
+/// reserving one refuses the requests the gateway does not read (their estimate is 0) as a
+/// reactive one does, with no time to wait, and is no estimate's fault (not a 400).
+#[tokio::test]
+async fn a_reserving_token_limit_of_zero_refuses_every_request() {
+    let up = fake_upstream().await;
+    for mode in ["reactive", "reserve"] {
+        let gw = gateway(&on("", mode).replace("tpm = 1000", "tpm = 0"), &up.url()).await;
+        for (path, body) in [
+            ("/v1/embeddings", r#"{"model":"m","input":"hi"}"#),
+            ("/v1/chat/completions", ASK),
+        ] {
+            let r = gw.send(gw.request("POST", path, Some("sk-k"), body)).await;
+            assert_eq!(r.status, 429, "{mode} {path}: {}", r.text());
+            assert_eq!(r.header("retry-after"), None, "{mode} {path}");
+            assert_eq!(r.json()["error"]["code"], "rate_limit_exceeded");
+        }
+    }
+    assert_eq!(up.seen.hits(), 0);
+}

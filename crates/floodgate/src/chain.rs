@@ -236,11 +236,17 @@ impl ChainLimit {
     }
 
     /// Whether a request of `cost` can ever pass this limit. A shadow limit passes every request
-    /// (it never refuses), so it never makes one impossible.
+    /// (it never refuses), so it never makes one impossible. A token limit of 0, reactive or
+    /// reserving, passes none, a request that reserves nothing (cost 0) included: it blocks
+    /// the scope's token use whichever way its tokens are charged.
     pub fn fits(&self, cost: u64) -> bool {
+        let max = self.limit.max();
         self.shadow
-            || self.charge == Charge::Reactive && self.limit.max() > 0
-            || self.charge.at_admission() && cost <= self.limit.max()
+            || match self.charge {
+                Charge::Reactive => max > 0,
+                Charge::Reserved => max > 0 && cost <= max,
+                Charge::Admission => cost <= max,
+            }
     }
 
     /// Whether this limit refuses a request of `cost` seeing `snapshot`: its test fails and it is
@@ -769,6 +775,19 @@ mod tests {
         assert_eq!((st.over, st.remaining), (true, 0));
         assert_eq!(st.reset, Duration::from_secs(105));
         assert_eq!(d.shadow_over().collect::<Vec<_>>(), [0]);
+    }
+
+    #[test]
+    fn a_token_limit_of_zero_fits_no_request_reserving_or_not() {
+        for charge in [Charge::Reactive, Charge::Reserved] {
+            let zero = limit(ScopeKind::Key, "z", charge, 0);
+            assert!(!zero.fits(0) && !zero.fits(1), "{charge:?}");
+            assert!(zero.shadow().fits(0), "{charge:?}");
+        }
+        // A reservation of nothing fits a reserving limit above 0; a request limit of 0 is
+        // read at cost 0.
+        assert!(limit(ScopeKind::Key, "z", Charge::Reserved, 1).fits(0));
+        assert!(limit(ScopeKind::Key, "z", Charge::Admission, 0).fits(0));
     }
 
     #[test]

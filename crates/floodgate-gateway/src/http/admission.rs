@@ -434,14 +434,6 @@ impl Ctx {
                 );
             }
         }
-        for s in decision.in_flight.iter().filter(|s| s.shadow && s.over) {
-            tracing::info!(
-                key = %self.key.id,
-                shadow_over = s.scope.as_str(),
-                max_in_flight = s.max,
-                "a shadow concurrency limit would have refused this request"
-            );
-        }
         let (log_as, outcome) = if decision.enforced {
             (Decision::Admitted, Outcome::Admitted)
         } else {
@@ -473,10 +465,15 @@ impl Ctx {
     /// no wait would let it through: which limit, and which part of the estimate to lower.
     fn never_fits(&self, decision: &ChainDecision, estimate: Estimate) -> Option<AppError> {
         let r = decision.refusing()?;
-        if decision.admitted || decision.retry_after.is_some() || r.charge != Charge::Reserved {
+        let max = r.limit.max();
+        // A limit of 0 is no estimate's fault: refused as a limit of 0 is, with no wait.
+        if decision.admitted
+            || decision.retry_after.is_some()
+            || r.charge != Charge::Reserved
+            || max == 0
+        {
             return None;
         }
-        let max = r.limit.max();
         let window = r.limit.window().as_secs();
         let limit = format!("{} token limit of {max} tokens per {window}s", r.scope);
         Some(AppError::BadRequest(estimate.cannot_fit(&limit, max)))
