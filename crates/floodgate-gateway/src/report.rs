@@ -65,12 +65,10 @@ pub fn write(out: &mut impl Write, file: &Path, config: &Config) -> io::Result<(
         } => {
             let key = match api_key_env {
                 None => "no API key".to_owned(),
-                Some(var) => match std::env::var_os(var) {
-                    Some(v) if !v.to_string_lossy().trim().is_empty() => {
-                        format!("API key from ${var} (set)")
-                    }
-                    Some(_) => format!("API key from ${var} (EMPTY: serve will refuse to start)"),
-                    None => format!("API key from ${var} (NOT SET: serve will refuse to start)"),
+                // The check `serve` makes: what passes here is what it sends.
+                Some(var) => match crate::upstream::api_key(var) {
+                    Ok(_) => format!("API key from ${var} (set)"),
+                    Err(e) => format!("API key from ${var} (REFUSED: {e}; serve will not start)"),
                 },
             };
             writeln!(

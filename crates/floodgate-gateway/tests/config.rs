@@ -567,3 +567,47 @@ fn check_config_prints_prices_and_each_keys_budgets() {
         "{stdout}"
     );
 }
+
+/// `check-config` judges the upstream key as `serve` does: a key `serve` would refuse (a control
+/// character, bytes that are not UTF-8, blank, unset) is reported so, never as set, and never
+/// shown.
+#[test]
+#[cfg(unix)]
+fn check_config_refuses_the_upstream_keys_serve_refuses() {
+    use std::os::unix::ffi::OsStrExt;
+    let path = std::env::temp_dir().join(format!("floodgate-upk-{}.toml", std::process::id()));
+    std::fs::write(
+        &path,
+        "[upstream]\nbase_url = \"http://127.0.0.1:9\"\napi_key_env = \"FG_TEST_UPK\"\n",
+    )
+    .unwrap();
+    let report = |value: Option<&std::ffi::OsStr>| {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_floodgate"));
+        cmd.arg("check-config").arg(&path);
+        match value {
+            Some(v) => cmd.env("FG_TEST_UPK", v),
+            None => cmd.env_remove("FG_TEST_UPK"),
+        };
+        let out = cmd.output().unwrap();
+        assert!(out.status.success());
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        stdout
+            .lines()
+            .find(|l| l.starts_with("upstream:"))
+            .unwrap()
+            .to_owned()
+    };
+    let os = |b: &'static [u8]| Some(std::ffi::OsStr::from_bytes(b));
+    assert!(report(os(b"sk-good")).contains("(set)"));
+    for (value, why) in [
+        (os(b"sk-abc\x01def"), "not allowed in a header"),
+        (os(b"sk-\xff"), "not UTF-8"),
+        (os(b"  "), "is empty"),
+        (None, "is not set"),
+    ] {
+        let line = report(value);
+        assert!(line.contains("REFUSED") && line.contains(why), "{line}");
+        assert!(!line.contains("sk-"), "{line}");
+    }
+    std::fs::remove_file(&path).unwrap();
+}

@@ -126,26 +126,7 @@ impl Upstream {
             } => {
                 let auth = match api_key_env {
                     None => None,
-                    Some(var) => {
-                        let key = std::env::var(var).map_err(|_| {
-                            format!(
-                                "upstream.api_key_env: the environment variable {var} is not set"
-                            )
-                        })?;
-                        // Set but empty (or blank): every request would go out with
-                        // `Authorization: Bearer ` and be charged for the upstream's 401.
-                        let key = key.trim();
-                        if key.is_empty() {
-                            return Err(format!(
-                                "upstream.api_key_env: the environment variable {var} is empty"
-                            ));
-                        }
-                        let mut v = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
-                            format!("upstream.api_key_env: {var} holds characters not allowed in a header")
-                        })?;
-                        v.set_sensitive(true);
-                        Some(v)
-                    }
+                    Some(var) => Some(api_key(var)?),
                 };
                 let (scheme, rest) = match base_url.strip_prefix("https://") {
                     Some(rest) => (Scheme::HTTPS, rest),
@@ -335,6 +316,32 @@ impl Upstream {
         strip_hop_by_hop(resp.headers_mut());
         Ok(resp)
     }
+}
+
+/// The `Authorization` value for the upstream key in the environment variable `var`, or why it
+/// cannot be sent (`check-config` reports the same). Never echoes the key.
+pub fn api_key(var: &str) -> Result<HeaderValue, String> {
+    let key = std::env::var(var).map_err(|e| match e {
+        std::env::VarError::NotPresent => {
+            format!("upstream.api_key_env: the environment variable {var} is not set")
+        }
+        std::env::VarError::NotUnicode(_) => {
+            format!("upstream.api_key_env: {var} holds bytes that are not UTF-8")
+        }
+    })?;
+    // Set but empty (or blank): every request would go out with `Authorization: Bearer ` and be
+    // charged for the upstream's 401.
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(format!(
+            "upstream.api_key_env: the environment variable {var} is empty"
+        ));
+    }
+    let mut v = HeaderValue::from_str(&format!("Bearer {key}")).map_err(|_| {
+        format!("upstream.api_key_env: {var} holds characters not allowed in a header")
+    })?;
+    v.set_sensitive(true);
+    Ok(v)
 }
 
 /// The longest path and query `http` parses (`u16::MAX - 1` bytes).
