@@ -10,7 +10,9 @@
 //! sorted set scored by its expiry: the process that holds it renews it while the request runs,
 //! so a process that dies (`kill -9`) frees its slots within the lease time
 //! ([`RedisConfig::lease`](crate::store::redis::RedisConfig::lease)), and a request that runs
-//! longer than the lease keeps its slot.
+//! longer than the lease keeps its slot. A lease the process holds is renewed until it is
+//! released, on either store: release from a guard dropped when the request ends
+//! (docs/library.md, "Concurrency limits").
 
 use std::sync::Arc;
 
