@@ -134,12 +134,13 @@ impl Chain {
         costs: impl Into<Costs<'a>>,
         now: Option<Timestamp>,
     ) -> Option<ChainDecision> {
-        self.cached_refusal_at(costs.into(), now, store.lowered())
+        self.cached_refusal_at(store, costs.into(), now, store.lowered())
     }
 
     /// [`cached_refusal`](Self::cached_refusal) with the store's count of lowerings read.
-    fn cached_refusal_at(
+    fn cached_refusal_at<S: Store>(
         &self,
+        store: &S,
         costs: Costs<'_>,
         now: Option<Timestamp>,
         lowered: u128,
@@ -148,9 +149,12 @@ impl Chain {
         if costs.is_zero() {
             return None;
         }
+        // Unpinned, on the store's own clock where it is in this process (read only when a
+        // refusal is remembered).
+        let clock = || now.or_else(|| store.local_now());
         self.refusals
             .as_ref()?
-            .answer(&self.limits, costs, now, lowered)
+            .answer(&self.limits, costs, clock, lowered)
     }
 
     /// This chain with concurrency limits, narrowest first, each with its own storage key: an
@@ -316,7 +320,7 @@ impl Chain {
         } else {
             0
         };
-        if let Some(cached) = self.cached_refusal_at(cost, now, lowered) {
+        if let Some(cached) = self.cached_refusal_at(store, cost, now, lowered) {
             return Ok(cached);
         }
         // An admission of cost 0 reads the rate limits and charges nothing: it takes no slot.
@@ -400,7 +404,7 @@ impl Chain {
             && self.in_flight.is_empty()
             && !self.limits.is_empty()
             && !costs.is_zero()
-            && self.cached_refusal_at(costs, now, lowered).is_none();
+            && self.cached_refusal_at(store, costs, now, lowered).is_none();
         if !one_call {
             let checked = match now {
                 Some(now) => budgets.check_at(store, now).await?,

@@ -13,10 +13,13 @@
 //! one atomic load. A chain's own refunds also drop its entry
 //! ([`Chain::forget_refusals`](crate::Chain::forget_refusals)), for a store that keeps no count.
 //!
-//! Which instant: a pinned one (`admit_at`) as given; on the store's clock, the store's instant
-//! of the refusal plus what the process's monotonic clock has counted since its answer arrived.
-//! That is never later than the store's clock (the answer took time to arrive), so the cache
-//! errs stricter, by at most one round trip, and never by a clock step.
+//! Which instant: a pinned one (`admit_at`) as given; on a store whose clock is in this process
+//! (the memory store's, [`Store::local_now`](crate::store::Store::local_now)), its reading, so
+//! the cache decides at the instant the store would, on any clock (a test's, stepped); on a
+//! store whose clock is elsewhere (Redis's `TIME`), the store's instant of the refusal plus what
+//! the process's monotonic clock has counted since its answer arrived. That is never later
+//! than the store's clock (the answer took time to arrive), so the cache errs stricter, by at
+//! most one round trip, and never by a clock step.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -64,8 +67,8 @@ impl Refusals {
         self.last.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The refusal of a request of `costs` at `now` (`None`: the store's clock) that the
-    /// remembered counts still give, decided as [`ChainDecision::from_snapshots`] decides the
+    /// The refusal of a request of `costs` at `now()` (`None`: the store's clock, where it is
+    /// elsewhere) that the remembered counts still give, decided as [`ChainDecision::from_snapshots`] decides the
     /// store's; `None` when nothing is remembered, the store has lowered counts since (its
     /// count `lowered` moved) or the remembered counts would admit it (then the entry is
     /// dropped: only the store can say more).
@@ -73,12 +76,13 @@ impl Refusals {
         &self,
         limits: &[ChainLimit],
         costs: Costs<'_>,
-        now: Option<Timestamp>,
+        now: impl FnOnce() -> Option<Timestamp>,
         lowered: u128,
     ) -> Option<ChainDecision> {
         if !self.held.load(Ordering::Acquire) {
             return None;
         }
+        let now = now();
         let mut last = self.last();
         let seen = last.as_ref()?;
         if seen.lowered != lowered {

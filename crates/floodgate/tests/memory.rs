@@ -358,7 +358,7 @@ fn period_counters_expire_a_day_after_their_period_ends() {
 #[test]
 fn a_refusal_on_the_stores_clock_is_remembered_until_forgotten() {
     // One request a day: the second is refused, and its refusal is then answered from the
-    // cache at the store's instant plus the monotonic time since (docs/design.md §11).
+    // cache at the store's clock (docs/design.md §11).
     let chain = Chain::new(vec![ChainLimit::new(
         "org:rc",
         ScopeKind::Key,
@@ -571,4 +571,30 @@ fn a_reservation_charged_at_instants_of_its_own_is_reconciled_into_each_ones_buc
     ready(both.reconcile_charged(&store, at(60_150), &[], -10)).unwrap();
     let seen = store.read_state_sync(both.limits(), &[], Some(at(60_200)));
     assert_eq!((seen.snapshots[0].cur, seen.snapshots[1].cur), (0, 10));
+}
+
+/// On the memory store the cache decides at the store's own clock, whichever clock that is: a
+/// test's clock stepped past the retry time is admitted by the cache as by the store (before, the
+/// cache carried the refusal forward by real time, and refused for the retry time in seconds of
+/// the wall). It still refuses, with the store's statuses, while the store would.
+#[test]
+fn the_refusal_cache_decides_on_the_memory_stores_clock() {
+    let clock = FakeClock::new(at(0));
+    let store = MemoryStore::with_clock(clock.clone());
+    let one = || limit(ScopeKind::Key, "clocked", Charge::Admission, 1);
+    let cached = Chain::new(vec![one()]).cache_refusals();
+    let plain = Chain::new(vec![one()]);
+    assert!(ready(cached.admit(&store, 1)).unwrap().admitted);
+    let refused = ready(cached.admit(&store, 1)).unwrap();
+    let wait = refused.retry_after.expect("a wait");
+    clock.advance(wait / 2);
+    let from_cache = cached
+        .cached_refusal(&store, 1, None)
+        .expect("still refused");
+    let from_store = ready(plain.admit_costs(&store, &[0])).unwrap();
+    assert_eq!(from_cache.now, from_store.now);
+    assert_eq!(from_cache.retry_after, Some(wait - wait / 2));
+    clock.advance(wait - wait / 2);
+    assert!(cached.cached_refusal(&store, 1, None).is_none());
+    assert!(ready(cached.admit(&store, 1)).unwrap().admitted);
 }

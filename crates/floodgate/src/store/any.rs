@@ -64,6 +64,13 @@ impl Store for AnyStore {
         }
     }
 
+    fn local_now(&self) -> Option<Timestamp> {
+        match self {
+            AnyStore::Memory(s) => s.local_now(),
+            AnyStore::Redis(s) => s.local_now(),
+        }
+    }
+
     async fn admit(
         &self,
         limits: &[ChainLimit],

@@ -973,6 +973,10 @@ impl Store for MemoryStore {
         self.inner.lowered.get()
     }
 
+    fn local_now(&self) -> Option<Timestamp> {
+        Some(self.now())
+    }
+
     fn lease(&self) -> Lease {
         Lease::from_id(self.inner.leases.fetch_add(1, Ordering::Relaxed))
     }

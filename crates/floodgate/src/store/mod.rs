@@ -312,6 +312,14 @@ pub trait Store: Send + Sync {
         0
     }
 
+    /// The instant a call that pins no time would be decided at now, when the store's clock is
+    /// in this process and cheap to read (the memory store's); `None` when it is elsewhere
+    /// (Redis's `TIME`), the default. The refusal cache decides on it when it can
+    /// (docs/design.md §11).
+    fn local_now(&self) -> Option<Timestamp> {
+        None
+    }
+
     /// A fresh lease number, never handed out before by this store (nor, on Redis, by any
     /// other process: the store's members carry a random process tag).
     fn lease(&self) -> Lease;
