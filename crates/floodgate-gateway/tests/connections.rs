@@ -441,3 +441,65 @@ async fn an_upload_that_stops_coming_is_a_408() {
     assert!(got.contains("x-ratelimit-remaining: 99"), "{got}");
     assert_eq!(upstream_errors(&gw), "0");
 }
+
+/// An answer that never ends: 64 KiB pieces for as long as it is read; `dropped` is told when
+/// it is dropped (its reader gone).
+struct Endless {
+    dropped: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl http_body::Body for Endless {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Self::Error>>> {
+        let piece = bytes::Bytes::from(vec![b'x'; 64 * 1024]);
+        std::task::Poll::Ready(Some(Ok(http_body::Frame::data(piece))))
+    }
+}
+
+impl Drop for Endless {
+    fn drop(&mut self) {
+        if let Some(tx) = self.dropped.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A caller that stops reading its answer is cut off once the gateway's writes to it have
+/// waited `header_timeout_sec` (1 s here), as nginx's `send_timeout` does: its connection
+/// closes and the upstream's answer is let go, rather than held, with the caller's slots, for as
+/// long as the caller stays.
+#[tokio::test]
+async fn a_caller_that_stops_reading_is_cut_off() {
+    let (tx, dropped) = tokio::sync::oneshot::channel();
+    let tx = Arc::new(std::sync::Mutex::new(Some(tx)));
+    let app = axum::Router::new().route(
+        "/v1/endless",
+        axum::routing::get(move || {
+            let dropped = tx.lock().unwrap().take();
+            async move { axum::body::Body::new(Endless { dropped }) }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    let gw = gateway(STREAMING, &format!("http://{up}")).await;
+    // A small receive window, so that the gateway's writes wait soon.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut conn = socket.connect(gw.addr).await.unwrap();
+    conn.write_all(b"GET /v1/endless HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n")
+        .await
+        .unwrap();
+    // Nothing is read from here on.
+    let let_go = tokio::time::timeout(Duration::from_secs(20), dropped).await;
+    assert!(
+        let_go.is_ok(),
+        "the upstream's answer was still being sent 20 s after the caller stopped reading"
+    );
+    drop(conn);
+}

@@ -14,6 +14,7 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
+use super::send_timed::SendTimed;
 use crate::http::{AppState, route};
 
 /// Serves [`route`] on `listener` over HTTP/1.1 until `shutdown` completes, then stops accepting
@@ -38,6 +39,7 @@ pub async fn run(
     http.timer(TokioTimer::new())
         .header_read_timeout(state.header_timeout());
     let _heartbeat = Heartbeat::start(state.header_timeout());
+    let send_timeout = state.header_timeout();
     let connections = state.connections();
     loop {
         let tcp = tokio::select! {
@@ -76,7 +78,9 @@ pub async fn run(
             let state = state.clone();
             async move { Ok::<_, Infallible>(route(state, req.map(Body::new)).await) }
         });
-        let conn = http.serve_connection(TokioIo::new(tcp), service);
+        // A caller must take its answer: a write that waits `header_timeout` closes it.
+        let io = SendTimed::new(tcp, send_timeout);
+        let conn = http.serve_connection(TokioIo::new(io), service);
         let mut drain = drain_rx.clone();
         tokio::spawn(async move {
             let mut conn = std::pin::pin!(conn.with_upgrades());

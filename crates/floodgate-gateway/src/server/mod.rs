@@ -16,6 +16,7 @@
 //! [`Charger::settled`]: crate::charge::Charger::settled
 
 mod accept;
+mod send_timed;
 
 pub use accept::run;
 
