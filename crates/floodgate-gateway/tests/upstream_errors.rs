@@ -254,3 +254,81 @@ async fn a_get_whose_answer_cannot_be_parsed_is_not_sent_again() {
         "the upstream answered: no second try"
     );
 }
+
+/// An upstream that records each request's headers and answers with OpenAI's account headers;
+/// `/v1/refused` answers 401 with a body naming part of the key, as OpenAI's does.
+async fn account_upstream() -> (String, Arc<std::sync::Mutex<Vec<axum::http::HeaderMap>>>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let record = Arc::clone(&seen);
+    let app = axum::Router::new().fallback(move |req: axum::extract::Request| {
+        let record = Arc::clone(&record);
+        async move {
+            record.lock().unwrap().push(req.headers().clone());
+            let status = if req.uri().path() == "/v1/refused" {
+                401
+            } else {
+                200
+            };
+            axum::http::Response::builder()
+                .status(status)
+                .header("openai-organization", "org-owner")
+                .header("openai-project", "proj-owner")
+                .header("content-type", "application/json")
+                .body(axum::body::Body::from(
+                    r#"{"error":{"message":"Incorrect API key provided: flood****eway."}}"#,
+                ))
+                .unwrap()
+        }
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    (format!("http://{addr}"), seen)
+}
+
+/// With the gateway's own upstream key (`api_key_env`; here a variable Cargo sets), the account
+/// it bills is the gateway's to choose: a caller's `OpenAI-Organization` and `OpenAI-Project`
+/// do not go up, and the upstream's do not come back. A 401 refuses the gateway's key, not the
+/// caller's: a 502, its body (part of the key, in OpenAI's) not shown.
+#[tokio::test]
+async fn with_the_gateways_own_key_the_account_is_the_gateways() {
+    let (url, seen) = account_upstream().await;
+    let own = CONFIG.replace(
+        "timeout_sec = 1",
+        "timeout_sec = 1\napi_key_env = \"CARGO_PKG_NAME\"",
+    );
+    let gw = gateway(&own, &url).await;
+    let mut req = gw.request("GET", "/v1/models", Some("sk-k"), "");
+    req.headers_mut()
+        .insert("openai-organization", "org-other".parse().unwrap());
+    req.headers_mut()
+        .insert("openai-project", "proj-other".parse().unwrap());
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("openai-organization"), None);
+    assert_eq!(r.header("openai-project"), None);
+    let sent = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(sent["authorization"], "Bearer floodgate-gateway");
+    assert!(sent.get("openai-organization").is_none() && sent.get("openai-project").is_none());
+    let r = gw
+        .send(gw.request("GET", "/v1/refused", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
+    assert!(!r.text().contains("flood"), "{}", r.text());
+
+    // A caller's own upstream account (no `api_key_env`: the gateway sends no key of its own)
+    // is the caller's business: its headers pass both ways, and its 401 is its answer.
+    let gw = gateway(CONFIG, &url).await;
+    let mut req = gw.request("GET", "/v1/models", Some("sk-k"), "");
+    req.headers_mut()
+        .insert("openai-organization", "org-other".parse().unwrap());
+    let r = gw.send(req).await;
+    assert_eq!(r.header("openai-organization"), Some("org-owner"));
+    let sent = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(sent["openai-organization"], "org-other");
+    let r = gw
+        .send(gw.request("GET", "/v1/refused", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 401);
+}

@@ -22,7 +22,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::header::{self, HeaderName};
 use axum::http::uri::{Authority, PathAndQuery, Scheme};
-use axum::http::{HeaderMap, HeaderValue, Request, Response, Uri, Version};
+use axum::http::{HeaderMap, HeaderValue, Request, Response, StatusCode, Uri, Version};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioIo;
@@ -224,9 +224,24 @@ impl Upstream {
                 };
                 let (mut parts, body) = resp.into_parts();
                 strip_hop_by_hop(&mut parts.headers);
+                if self.own_key() {
+                    if parts.status == StatusCode::UNAUTHORIZED {
+                        // The gateway's key, not the caller's, was refused: the caller can do
+                        // nothing about it, and the upstream's answer may show part of the key.
+                        return Err(AppError::UpstreamUnavailable(
+                            "the upstream refused the gateway's API key (401)".into(),
+                        ));
+                    }
+                    strip_account(&mut parts.headers);
+                }
                 Ok(Response::from_parts(parts, body))
             }
         }
+    }
+
+    /// Whether requests go out with the gateway's own upstream key (`api_key_env`).
+    fn own_key(&self) -> bool {
+        matches!(&self.target, Target::Http { auth: Some(_), .. })
     }
 
     /// Whether a request for `uri` can be forwarded: its path and query behind the base URL's
@@ -269,6 +284,12 @@ impl Upstream {
                 headers.insert(header::HOST, host.clone());
                 if let Some(auth) = auth {
                     headers.insert(header::AUTHORIZATION, auth.clone());
+                    // Sent with the gateway's own key, a request's organization and project
+                    // are the gateway's to choose, not a caller's: a caller naming another
+                    // organization of the key's would bill it (docs/gateway.md).
+                    for name in &UPSTREAM_ACCOUNT {
+                        headers.remove(name);
+                    }
                 }
                 to_origin_form(req, prefix)?;
                 Ok(Addressed::Pool(pool))
@@ -314,7 +335,25 @@ impl Upstream {
             Ok(Ok(resp)) => resp,
         };
         strip_hop_by_hop(resp.headers_mut());
+        if self.own_key() {
+            strip_account(resp.headers_mut());
+        }
         Ok(resp)
+    }
+}
+
+/// The request headers that pick which of an upstream key's organizations and projects a
+/// request is billed to (OpenAI's), which the upstream also answers with.
+static UPSTREAM_ACCOUNT: [HeaderName; 2] = [
+    HeaderName::from_static("openai-organization"),
+    HeaderName::from_static("openai-project"),
+];
+
+/// Removes the upstream account's names from an answer sent with the gateway's own key: they
+/// are the gateway's, not the caller's business.
+fn strip_account(headers: &mut HeaderMap) {
+    for name in &UPSTREAM_ACCOUNT {
+        headers.remove(name);
     }
 }
 
