@@ -138,8 +138,9 @@ impl Sessions {
     }
 
     /// Runs the session whose handshake both sides have answered, in a task of its own: `key`'s
-    /// session, holding `slot` (its place under `[realtime] max_connections`) and its chain's
-    /// concurrency `slots` until it has ended and charged what it metered.
+    /// session, holding `slot` (its place under `[realtime] max_connections`) until it has ended
+    /// and charged what it metered, and its chain's concurrency `slots` until it has ended
+    /// (given back before its caller's connection is shut).
     pub(crate) fn spawn(
         &self,
         (slot, slots): (Slot, Option<Slots>),
@@ -161,7 +162,7 @@ impl Sessions {
             flush: self.flush,
             close: self.close.subscribe(),
             _slot: slot,
-            _slots: slots,
+            slots,
         };
         tokio::spawn(session.run(caller, upstream));
     }
@@ -207,8 +208,9 @@ struct Session {
     close: watch::Receiver<bool>,
     /// Held until the session has ended.
     _slot: Slot,
-    /// The chain's concurrency slots: the session holds them for its whole life.
-    _slots: Option<Slots>,
+    /// The chain's concurrency slots: the session holds them for its whole life, and gives them
+    /// back before its caller's connection is shut ([`Direction::slots`]).
+    slots: Option<Slots>,
 }
 
 /// What a session is charged to and tells its caller of.
@@ -291,6 +293,8 @@ impl Session {
             charger: &self.charger,
             done: 0,
         }));
+        // Given back before the caller sees its connection end (docs/design.md §10).
+        to_caller.slots = self.slots.take();
         // A metered session's caller hears of its own limits, not the upstream key's.
         to_caller.relay = self
             .rates
@@ -348,6 +352,12 @@ impl Session {
                 }
             }
         };
+        // The session is over (unless the upstream ended it, its caller's connection is still
+        // open): its slots go back now, before the gateway's close frame, the connection's close
+        // or a failed caller's upstream read on.
+        if let Some(slots) = to_caller.slots.take() {
+            slots.give_back().await;
+        }
         // Only a metered session has a reason to read on: an unmetered one frees its slot now.
         if let Some(until) = upstream_until.filter(|_| metered) {
             // The caller is gone, the upstream may be amid a turn: it is told as by a
@@ -452,6 +462,10 @@ where
     loop {
         let n = from.read(&mut buf).await.map_err(Failure::Read)?;
         if n == 0 {
+            // The session's slots go back before its caller sees its connection end.
+            if let Some(slots) = dir.slots.take() {
+                slots.give_back().await;
+            }
             // The other side may still be sending (its close frame): only this direction ends.
             let _ = to.shutdown().await;
             return Ok(());
@@ -696,6 +710,10 @@ struct Direction<'a> {
     meter: Option<Meter<'a>>,
     /// Rewrites the frames on their way (the upstream's to a metered session's caller).
     relay: Option<Relay>,
+    /// The session's concurrency slots, on the caller's direction: given back (and the store's
+    /// answer awaited) before the caller's connection is shut, so that a caller that reconnects
+    /// once its connection has closed finds them free (docs/design.md §10).
+    slots: Option<Slots>,
 }
 
 impl<'a> Direction<'a> {
@@ -706,6 +724,7 @@ impl<'a> Direction<'a> {
             writing: false,
             meter,
             relay: None,
+            slots: None,
         }
     }
 

@@ -374,8 +374,10 @@ fn refused_for_slots(r: &Reply) -> bool {
 }
 
 /// Sends until a request is admitted (any answer but a concurrency refusal), and returns that
-/// answer: a slot is given back in a task of its own, a moment after the answer that held it
-/// ended, so the first tries may still find it taken. Fails if it is not back within `within`.
+/// answer: a slot whose caller left (its answer dropped) is given back in a task of its own, a
+/// moment later, so the first tries may still find it taken. (An answer read to its end has its
+/// slot back by then: `an_answer_ends_for_its_caller_only_once_its_slot_is_back`.) Fails if it
+/// is not back within `within`.
 async fn until_admitted(within: Duration, mut send: impl AsyncFnMut() -> Reply) -> Reply {
     let deadline = Instant::now() + within;
     loop {
@@ -760,4 +762,422 @@ async fn the_admin_api_shows_each_scopes_requests_in_flight() {
         usage("org", "acme").await,
         serde_json::json!({"current": 0, "max": 5})
     );
+}
+
+/// A proxy in front of the test's Redis server that holds back the gateway's next slot release:
+/// armed, it stops at the first `EVALSHA` of `release.lua` that the gateway sends, says so, and
+/// forwards that call (with everything after it, in order) only once the test lets it go. A
+/// release then lands exactly as late as the test says, however the tasks are scheduled.
+struct ReleaseHolder {
+    inner: Arc<HolderInner>,
+}
+
+struct HolderInner {
+    armed: std::sync::atomic::AtomicBool,
+    holding: std::sync::atomic::AtomicBool,
+    changed: Notify,
+    go: Semaphore,
+}
+
+/// `release.lua`'s hash, as the gateway calls it: `clock.lua` then the script's own file (the
+/// store's `scripts.rs`).
+fn release_sha() -> String {
+    let script = concat!(
+        include_str!("../../floodgate/src/store/redis/clock.lua"),
+        include_str!("../../floodgate/src/store/redis/release.lua"),
+    );
+    sha1_smol::Sha1::from(script).digest().to_string()
+}
+
+impl ReleaseHolder {
+    /// Listens on a loopback port, forwarding to the server `redis_url` names; returns the URL
+    /// to give the gateway instead (`None`, with a note: not a `redis://` URL, which a plain TCP
+    /// proxy cannot stand in front of).
+    async fn serve(redis_url: &str) -> Option<(ReleaseHolder, String)> {
+        let Some(rest) = redis_url.strip_prefix("redis://") else {
+            eprintln!("a release holder needs a redis:// URL: skipped on {redis_url}");
+            return None;
+        };
+        let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+        let (user, server) = match authority.rsplit_once('@') {
+            Some((user, server)) => (format!("{user}@"), server.to_owned()),
+            None => (String::new(), authority.to_owned()),
+        };
+        let holder = ReleaseHolder {
+            inner: Arc::new(HolderInner {
+                armed: std::sync::atomic::AtomicBool::new(false),
+                holding: std::sync::atomic::AtomicBool::new(false),
+                changed: Notify::new(),
+                go: Semaphore::new(0),
+            }),
+        };
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("redis://{user}{}{path}", listener.local_addr().unwrap());
+        let sha = release_sha();
+        let inner = Arc::clone(&holder.inner);
+        tokio::spawn(async move {
+            loop {
+                let (gateway, _) = listener.accept().await.unwrap();
+                let redis = tokio::net::TcpStream::connect(&server).await.unwrap();
+                tokio::spawn(relay(gateway, redis, sha.clone(), Arc::clone(&inner)));
+            }
+        });
+        Some((holder, url))
+    }
+
+    /// Holds the next release the gateway sends.
+    fn arm(&self) {
+        self.inner.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Waits until a release is held (bounded, so that a test fails, not hangs).
+    async fn holding(&self) {
+        let wait = async {
+            loop {
+                let changed = self.inner.changed.notified();
+                if self.inner.holding.load(Ordering::SeqCst) {
+                    return;
+                }
+                changed.await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), wait)
+            .await
+            .expect("the gateway never sent the release");
+    }
+
+    /// Lets the release held go on to Redis.
+    fn let_go(&self) {
+        self.inner.go.add_permits(1);
+    }
+}
+
+/// Copies Redis's answers to the gateway as they come, and the gateway's calls to Redis one by
+/// one, holding back an armed holder's release.
+async fn relay(
+    gateway: tokio::net::TcpStream,
+    redis: tokio::net::TcpStream,
+    sha: String,
+    holder: Arc<HolderInner>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (mut from_gateway, mut to_gateway) = gateway.into_split();
+    let (mut from_redis, mut to_redis) = redis.into_split();
+    tokio::spawn(async move {
+        let _ = tokio::io::copy(&mut from_redis, &mut to_gateway).await;
+    });
+    let release = format!("$40\r\n{sha}\r\n").into_bytes();
+    let mut pending = Vec::new();
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        match from_gateway.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => pending.extend_from_slice(&buf[..n]),
+        }
+        while let Some(len) = command_len(&pending) {
+            let call: Vec<u8> = pending.drain(..len).collect();
+            let releases = call.windows(release.len()).any(|w| w == release);
+            if releases && holder.armed.swap(false, Ordering::SeqCst) {
+                holder.holding.store(true, Ordering::SeqCst);
+                holder.changed.notify_waiters();
+                holder.go.acquire().await.unwrap().forget();
+                holder.holding.store(false, Ordering::SeqCst);
+            }
+            if to_redis.write_all(&call).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// The length of the call at the start of `buf` (a RESP array of bulk strings) once it is whole.
+fn command_len(buf: &[u8]) -> Option<usize> {
+    let (n, mut at) = resp_line(buf, b'*')?;
+    for _ in 0..n {
+        let (len, line) = resp_line(&buf[at..], b'$')?;
+        at += line + len + 2;
+        if buf.len() < at {
+            return None;
+        }
+    }
+    Some(at)
+}
+
+/// The number on the line `<kind><number>\r\n` at the start of `buf`, and the line's length.
+fn resp_line(buf: &[u8], kind: u8) -> Option<(usize, usize)> {
+    let end = buf.windows(2).position(|w| w == b"\r\n")?;
+    assert_eq!(buf[0], kind, "not a call: {}", String::from_utf8_lossy(buf));
+    let n = std::str::from_utf8(&buf[1..end]).unwrap().parse().unwrap();
+    Some((n, end + 2))
+}
+
+/// A gateway on `text` with the store its test runs on: memory, or Redis through a release
+/// holder (its call timeout long enough that a release held stays under way: the test lets it
+/// go, never a timeout).
+async fn gateway_holding_releases(
+    text: &str,
+    upstream: &str,
+    redis_url: Option<&str>,
+) -> Option<(Gateway, Option<ReleaseHolder>)> {
+    let Some(redis_url) = redis_url else {
+        return Some((gateway(text, upstream).await, None));
+    };
+    let (holder, url) = ReleaseHolder::serve(redis_url).await?;
+    let prefix = fresh_prefix();
+    let store_section =
+        format!("[store]\nbackend = \"redis\"\nurl = \"{url}\"\nprefix = \"{prefix}\"\n");
+    let c = config(
+        &text.replace("[upstream]", &format!("{store_section}[upstream]")),
+        upstream,
+    );
+    let mut redis = floodgate::store::redis::RedisConfig::new(url);
+    redis.prefix = prefix;
+    redis.timeout = Duration::from_secs(30);
+    let store = floodgate::store::redis::RedisStore::connect(redis)
+        .await
+        .unwrap();
+    let gw = gateway_on(&c, floodgate::store::AnyStore::Redis(store)).await;
+    Some((gw, Some(holder)))
+}
+
+/// What has arrived on `conn` so far, without waiting for more, and whether it has closed.
+fn arrived_so_far(conn: &tokio::net::TcpStream, seen: &mut Vec<u8>) -> bool {
+    let mut buf = [0u8; 4096];
+    loop {
+        match conn.try_read(&mut buf) {
+            Ok(0) => return true,
+            Ok(n) => seen.extend_from_slice(&buf[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) => panic!("reading the answer: {e}"),
+        }
+    }
+}
+
+/// Whether `seen` holds a whole answer of known length: its head, and as many bytes after it as
+/// its `Content-Length` says.
+fn whole(seen: &str) -> bool {
+    let Some((head, body)) = seen.split_once("\r\n\r\n") else {
+        return false;
+    };
+    let length = head
+        .lines()
+        .find_map(|l| {
+            l.to_lowercase()
+                .strip_prefix("content-length: ")?
+                .parse()
+                .ok()
+        })
+        .expect("an answer of known length");
+    body.len() >= length
+}
+
+/// Whether `seen` holds a whole chunked answer.
+fn chunked_whole(seen: &str) -> bool {
+    seen.contains(END_OF_BODY)
+}
+
+/// With the release held back on Redis (none on memory: it gives the slot back at once),
+/// checks that the caller has not seen its answer end (`ended`), then lets the release go; then
+/// reads the answer to its end. The slot is then back: the caller's next request is admitted at
+/// the first try.
+async fn ends_once_the_slot_is_back(
+    gw: &Gateway,
+    holder: Option<&ReleaseHolder>,
+    conn: &mut tokio::net::TcpStream,
+    seen: &mut Vec<u8>,
+    ended: fn(&str) -> bool,
+) {
+    if let Some(holder) = holder {
+        holder.holding().await;
+        // Written before the release was sent, the end would be here now.
+        arrived_so_far(conn, seen);
+        let text = String::from_utf8_lossy(seen).into_owned();
+        assert!(
+            !ended(&text),
+            "the caller saw its answer end while its slot was still taken: {text}"
+        );
+        holder.let_go();
+    }
+    let mut buf = [0u8; 4096];
+    while !ended(&String::from_utf8_lossy(seen)) {
+        let n = tokio::time::timeout(
+            Duration::from_secs(5),
+            tokio::io::AsyncReadExt::read(conn, &mut buf),
+        )
+        .await
+        .expect("the answer went on")
+        .unwrap();
+        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(seen));
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let next = probe(gw).await;
+    assert!(!refused_for_slots(&next), "refused for its own slot");
+}
+
+/// Sends `head` (a whole request) on a new connection to `gw`.
+async fn send_raw(gw: &Gateway, head: &str) -> tokio::net::TcpStream {
+    let mut conn = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    tokio::io::AsyncWriteExt::write_all(&mut conn, head.as_bytes())
+        .await
+        .unwrap();
+    conn
+}
+
+/// A caller that sends its next request as soon as it has read an answer whole finds its slot
+/// free (docs/design.md §10): the answer's end reaches it only once its slot has been given
+/// back. On Redis the release goes out after the body's last byte has been read from upstream,
+/// and a holder keeps it from landing until the test has looked: the caller has not seen the end
+/// meanwhile. For an answer of known length (its last byte is its end), for a stream (its end
+/// is the chunked body's last chunk), and for the gateway's own 502 when the upstream cannot be
+/// reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_ends_for_its_caller_only_once_its_slot_is_back() {
+    let (gate, url) = Gate::serve().await;
+    let dead = format!("http://127.0.0.1:{}", free_port());
+    let test = "an_answer_ends_for_its_caller_only_once_its_slot_is_back";
+    let redis = test_redis_url(test);
+    let models = "GET /v1/models HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\r\n";
+    for redis in [None, redis.as_deref()] {
+        let Some((gw, holder)) = gateway_holding_releases(&one_at_once(""), &url, redis).await
+        else {
+            continue;
+        };
+        let holder = holder.as_ref();
+        for _ in 0..3 {
+            // The model list, answered at once with a Content-Length.
+            if let Some(holder) = holder {
+                holder.arm();
+            }
+            let mut conn = send_raw(&gw, models).await;
+            let mut seen = Vec::new();
+            ends_once_the_slot_is_back(&gw, holder, &mut conn, &mut seen, whole).await;
+            assert!(String::from_utf8_lossy(&seen).contains("\"list\""));
+            // A stream, held mid-way at the gate, then let through.
+            let (mut conn, mut seen) = send_and_read_until(gw.addr, CHAT_STREAM, "", "Hel").await;
+            if let Some(holder) = holder {
+                holder.arm();
+            }
+            gate.open(1);
+            ends_once_the_slot_is_back(&gw, holder, &mut conn, &mut seen, chunked_whole).await;
+            assert!(String::from_utf8_lossy(&seen).contains("[DONE]"));
+        }
+        gw.settled().await;
+        // The upstream unreachable: the gateway's own answer.
+        let Some((gw, holder)) = gateway_holding_releases(&one_at_once(""), &dead, redis).await
+        else {
+            continue;
+        };
+        for _ in 0..3 {
+            if let Some(holder) = &holder {
+                holder.arm();
+            }
+            let mut conn = send_raw(&gw, models).await;
+            let mut seen = Vec::new();
+            ends_once_the_slot_is_back(&gw, holder.as_ref(), &mut conn, &mut seen, whole).await;
+            let text = String::from_utf8_lossy(&seen);
+            assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+        }
+        gw.settled().await;
+    }
+}
+
+/// An upstream that accepts every realtime upgrade, then ends the session at once: a close
+/// frame (1000), and its connection closed. Anything else gets an empty model list.
+async fn closing_ws_upstream() -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        loop {
+            let (mut tcp, _) = listener.accept().await.unwrap();
+            tokio::spawn(async move {
+                let mut head = Vec::new();
+                let mut buf = [0u8; 4096];
+                while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match tcp.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => head.extend_from_slice(&buf[..n]),
+                    }
+                }
+                if !head.starts_with(b"GET /v1/realtime") {
+                    // The model list (a probe of whether a request is admitted).
+                    let list = r#"{"object":"list","data":[]}"#;
+                    let answer = format!(
+                        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\nconnection: close\r\n\r\n{list}",
+                        list.len()
+                    );
+                    let _ = tcp.write_all(answer.as_bytes()).await;
+                    return;
+                }
+                let answer = "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\n\
+                              upgrade: websocket\r\n\
+                              sec-websocket-accept: s3pPLMBiTxaQ9kYGzzhZRbK+xOo=\r\n\r\n";
+                let close = [0x88, 0x02, 0x03, 0xe8];
+                let _ = tcp.write_all(answer.as_bytes()).await;
+                let _ = tcp.write_all(&close).await;
+                let _ = tcp.shutdown().await;
+            });
+        }
+    });
+    url
+}
+
+/// A realtime session holds its key's slot for its whole life and gives it back before its
+/// caller's connection is closed (docs/design.md §10): a caller that opens its next session as
+/// soon as its connection has closed is admitted. On Redis a holder keeps the release from
+/// landing until the test has looked: the caller's connection has not closed meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_realtime_session_closes_for_its_caller_only_once_its_slot_is_back() {
+    let upstream = closing_ws_upstream().await;
+    let test = "a_realtime_session_closes_for_its_caller_only_once_its_slot_is_back";
+    let redis = test_redis_url(test);
+    // Unmetered: the session's frames pass as they come, and its end charges nothing.
+    let text = one_at_once("").replace("tpm = 100000", "rpm = 1000");
+    for redis in [None, redis.as_deref()] {
+        let Some((gw, holder)) = gateway_holding_releases(&text, &upstream, redis).await else {
+            continue;
+        };
+        for _ in 0..3 {
+            if let Some(holder) = &holder {
+                holder.arm();
+            }
+            let head = "GET /v1/realtime?model=m HTTP/1.1\r\nhost: x\r\n\
+                        authorization: Bearer sk-k\r\nconnection: Upgrade\r\nupgrade: websocket\r\n\
+                        sec-websocket-version: 13\r\nsec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
+            let mut conn = send_raw(&gw, head).await;
+            let mut seen = Vec::new();
+            if let Some(holder) = &holder {
+                holder.holding().await;
+                // Closed before the release was sent, the connection would show it now.
+                let closed = arrived_so_far(&conn, &mut seen);
+                assert!(
+                    !closed,
+                    "the caller's connection closed while its slot was still taken: {}",
+                    String::from_utf8_lossy(&seen)
+                );
+                holder.let_go();
+            }
+            let mut buf = [0u8; 4096];
+            loop {
+                let n = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    tokio::io::AsyncReadExt::read(&mut conn, &mut buf),
+                )
+                .await
+                .expect("the session ended")
+                .unwrap();
+                if n == 0 {
+                    break;
+                }
+                seen.extend_from_slice(&buf[..n]);
+            }
+            let text = String::from_utf8_lossy(&seen);
+            assert!(text.starts_with("HTTP/1.1 101"), "{text}");
+            // The caller's next request, at once: the slot is free.
+            let next = probe(&gw).await;
+            assert_eq!(next.status, 200, "{}", next.text());
+        }
+        gw.settled().await;
+    }
 }

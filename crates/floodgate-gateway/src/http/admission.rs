@@ -15,6 +15,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::body::Body;
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use floodgate::chain::Costs;
@@ -30,7 +31,7 @@ use crate::error::{AppError, NoWait};
 use crate::headers::{self, ChainHeaders};
 use crate::metrics::{LimitOutcome, Outcome, StoreOp};
 use crate::openai::request::Estimate;
-use crate::slots::Slots;
+use crate::slots::{HoldingBody, Slots};
 use crate::tally::Subject;
 
 /// One request's context: who sent it, what limits it, what it is.
@@ -697,12 +698,16 @@ impl Ctx {
     }
 
     /// The answer to an admitted request that the upstream could not answer (502, 504, ...):
-    /// logged, with the chain's headers. The request stays charged.
-    pub(super) fn upstream_failed(&self, admitted: &Admitted, err: AppError) -> Response {
+    /// logged, with the chain's headers. The request stays charged. Its concurrency slots are
+    /// held until that answer is sent, as for any answer (docs/design.md §10).
+    pub(super) fn upstream_failed(&self, admitted: &mut Admitted, err: AppError) -> Response {
         self.log(err.status(), admitted.log_as);
         let mut resp = err.into_response();
         admitted.apply_headers(resp.headers_mut(), self);
-        resp
+        match admitted.take_slots() {
+            Some(slots) => resp.map(|body| Body::new(HoldingBody::new(body, slots))),
+            None => resp,
+        }
     }
 }
 

@@ -122,7 +122,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     }
     let resp = match sent {
         Ok(r) => r,
-        Err(err) => return ctx.upstream_failed(&admitted, err),
+        Err(err) => return ctx.upstream_failed(&mut admitted, err),
     };
 
     let (mut head, body) = resp.into_parts();

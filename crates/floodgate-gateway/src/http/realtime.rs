@@ -155,7 +155,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
     ctx.state.metrics().upstream(status, asked.elapsed());
     let mut resp = match sent {
         Ok(r) => r,
-        Err(err) => return ctx.upstream_failed(&admitted, err),
+        Err(err) => return ctx.upstream_failed(&mut admitted, err),
     };
     if resp.status() != StatusCode::SWITCHING_PROTOCOLS {
         // The upstream declined (a 401 for its key, a 400 for an unknown model): its answer,
