@@ -1181,3 +1181,54 @@ async fn a_realtime_session_closes_for_its_caller_only_once_its_slot_is_back() {
         gw.settled().await;
     }
 }
+
+/// What the gateway logs at `info`, kept (for the tasks of the test's own thread).
+#[derive(Clone, Default)]
+struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A shadow concurrency limit takes its slot past its max and never refuses; a request it alone
+/// would refuse is counted as `shadow_over` and logged, as a shadow rate limit's is.
+#[tokio::test]
+async fn a_shadow_concurrency_limit_over_admits_and_is_logged() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let (gate, url) = Gate::serve().await;
+    let config =
+        two_at_once("").replace("max_in_flight = 2 }", "max_in_flight = 1, shadow = true }");
+    let gw = Arc::new(gateway(&config, &url).await);
+    let sends: Vec<Sent> = (0..2).map(|_| send(&gw, "sk-alice")).collect();
+    gate.arrived(2).await;
+    assert_eq!(gate.most(), 2, "both run: the limit is shadow");
+    gate.open(2);
+    for s in sends {
+        assert_eq!(s.await.unwrap().status, 200);
+    }
+    let metrics = gw.state.metrics().encode();
+    let over =
+        r#"floodgate_limit_decisions_total{scope="key",kind="in_flight",outcome="shadow_over"} 1"#;
+    assert!(metrics.contains(over), "{metrics}");
+    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let line = logged
+        .lines()
+        .find(|l| l.contains("a shadow concurrency limit would have refused this request"))
+        .unwrap_or_else(|| panic!("not logged: {logged}"));
+    assert!(line.contains(r#"shadow_over="key""#), "{line}");
+    assert!(line.contains("max_in_flight=1"), "{line}");
+}

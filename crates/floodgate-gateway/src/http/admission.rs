@@ -435,6 +435,14 @@ impl Ctx {
                 );
             }
         }
+        for s in decision.in_flight.iter().filter(|s| s.shadow && s.over) {
+            tracing::info!(
+                key = %self.key.id,
+                shadow_over = s.scope.as_str(),
+                max_in_flight = s.max,
+                "a shadow concurrency limit would have refused this request"
+            );
+        }
         let (log_as, outcome) = if decision.enforced {
             (Decision::Admitted, Outcome::Admitted)
         } else {
