@@ -1144,11 +1144,41 @@ async fn decisions_work_after_script_flush() {
     assert!(matches!(a, Admission::Denied { .. }));
 }
 
-/// Counts the store's log lines by level: warnings and infos from `floodgate`.
+/// Counts the store's log lines by level: warnings and infos from `floodgate`, logged on the
+/// thread of the test that counts them ([`LogCount::install`]).
 #[derive(Clone, Default)]
 struct LogCount(Arc<[std::sync::atomic::AtomicUsize; 2]>);
 
+thread_local! {
+    /// The counter of the test running on this thread, if it counts.
+    static COUNTING: std::cell::RefCell<Option<LogCount>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Stops counting this thread's log lines when dropped.
+struct Counting;
+
+impl Drop for Counting {
+    fn drop(&mut self) {
+        COUNTING.with(|c| *c.borrow_mut() = None);
+    }
+}
+
 impl LogCount {
+    /// Counts the log lines of this thread until the guard is dropped. Through one global
+    /// subscriber, not a subscriber set for this thread alone: tracing decides once per log line
+    /// whether anyone wants it, and with a single subscriber registered it asks only the thread
+    /// that logs the line first. A line first logged by a test that counts nothing (another
+    /// store's outage ending, in parallel) would then be dropped for good, here too.
+    fn install(&self) -> Counting {
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            tracing::subscriber::set_global_default(ThreadLogs)
+                .expect("no other global subscriber in this test binary");
+        });
+        COUNTING.with(|c| *c.borrow_mut() = Some(self.clone()));
+        Counting
+    }
+
     fn warns(&self) -> usize {
         self.0[0].load(std::sync::atomic::Ordering::SeqCst)
     }
@@ -1158,9 +1188,26 @@ impl LogCount {
     }
 }
 
-impl tracing::Subscriber for LogCount {
-    fn enabled(&self, _: &tracing::Metadata<'_>) -> bool {
-        true
+/// The global subscriber: `floodgate`'s warnings and infos, to the counter of the thread that
+/// logs them, if any.
+struct ThreadLogs;
+
+impl ThreadLogs {
+    fn slot(meta: &tracing::Metadata<'_>) -> Option<usize> {
+        if !meta.target().starts_with("floodgate") {
+            return None;
+        }
+        match *meta.level() {
+            tracing::Level::WARN => Some(0),
+            tracing::Level::INFO => Some(1),
+            _ => None,
+        }
+    }
+}
+
+impl tracing::Subscriber for ThreadLogs {
+    fn enabled(&self, meta: &tracing::Metadata<'_>) -> bool {
+        ThreadLogs::slot(meta).is_some()
     }
     fn new_span(&self, _: &tracing::span::Attributes<'_>) -> tracing::span::Id {
         tracing::span::Id::from_u64(1)
@@ -1168,16 +1215,14 @@ impl tracing::Subscriber for LogCount {
     fn record(&self, _: &tracing::span::Id, _: &tracing::span::Record<'_>) {}
     fn record_follows_from(&self, _: &tracing::span::Id, _: &tracing::span::Id) {}
     fn event(&self, event: &tracing::Event<'_>) {
-        let meta = event.metadata();
-        if !meta.target().starts_with("floodgate") {
+        let Some(slot) = ThreadLogs::slot(event.metadata()) else {
             return;
-        }
-        let slot = match *meta.level() {
-            tracing::Level::WARN => 0,
-            tracing::Level::INFO => 1,
-            _ => return,
         };
-        self.0[slot].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        COUNTING.with(|c| {
+            if let Some(logs) = &*c.borrow() {
+                logs.0[slot].fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            }
+        });
     }
     fn enter(&self, _: &tracing::span::Id) {}
     fn exit(&self, _: &tracing::span::Id) {}
@@ -1193,7 +1238,7 @@ async fn outage_fails_open_or_closed_at_once_and_enforcement_resumes() {
         return;
     };
     let logs = LogCount::default();
-    let _logging = tracing::subscriber::set_default(logs.clone());
+    let _logging = logs.install();
     let timeout = Duration::from_millis(500);
     let url = server.url();
     let cfg = |on_error| RedisConfig {
@@ -1279,7 +1324,7 @@ async fn a_server_that_answers_ping_but_not_scripts_is_one_outage() {
         return;
     };
     let logs = LogCount::default();
-    let _logging = tracing::subscriber::set_default(logs.clone());
+    let _logging = logs.install();
     let url = server.url();
     let store = RedisStore::connect(RedisConfig {
         probe_interval: Duration::from_millis(50),
