@@ -2860,3 +2860,130 @@ async fn a_shorter_lease_elsewhere_does_not_shorten_a_live_slots_life() {
     assert_eq!(a.read_running(chain.in_flight(), None).await.unwrap(), [1]);
     chain.release(&a, held.lease).await.unwrap();
 }
+
+/// How many connections the server has accepted since it started.
+async fn connections_received(admin: &mut redis::aio::MultiplexedConnection) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("stats")
+        .query_async(admin)
+        .await
+        .unwrap();
+    info.lines()
+        .find_map(|l| l.strip_prefix("total_connections_received:"))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("INFO stats counts connections")
+}
+
+/// Cuts the store's connection to `url` while the server refuses the handshake of a new one
+/// (`refuse`, sent on `admin`): the reconnect is refused with an answer, not an I/O error, and
+/// the connection manager keeps that answer for every later call. The store must count it as
+/// an outage (`on_error` decides) and, once `allow` has undone the refusal, connect anew and
+/// enforce again.
+async fn a_refused_reconnect_is_an_outage_that_ends(
+    url: &str,
+    admin: &mut redis::aio::MultiplexedConnection,
+    refuse: &[&str],
+    allow: &[&str],
+) {
+    let store = RedisStore::connect(RedisConfig {
+        probe_interval: Duration::from_millis(50),
+        ..config(url)
+    })
+    .await
+    .unwrap();
+    let chain = Chain::new(vec![req("refused", ScopeKind::Key, 1000)]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+    let _: () = redis::cmd(refuse[0])
+        .arg(&refuse[1..])
+        .query_async(admin)
+        .await
+        .unwrap();
+    let killed: i64 = redis::cmd("CLIENT")
+        .arg(&["KILL", "TYPE", "normal", "SKIPME", "yes"])
+        .query_async(admin)
+        .await
+        .unwrap();
+    assert!(killed >= 1);
+    let during = chain.admit(&store, 1).await;
+    assert!(
+        matches!(&during, Ok(d) if d.admitted && !d.enforced),
+        "{url}: a refused reconnect fails open: {during:?}, {:?}",
+        store.stats()
+    );
+    assert!(store.stats().breaker_open);
+    // The refusal must outlast a probe: each probe refused connects anew, which the server
+    // counts (each new connection is tried twice by the connection manager, so past two more,
+    // a second probe has connected), rather than keep asking over the refused one.
+    let seen = connections_received(admin).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while connections_received(admin).await < seen + 3 {
+        assert!(
+            Instant::now() < deadline,
+            "{url}: the probe did not connect anew: {:?}",
+            store.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let _: () = redis::cmd(allow[0])
+        .arg(&allow[1..])
+        .query_async(admin)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let d = chain.admit(&store, 1).await;
+        if matches!(&d, Ok(d) if d.enforced) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{url}: enforcement did not resume: {d:?}, {:?}",
+            store.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(store.stats().outages, 1);
+}
+
+/// A password rotated away and back (a rollout rolled back): while the server refuses the URL's
+/// password, a reconnect's `AUTH` (RESP3: `HELLO ... AUTH`) is refused, and the store must not
+/// keep that refusal once the password is back.
+#[tokio::test]
+async fn a_reconnect_refused_at_auth_recovers_once_the_password_is_back() {
+    let test = "a_reconnect_refused_at_auth_recovers_once_the_password_is_back";
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let mut admin = raw(&server.url()).await;
+    for url in [server.url(), format!("{}?protocol=resp3", server.url())] {
+        a_refused_reconnect_is_an_outage_that_ends(
+            &url,
+            &mut admin,
+            &["CONFIG", "SET", "requirepass", "rotated"],
+            &["CONFIG", "SET", "requirepass", &server.password],
+        )
+        .await;
+    }
+}
+
+/// A URL naming a database other than 0: while the server refuses `SELECT` (here an ACL), a
+/// reconnect's handshake is refused after its `AUTH` passed, and the store must connect again
+/// once `SELECT` is allowed.
+#[tokio::test]
+async fn a_reconnect_refused_at_select_recovers_once_select_is_allowed() {
+    let test = "a_reconnect_refused_at_select_recovers_once_select_is_allowed";
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let url = format!("redis://:{}@127.0.0.1:{}/1", server.password, server.port);
+    let mut admin = raw(&url).await;
+    a_refused_reconnect_is_an_outage_that_ends(
+        &url,
+        &mut admin,
+        &["ACL", "SETUSER", "default", "-select"],
+        &["ACL", "SETUSER", "default", "+select"],
+    )
+    .await;
+}

@@ -258,6 +258,11 @@ enum Class {
     Dropped,
     /// Redis is unreachable, too slow, or not serving (loading, failing over).
     Unavailable,
+    /// The server refused the connection's handshake (the URL's password no longer accepted, its
+    /// database refused): Redis is unavailable as configured. The connection manager keeps the
+    /// refusal (it reconnects after an I/O error only) and answers every later call with it, so
+    /// only a new connection asks the server again.
+    Refused,
     /// Redis answered with an error.
     Answered,
 }
@@ -284,8 +289,28 @@ fn classify(e: &RedisError) -> Class {
         ) | ErrorKind::ClusterConnectionNotFound
     ) {
         Class::Unavailable
+    } else if refused(e) {
+        Class::Refused
     } else {
         Class::Answered
+    }
+}
+
+/// Whether `e` is the server refusing the connection's handshake rather than answering a
+/// command: the `AUTH` (or RESP3's `HELLO ... AUTH`) or `SELECT` that redis-rs sends before the
+/// connection's first command.
+fn refused(e: &RedisError) -> bool {
+    match e.kind() {
+        ErrorKind::AuthenticationFailed => true,
+        // The one server error redis-rs builds itself rather than passing on what the server
+        // sent: its verdict on a handshake reply (`SELECT` refused). A command's error answer
+        // always carries the server's own error.
+        ErrorKind::Server(ServerErrorKind::ResponseError) => {
+            e.clone().into_server_errors().is_none()
+        }
+        // The server's word that this connection is not (or no longer) authenticated, as RESP3's
+        // `HELLO` refusing the password comes back.
+        _ => matches!(e.code(), Some("WRONGPASS" | "NOAUTH")),
     }
 }
 
@@ -472,6 +497,13 @@ impl Inner {
                     self.trip(&why);
                     return Err((Failure::Unavailable(why), false));
                 }
+                Class::Refused => {
+                    // The probe asks over a new connection, whose handshake is tried again.
+                    let why = format!("{}: {err}", op.name);
+                    self.fresh_connection(generation);
+                    self.trip(&why);
+                    return Err((Failure::Unavailable(why), false));
+                }
                 Class::Answered => {
                     return Err((Failure::Backend(format!("{}: {err}", op.name)), false));
                 }
@@ -525,13 +557,12 @@ async fn probe(close: Unprobed) {
             }
             // The next probe goes over a new connection (see `fresh_connection`).
             Err(_) => inner.fresh_connection(generation),
-            // On a cluster, from the seeds again: a node that died (a primary failed over) may
-            // be all the old connection knows for its slots, and only a new one asks the
-            // cluster who serves them now.
-            Ok(Err(_)) if matches!(inner.maker, Maker::Cluster(_)) => {
-                inner.fresh_connection(generation);
-            }
-            Ok(Err(_)) => {}
+            // So it does after any other failure. On one server, the connection manager keeps
+            // a refused handshake (`Class::Refused`) and answers every PING with it: only a new
+            // connection asks again. On a cluster, from the seeds again: a node that died (a
+            // primary failed over) may be all the old connection knows for its slots, and only
+            // a new one asks the cluster who serves them now.
+            Ok(Err(_)) => inner.fresh_connection(generation),
         }
     }
 }
