@@ -2987,3 +2987,259 @@ async fn a_reconnect_refused_at_select_recovers_once_select_is_allowed() {
     )
     .await;
 }
+
+/// A window's key holding something floodgate never writes (a value set under the prefix by
+/// someone else, or by hand) reads as never written: it must not fail the call that reads it,
+/// and with it every other request of the batch, any tenant's.
+#[tokio::test]
+async fn a_window_holding_garbage_reads_as_never_written_and_fails_no_batch() {
+    let Some(url) = redis_url("a_window_holding_garbage_reads_as_never_written_and_fails_no_batch")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    let poisoned = Arc::new(Chain::new(vec![ChainLimit::new(
+        "org:other",
+        ScopeKind::Key,
+        "poisoned",
+        Charge::Admission,
+        WindowLimit::per_minute(1000),
+    )]));
+    let clean = Arc::new(Chain::new(vec![req("clean", ScopeKind::Key, 1000)]));
+    let key = poisoned.limits()[0].key().to_owned();
+    let _: () = raw(&url)
+        .await
+        .set(store.redis_key(&key), "not a window")
+        .await
+        .unwrap();
+    let now = pinned(5);
+    let mut tasks = JoinSet::new();
+    for i in 0..200 {
+        let store = store.clone();
+        let chain = if i % 20 == 0 { &poisoned } else { &clean }.clone();
+        tasks.spawn(async move { (i % 20 == 0, chain.admit_at(&store, 1, now).await) });
+    }
+    let results = tasks.join_all().await;
+    let failed: Vec<_> = results.iter().filter(|(_, r)| r.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 200 admissions failed (the poisoned key's are 10), first {:?}, {:?}",
+        failed.len(),
+        failed.first(),
+        store.stats()
+    );
+    let admitted = results
+        .iter()
+        .filter(|(_, r)| matches!(r, Ok(d) if d.admitted && d.enforced));
+    assert_eq!(admitted.count(), 200);
+    // The garbage went as a never-written key's state would: replaced by the charges.
+    assert_eq!(stored_cur(&url, &store, &key).await, 10);
+}
+
+/// Sets every key of `keys` to `value`.
+async fn set_all(conn: &mut redis::aio::MultiplexedConnection, keys: &[String], value: &str) {
+    for key in keys {
+        let _: () = conn.set(key, value).await.unwrap();
+    }
+}
+
+/// Every script that reads stored state (windows, period counters, token buckets) reads a value
+/// floodgate never writes as never written, rather than failing: each operation on keys holding
+/// one answers as the memory store does on keys it never saw. A reset or a clear removes it.
+#[tokio::test]
+async fn every_script_reads_state_it_cannot_parse_as_never_written() {
+    let Some(url) = redis_url("every_script_reads_state_it_cannot_parse_as_never_written") else {
+        return;
+    };
+    let redis = store(&url).await;
+    let mut conn = raw(&url).await;
+    let now = pinned(5);
+    let at = Some(now);
+    let window = |id, charge| {
+        ChainLimit::new(
+            "org:bad",
+            ScopeKind::Key,
+            id,
+            charge,
+            WindowLimit::per_minute(10),
+        )
+    };
+    let limits = [
+        window("req", Charge::Admission),
+        window("out", Charge::Reactive),
+        window("tok", Charge::Reserved),
+    ];
+    let counters = [floodgate::PeriodCounter::new(
+        "{org:bad}:org:bad:budget:day",
+        Period::Day,
+    )];
+    let slots = [InFlightLimit::new("org:bad", ScopeKind::Key, "slots", 2)];
+    let bucket = BucketKey {
+        limiter: "bad",
+        name: NameRef::Text("b"),
+    };
+    let bucket_limit = BucketLimit {
+        capacity: 5,
+        rate: Rate::per_second(1),
+    };
+    let keys: Vec<String> = limits
+        .iter()
+        .map(|l| l.key())
+        .chain(counters.iter().map(|c| c.key()))
+        .map(|k| redis.redis_key(k))
+        .chain([redis.redis_key(&bucket.to_string())])
+        .collect();
+    // Not in any stored form, or in one with a number floodgate never writes: a count or total
+    // past 2^53 (in the current minute; on the current day), tokens that are not a number from 0
+    // up, a time past 2^53.
+    let (t, minute) = (now.as_micros(), now.as_micros() / 60_000_000);
+    let big = "99999999999999999999";
+    let bad = [
+        "garbage".to_owned(),
+        String::new(),
+        "1 2".to_owned(),
+        "7 8 9 10".to_owned(),
+        "x 1 2".to_owned(),
+        "-1 2 3".to_owned(),
+        format!("{minute} {big} 0"),
+        format!("{minute} 0 {big}"),
+        format!("2023-11-14 {big}"),
+        format!("x {t} {big}"),
+        format!("nan {t} {big}"),
+        format!("inf {t} {big}"),
+        format!("-1 {t} {big}"),
+        format!("1 {big} {big}"),
+    ];
+    for bad in &bad {
+        // Each operation on keys that all hold `bad`, beside a memory store that never saw them.
+        macro_rules! fresh {
+            () => {{
+                set_all(&mut conn, &keys, bad).await;
+                MemoryStore::new()
+            }};
+        }
+        macro_rules! done {
+            ($op:expr, $call:expr) => {
+                $call
+                    .await
+                    .unwrap_or_else(|e| panic!("{} on {bad:?}: {e}", $op))
+            };
+        }
+        macro_rules! same {
+            ($op:expr, $redis:expr, $memory:expr) => {
+                assert_eq!(
+                    done!($op, $redis),
+                    $memory.await.unwrap(),
+                    "{} on {bad:?}",
+                    $op
+                )
+            };
+        }
+        let m = fresh!();
+        same!(
+            "admit",
+            redis.admit(&limits, 1.into(), at),
+            m.admit(&limits, 1.into(), at)
+        );
+
+        let m = fresh!();
+        let lease = redis.lease();
+        same!(
+            "admit_holding",
+            redis.admit_holding(&limits, &slots, 1.into(), lease, at),
+            m.admit_holding(&limits, &slots, 1.into(), m.lease(), at)
+        );
+        done!("release", redis.release(&slots, lease, at));
+
+        let m = fresh!();
+        same!(
+            "admit_within",
+            redis.admit_within(&counters, &[100], &limits, 1.into(), at),
+            m.admit_within(&counters, &[100], &limits, 1.into(), at)
+        );
+
+        let m = fresh!();
+        same!(
+            "read_state",
+            redis.read_state(&limits, &counters, at),
+            m.read_state(&limits, &counters, at)
+        );
+
+        let m = fresh!();
+        done!("record", redis.record(&limits, 5, at));
+        m.record(&limits, 5, at).await.unwrap();
+        same!(
+            "record",
+            redis.read_state(&limits, &counters, at),
+            m.read_state(&limits, &counters, at)
+        );
+
+        for delta in [3, -3] {
+            let m = fresh!();
+            done!("reconcile", redis.reconcile(&limits, now, delta, at));
+            m.reconcile(&limits, now, delta, at).await.unwrap();
+            same!(
+                format!("reconcile {delta}"),
+                redis.read_state(&limits, &counters, at),
+                m.read_state(&limits, &counters, at)
+            );
+        }
+
+        let m = fresh!();
+        same!(
+            "clear_state",
+            redis.clear_state(&limits, &counters, at),
+            m.clear_state(&limits, &counters, at)
+        );
+        let left: u64 = conn.exists(&keys[..4]).await.unwrap();
+        assert_eq!(left, 0, "clear_state removes {bad:?}");
+
+        let m = fresh!();
+        same!(
+            "read_periods",
+            redis.read_periods(&counters, at),
+            m.read_periods(&counters, at)
+        );
+        let m = fresh!();
+        same!(
+            "add_periods",
+            redis.add_periods(&counters, 5, at),
+            m.add_periods(&counters, 5, at)
+        );
+
+        for delta in [2, -2] {
+            let m = fresh!();
+            let op = format!("reconcile_periods {delta}");
+            done!(op, redis.reconcile_periods(&counters, now, delta, at));
+            m.reconcile_periods(&counters, now, delta, at)
+                .await
+                .unwrap();
+            same!(
+                op,
+                redis.read_periods(&counters, at),
+                m.read_periods(&counters, at)
+            );
+        }
+
+        let m = fresh!();
+        let r = done!("acquire", redis.acquire(bucket, bucket_limit, 1, at));
+        let w = m.acquire(bucket, bucket_limit, 1, at).await.unwrap();
+        assert_eq!(r.tokens.to_bits(), w.tokens.to_bits(), "acquire on {bad:?}");
+        assert_eq!(r, w, "acquire on {bad:?}");
+
+        let m = fresh!();
+        same!(
+            "reset",
+            redis.reset(bucket, bucket_limit, at),
+            m.reset(bucket, bucket_limit, at)
+        );
+        let left: u64 = conn.exists(&keys[4]).await.unwrap();
+        assert_eq!(left, 0, "reset removes {bad:?}");
+    }
+    let stats = redis.stats();
+    assert_eq!(
+        stats.errors + stats.failed_open + stats.outages,
+        0,
+        "{stats:?}"
+    );
+}

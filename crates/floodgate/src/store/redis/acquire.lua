@@ -2,7 +2,9 @@
 -- KEYS[1]: the bucket. ARGV[2..5]: capacity, rate tokens, rate period (µs), cost.
 -- State: "tokens ts expires" (tokens with 17 significant digits, which round-trip every double;
 -- ts and expires in µs on the deciding clock). State whose expiry has passed on that clock reads
--- as missing, as in the memory store. Every operation mirrors bucket.rs in the same order.
+-- as missing, as in the memory store; so does a value floodgate never writes (not in that form,
+-- tokens not a number from 0 up, a time past 2^53), rather than failing the call
+-- (docs/redis.md, "Keys and state"). Every operation mirrors bucket.rs in the same order.
 -- Reply: {allowed, tokens left (as a string: Redis truncates numbers to integers), now}.
 local cap = tonumber(ARGV[2])
 local rate = tonumber(ARGV[3])
@@ -15,14 +17,14 @@ local at = now
 local v = redis.call('GET', KEYS[1])
 if v then
   local t, ts, expires = string.match(v, '^(%S+) (%d+) (%d+)$')
-  if tonumber(expires) > now then
-    ts = tonumber(ts)
+  t, ts, expires = tonumber(t), tonumber(ts), tonumber(expires)
+  if t and t >= 0 and t < math.huge and ts <= 9007199254740992 and expires > now then
     local elapsed = now - ts
     if elapsed < 0 then
       elapsed = 0
       at = ts
     end
-    tokens = math.min(cap, tonumber(t) + elapsed * rate / period)
+    tokens = math.min(cap, t + elapsed * rate / period)
   end
 end
 local allowed = 0

@@ -41,11 +41,14 @@ local function period_at(kind)
   if nm > 12 then ny, nm = y + 1, 1 end
   return string.format('%04d-%02d', y, m), days_from_civil(ny, nm, 1) * DAY
 end
--- A counter's total in the period `label` from its stored "label total" (false: none).
+-- A counter's total in the period `label` from its stored "label total" (false: none; so is a
+-- value floodgate never writes, not in that form or with a total past 2^53, period.rs MAX_TOTAL,
+-- which the reply could not carry: docs/redis.md, "Keys and state").
 local function total_in(stored, label)
   if stored then
     local l, t = string.match(stored, '^(%S+) (%d+)$')
-    if l == label then return tonumber(t) end
+    t = tonumber(t)
+    if l == label and t <= 9007199254740992 then return t end
   end
   return 0
 end
