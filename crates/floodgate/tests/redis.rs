@@ -3243,3 +3243,85 @@ async fn every_script_reads_state_it_cannot_parse_as_never_written() {
         "{stats:?}"
     );
 }
+
+/// A server running another client's long script answers every other call `BUSY` once the
+/// script has run past `busy-reply-threshold`: it cannot decide, as while it loads, so
+/// `on_error` decides until the script ends, and enforcement resumes then.
+#[tokio::test]
+async fn a_server_busy_with_a_script_is_an_outage_until_it_ends() {
+    let test = "a_server_busy_with_a_script_is_an_outage_until_it_ends";
+    let Some(_) = redis_url(test) else { return };
+    let Some(server) = Server::start(test) else {
+        return;
+    };
+    let url = server.url();
+    let cfg = |on_error| RedisConfig {
+        on_error,
+        probe_interval: Duration::from_millis(50),
+        ..config(&url)
+    };
+    let open = RedisStore::connect(cfg(OnError::Open)).await.unwrap();
+    let closed = RedisStore::connect(cfg(OnError::Closed)).await.unwrap();
+    let chain = Chain::new(vec![req("busy", ScopeKind::Key, 1000)]);
+    assert!(chain.admit(&open, 1).await.unwrap().enforced);
+    assert!(chain.admit(&closed, 1).await.unwrap().enforced);
+    let mut admin = raw(&url).await;
+    // (`busy-reply-threshold` since Redis 7; this name, its alias, works before.)
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "lua-time-limit", "50"])
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let mut looping = raw(&url).await;
+    let spin = tokio::spawn(async move {
+        let _: redis::RedisResult<()> = redis::cmd("EVAL")
+            .arg(&["while true do end", "0"])
+            .query_async(&mut looping)
+            .await;
+    });
+    let mut watch = raw(&url).await;
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let pong: redis::RedisResult<String> = redis::cmd("PING").query_async(&mut watch).await;
+        if matches!(&pong, Err(e) if e.code() == Some("BUSY")) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the server never got busy: {pong:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let during = chain.admit(&open, 1).await;
+    let refused = chain.admit(&closed, 1).await;
+    let _: () = redis::cmd("SCRIPT")
+        .arg("KILL")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    spin.await.unwrap();
+    assert!(
+        matches!(&during, Ok(d) if d.admitted && !d.enforced),
+        "a busy server fails open: {during:?}, {:?}",
+        open.stats()
+    );
+    assert!(
+        matches!(&refused, Err(Error::Unavailable(_))),
+        "a busy server fails closed: {refused:?}"
+    );
+    assert!(open.stats().breaker_open);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let d = chain.admit(&open, 1).await;
+        if matches!(&d, Ok(d) if d.enforced) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "enforcement did not resume: {d:?}, {:?}",
+            open.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(open.stats().outages, 1);
+}

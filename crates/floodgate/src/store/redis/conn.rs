@@ -274,6 +274,10 @@ fn classify(e: &RedisError) -> Class {
         Class::Unavailable
     } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
         Class::Dropped
+    } else if e.code() == Some("BUSY") {
+        // Another client's script has run past `busy-reply-threshold`: nothing else runs until
+        // it ends or is killed. Not an answer to this call, which did not run.
+        Class::Unavailable
     } else if matches!(
         e.kind(),
         ErrorKind::Server(
