@@ -2406,12 +2406,16 @@ async fn a_budget_read_fails_open_or_closed_and_a_spend_fails() {
 /// A TCP relay in front of a real Redis whose held connections can go silent, as a network
 /// path that drops packets without a reset does (a failed-over primary's old address, a NAT or
 /// firewall that lost its entry): what the client writes vanishes, and no reply, reset or
-/// close ever comes. Connections made after [`Relay::go_silent`] relay normally.
+/// close ever comes. Connections made after [`Relay::go_silent`] relay normally. It also stands
+/// for a name that a failover moves ([`Relay::retarget`]): connections made after that go to the
+/// new server, those held stay with the old one.
 struct Relay {
     addr: std::net::SocketAddr,
     silenced: tokio::sync::watch::Sender<u64>,
     /// Connections that have gone silent.
     silent: Arc<std::sync::atomic::AtomicUsize>,
+    /// The port new connections are relayed to.
+    target: Arc<std::sync::atomic::AtomicU16>,
 }
 
 impl Relay {
@@ -2421,10 +2425,13 @@ impl Relay {
         let (silenced, watch) = tokio::sync::watch::channel(0u64);
         let silent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = Arc::clone(&silent);
+        let target = Arc::new(std::sync::atomic::AtomicU16::new(target));
+        let to = Arc::clone(&target);
         tokio::spawn(async move {
             while let Ok((mut down, _)) = listener.accept().await {
                 let mut watch = watch.clone();
                 let counted = Arc::clone(&counted);
+                let target = to.load(std::sync::atomic::Ordering::SeqCst);
                 tokio::spawn(async move {
                     let mut up = tokio::net::TcpStream::connect(("127.0.0.1", target))
                         .await
@@ -2446,7 +2453,13 @@ impl Relay {
             addr,
             silenced,
             silent,
+            target,
         }
+    }
+
+    /// Relays the connections made from now on to `port`.
+    fn retarget(&self, port: u16) {
+        self.target.store(port, std::sync::atomic::Ordering::SeqCst);
     }
 
     /// Silences the connections held now, and returns once one of them has stopped relaying
@@ -3324,4 +3337,75 @@ async fn a_server_busy_with_a_script_is_an_outage_until_it_ends() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(open.stats().outages, 1);
+}
+
+/// A failover behind a name (here a relay whose new connections go to the new primary): the
+/// store's connection still goes to the old primary, now a replica, which answers PING but
+/// refuses every write (`READONLY`). The store must connect anew, and so follow the name to the
+/// new primary, rather than probe the old one and fail on it for good.
+#[tokio::test]
+async fn a_failover_behind_a_name_is_followed_to_the_new_primary() {
+    let test = "a_failover_behind_a_name_is_followed_to_the_new_primary";
+    let Some(_) = redis_url(test) else { return };
+    let (Some(old), Some(new)) = (Server::start(test), Server::start(test)) else {
+        return;
+    };
+    // One password for both, as a failover keeps it.
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "requirepass", &old.password])
+        .query_async(&mut raw(&new.url()).await)
+        .await
+        .unwrap();
+    let relay = Relay::start(old.port).await;
+    let store = RedisStore::connect(RedisConfig {
+        probe_interval: Duration::from_millis(50),
+        ..config(&format!("redis://:{}@{}/0", old.password, relay.addr))
+    })
+    .await
+    .unwrap();
+    let chain = Chain::new(vec![req("failover", ScopeKind::Key, 1000)]);
+    assert!(chain.admit(&store, 1).await.unwrap().enforced);
+
+    relay.retarget(new.port);
+    let mut demoted = raw(&old.url()).await;
+    let _: () = redis::cmd("CONFIG")
+        .arg(&["SET", "masterauth", &old.password])
+        .query_async(&mut demoted)
+        .await
+        .unwrap();
+    let _: () = redis::cmd("REPLICAOF")
+        .arg("127.0.0.1")
+        .arg(new.port)
+        .query_async(&mut demoted)
+        .await
+        .unwrap();
+    let during = chain.admit(&store, 1).await;
+    assert!(
+        matches!(&during, Ok(d) if d.admitted && !d.enforced),
+        "a read-only server fails open: {during:?}"
+    );
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let d = chain.admit(&store, 1).await;
+        if matches!(&d, Ok(d) if d.enforced) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "never reached the new primary: {d:?}, {:?}",
+            store.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(store.stats().outages, 1);
+    // The decision was the new primary's.
+    let on_new: bool = raw(&format!(
+        "redis://:{}@127.0.0.1:{}/0",
+        old.password, new.port
+    ))
+    .await
+    .exists(store.redis_key(chain.limits()[0].key()))
+    .await
+    .unwrap();
+    assert!(on_new);
 }

@@ -258,6 +258,11 @@ enum Class {
     Dropped,
     /// Redis is unreachable, too slow, or not serving (loading, failing over).
     Unavailable,
+    /// The server no longer takes writes: a replica (`READONLY`), or one whose primary is gone
+    /// (`MASTERDOWN`). Behind a name or a proxy that a failover moved to the new primary, the
+    /// connection still goes to the old one, which answers PING; only a new connection
+    /// (resolving the name anew) finds the new primary.
+    Demoted,
     /// The server refused the connection's handshake (the URL's password no longer accepted, its
     /// database refused): Redis is unavailable as configured. The connection manager keeps the
     /// refusal (it reconnects after an I/O error only) and answers every later call with it, so
@@ -274,6 +279,11 @@ fn classify(e: &RedisError) -> Class {
         Class::Unavailable
     } else if e.is_connection_dropped() || e.is_connection_refusal() || e.is_io_error() {
         Class::Dropped
+    } else if matches!(
+        e.kind(),
+        ErrorKind::Server(ServerErrorKind::MasterDown | ServerErrorKind::ReadOnly)
+    ) {
+        Class::Demoted
     } else if e.code() == Some("BUSY") {
         // Another client's script has run past `busy-reply-threshold`: nothing else runs until
         // it ends or is killed. Not an answer to this call, which did not run.
@@ -284,8 +294,6 @@ fn classify(e: &RedisError) -> Class {
             ServerErrorKind::BusyLoading
                 | ServerErrorKind::TryAgain
                 | ServerErrorKind::ClusterDown
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
                 // A cluster mid-change that `cluster_command` could not follow in time (the
                 // slot map not yet refreshed after a failover): not run, and not an answer.
                 | ServerErrorKind::Moved
@@ -331,20 +339,22 @@ impl Inner {
     /// reconnects only on an error, and a connection whose path went silent (a failed-over
     /// primary's old address, a NAT or firewall that dropped its entry: no reset, no reply)
     /// yields none until TCP gives up on it, many minutes later; every probe on it would time
-    /// out meanwhile and the breaker would stay open with Redis healthy. Calls still in flight
-    /// on the old connection end with their own deadlines. Only the connection of generation
-    /// `timed_out` is replaced: the other calls that timed out on it with the first find it
-    /// replaced already.
-    pub(super) fn fresh_connection(&self, timed_out: u64) {
+    /// out meanwhile and the breaker would stay open with Redis healthy. So too after a refused
+    /// handshake ([`Class::Refused`]), a server that no longer takes writes ([`Class::Demoted`])
+    /// and any failed probe: a connection that cannot recover by itself (docs/redis.md,
+    /// "Connections, replay and failures"). Calls still in flight on the old connection end with
+    /// their own deadlines. Only the connection of generation `stale` is replaced: the other
+    /// calls that failed on it with the first find it replaced already.
+    pub(super) fn fresh_connection(&self, stale: u64) {
         let mut current = self
             .conn
             .write()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if current.0 != timed_out {
+        if current.0 != stale {
             return;
         }
         match self.maker.lazy() {
-            Ok(conn) => *current = (timed_out + 1, conn),
+            Ok(conn) => *current = (stale + 1, conn),
             // Not reached with a client that made the first connection; the old one stays.
             Err(e) => tracing::debug!(error = %e, "floodgate: cannot make a new Redis connection"),
         }
@@ -498,6 +508,16 @@ impl Inner {
                 }
                 Class::Dropped | Class::Unavailable => {
                     let why = format!("{}: {err}", op.name);
+                    self.trip(&why);
+                    return Err((Failure::Unavailable(why), false));
+                }
+                Class::Demoted => {
+                    // On one server, the probe asks over a new connection. A cluster's client
+                    // refreshes its slot map after a READONLY itself.
+                    let why = format!("{}: {err}", op.name);
+                    if matches!(self.maker, Maker::Single(..)) {
+                        self.fresh_connection(generation);
+                    }
                     self.trip(&why);
                     return Err((Failure::Unavailable(why), false));
                 }
