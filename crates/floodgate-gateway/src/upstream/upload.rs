@@ -2,7 +2,7 @@
 //! (`client_body_timeout`, `proxy_read_timeout`): the caller must hand over each piece within
 //! `[server] header_timeout_sec` of the last, and the upstream's `[upstream] timeout_sec` to
 //! answer counts from the upload's last progress, not from its start, since an upstream cannot
-//! answer a request before it has it (docs/gateway.md, "Errors and what they charge").
+//! answer a request before it has it (docs/gateway.md, "Choices made where the design is silent").
 
 use std::future::Future;
 use std::pin::{Pin, pin};
