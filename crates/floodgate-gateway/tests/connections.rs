@@ -503,3 +503,32 @@ async fn a_caller_that_stops_reading_is_cut_off() {
     );
     drop(conn);
 }
+
+/// An answer with a transfer coding besides `chunked` (`gzip, chunked`, which the gateway never
+/// offers): hyper takes off the chunks and leaves the gzip, which, the header being hop-by-hop,
+/// would reach the caller unmarked (and unmetered). A 502 instead, charged as any.
+#[tokio::test]
+async fn an_upstream_answer_with_another_transfer_coding_is_a_502() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let up = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut conn, _) = listener.accept().await.unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).await;
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+              transfer-encoding: gzip, chunked\r\n\r\n3\r\n\x1f\x8b\x08\r\n0\r\n\r\n",
+        )
+        .await
+        .unwrap();
+        // Held open: the answer, not a closed connection, is what the gateway judges.
+        let _ = conn.read(&mut buf).await;
+    });
+    let gw = gateway(STREAMING, &format!("http://{up}")).await;
+    let r = gw
+        .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))
+        .await;
+    assert_eq!(r.status, 502, "{}", r.text());
+    assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
+    assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
+}

@@ -223,6 +223,14 @@ impl Upstream {
                     Some(Ok(resp)) => resp,
                 };
                 let (mut parts, body) = resp.into_parts();
+                if !chunked_at_most(&parts.headers) {
+                    // hyper takes off the chunked framing and leaves the rest (`gzip, chunked`):
+                    // passed on without the header (hop-by-hop), the caller would read coded
+                    // bytes as the answer, and metering would find no usage in them.
+                    return Err(AppError::UpstreamUnavailable(
+                        "the upstream answered with a transfer coding other than chunked".into(),
+                    ));
+                }
                 strip_hop_by_hop(&mut parts.headers);
                 if self.own_key() {
                     if parts.status == StatusCode::UNAUTHORIZED {
@@ -439,6 +447,18 @@ fn strip_session_cookie(headers: &mut HeaderMap) {
     for v in kept {
         headers.append(header::COOKIE, v);
     }
+}
+
+/// Whether `headers` frame a message with no transfer coding, or with `chunked` alone (which
+/// hyper takes off): the only framings the gateway can pass on, re-framed, as they came. The
+/// gateway never offers others (it sends no `TE`), so another is the upstream's mistake.
+fn chunked_at_most(headers: &HeaderMap) -> bool {
+    !headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+            .all(|t| t.trim_ascii().eq_ignore_ascii_case(b"chunked"))
 }
 
 fn strip_hop_by_hop(headers: &mut HeaderMap) {
