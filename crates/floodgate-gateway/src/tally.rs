@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use chrono::{Local, NaiveDate, Timelike};
+use chrono::{Local, NaiveDate};
 use serde::{Deserialize, Serialize};
 
 use crate::config::{Backend, Config};
@@ -295,8 +295,14 @@ impl Tally {
     /// (file or Redis). A failed save is logged and retried at the next flush: the counts stay
     /// in memory until then.
     pub async fn flush(&self) {
+        self.flush_as(today()).await;
+    }
+
+    /// [`flush`](Self::flush), counting what is collected as `day`'s: at midnight, the day that
+    /// has just ended.
+    async fn flush_as(&self, day: NaiveDate) {
         let _one = self.flushing.lock().await;
-        self.collect(today());
+        self.collect(day);
         self.save().await;
     }
 
@@ -436,17 +442,19 @@ impl Tally {
         }
     }
 
-    /// Flushes every `[alerts] flush_sec`, and just before each local midnight, until `stop`
-    /// resolves; the final flush is the caller's, after the workers have drained.
+    /// Flushes every `[alerts] flush_sec`, and at each local midnight, until `stop` resolves;
+    /// the final flush is the caller's, after the workers have drained. The flush at midnight
+    /// counts what it collects as the day that has just ended: the refusals of its last moments
+    /// stay on it (those of the few milliseconds the timer wakes late go with them).
     pub async fn flush_until(self: Arc<Self>, stop: impl std::future::Future<Output = ()>) {
         let mut stop = std::pin::pin!(stop);
         loop {
-            let wait = self.flush_every.min(until_day_ends(Local::now().time()));
+            let (wait, ending) = next_flush(Local::now().naive_local(), self.flush_every);
             tokio::select! {
                 () = tokio::time::sleep(wait) => {}
                 () = &mut stop => return,
             }
-            self.flush().await;
+            self.flush_as(ending.unwrap_or_else(today)).await;
         }
     }
 
@@ -562,11 +570,21 @@ fn today() -> NaiveDate {
     Local::now().date_naive()
 }
 
-/// How long until just before the local day that `now` is in ends (a second before midnight,
-/// at least a second from now).
-fn until_day_ends(now: chrono::NaiveTime) -> Duration {
-    let left = 86_400u64.saturating_sub(u64::from(now.num_seconds_from_midnight()));
-    Duration::from_secs(left.saturating_sub(1).max(1))
+/// When the flusher next flushes, from local time `now`, flushing `every`: after `every`, or at
+/// the next midnight if that comes first, then with the day that ends there.
+fn next_flush(now: chrono::NaiveDateTime, every: Duration) -> (Duration, Option<NaiveDate>) {
+    let midnight = now
+        .date()
+        .succ_opt()
+        .map(|d| d.and_time(chrono::NaiveTime::MIN));
+    let left = midnight
+        .and_then(|m| (m - now).to_std().ok())
+        .unwrap_or(Duration::MAX);
+    if left <= every {
+        (left, Some(now.date()))
+    } else {
+        (every, None)
+    }
 }
 
 fn read_file(path: &Path) -> Result<Days, String> {
@@ -962,11 +980,24 @@ mod tests {
         assert!(e.contains("Redis"), "{e}");
     }
 
+    /// The flusher wakes at midnight, not before, and counts that flush as the day that ended:
+    /// the refusals of the day's last second stay on it (before, it flushed a second early and
+    /// dated them the next day).
     #[test]
-    fn the_flusher_wakes_before_midnight() {
-        let t = |h, m, s| chrono::NaiveTime::from_hms_opt(h, m, s).unwrap();
-        assert_eq!(until_day_ends(t(0, 0, 0)), Duration::from_secs(86_399));
-        assert_eq!(until_day_ends(t(23, 59, 0)), Duration::from_secs(59));
-        assert_eq!(until_day_ends(t(23, 59, 59)), Duration::from_secs(1));
+    fn the_flusher_flushes_at_midnight_as_the_day_that_ended() {
+        let day = NaiveDate::from_ymd_opt(2026, 12, 1).unwrap();
+        let at = |h, m, s, ms| day.and_hms_milli_opt(h, m, s, ms).unwrap();
+        let minute = Duration::from_secs(60);
+        assert_eq!(next_flush(at(12, 0, 0, 0), minute), (minute, None));
+        assert_eq!(
+            next_flush(at(23, 59, 0, 0), minute),
+            (minute, Some(day)),
+            "a flush due at midnight is midnight's"
+        );
+        assert_eq!(
+            next_flush(at(23, 59, 59, 200), minute),
+            (Duration::from_millis(800), Some(day))
+        );
+        assert_eq!(next_flush(at(0, 0, 0, 0), minute), (minute, None));
     }
 }
