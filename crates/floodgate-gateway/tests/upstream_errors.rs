@@ -256,7 +256,8 @@ async fn a_get_whose_answer_cannot_be_parsed_is_not_sent_again() {
 }
 
 /// An upstream that records each request's headers and answers with OpenAI's account headers;
-/// `/v1/refused` answers 401 with a body naming part of the key, as OpenAI's does.
+/// `/v1/refused` (or a request with `x-refuse`) answers 401 with a body naming part of the key,
+/// as OpenAI's does.
 async fn account_upstream() -> (String, Arc<std::sync::Mutex<Vec<axum::http::HeaderMap>>>) {
     let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
     let record = Arc::clone(&seen);
@@ -264,11 +265,9 @@ async fn account_upstream() -> (String, Arc<std::sync::Mutex<Vec<axum::http::Hea
         let record = Arc::clone(&record);
         async move {
             record.lock().unwrap().push(req.headers().clone());
-            let status = if req.uri().path() == "/v1/refused" {
-                401
-            } else {
-                200
-            };
+            let refused =
+                req.uri().path() == "/v1/refused" || req.headers().contains_key("x-refuse");
+            let status = if refused { 401 } else { 200 };
             axum::http::Response::builder()
                 .status(status)
                 .header("openai-organization", "org-owner")
@@ -331,4 +330,27 @@ async fn with_the_gateways_own_key_the_account_is_the_gateways() {
         .send(gw.request("GET", "/v1/refused", Some("sk-k"), ""))
         .await;
     assert_eq!(r.status, 401);
+}
+
+/// A realtime handshake the upstream refuses with a 401 under the gateway's own key is the
+/// gateway's key refused, as for any request: a 502, the upstream's body (part of the key)
+/// not shown.
+#[tokio::test]
+async fn a_realtime_handshake_refusing_the_gateways_key_is_a_502() {
+    let (url, _) = account_upstream().await;
+    let own = CONFIG.replace(
+        "timeout_sec = 1",
+        "timeout_sec = 1\napi_key_env = \"CARGO_PKG_NAME\"",
+    );
+    let gw = gateway(&own, &url).await;
+    let mut tcp = tokio::net::TcpStream::connect(gw.addr).await.unwrap();
+    let head = "GET /v1/realtime?model=m HTTP/1.1\r\nhost: x\r\nauthorization: Bearer sk-k\r\n\
+                connection: Upgrade\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\n\
+                sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\nx-refuse: 1\r\n\r\n";
+    tcp.write_all(head.as_bytes()).await.unwrap();
+    let mut got = vec![0u8; 4096];
+    let n = tcp.read(&mut got).await.unwrap();
+    let text = String::from_utf8_lossy(&got[..n]).into_owned();
+    assert!(text.starts_with("HTTP/1.1 502"), "{text}");
+    assert!(!text.contains("flood"), "{text}");
 }

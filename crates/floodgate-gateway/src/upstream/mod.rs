@@ -232,24 +232,27 @@ impl Upstream {
                     ));
                 }
                 strip_hop_by_hop(&mut parts.headers);
-                if self.own_key() {
-                    if parts.status == StatusCode::UNAUTHORIZED {
-                        // The gateway's key, not the caller's, was refused: the caller can do
-                        // nothing about it, and the upstream's answer may show part of the key.
-                        return Err(AppError::UpstreamUnavailable(
-                            "the upstream refused the gateway's API key (401)".into(),
-                        ));
-                    }
-                    strip_account(&mut parts.headers);
-                }
+                self.own_account(parts.status, &mut parts.headers)?;
                 Ok(Response::from_parts(parts, body))
             }
         }
     }
 
-    /// Whether requests go out with the gateway's own upstream key (`api_key_env`).
-    fn own_key(&self) -> bool {
-        matches!(&self.target, Target::Http { auth: Some(_), .. })
+    /// An answer to a request sent with the gateway's own upstream key (`api_key_env`), a
+    /// realtime handshake's included: the account's names taken off, and a 401 (the gateway's
+    /// key refused, not the caller's: the caller can do nothing about it, and the upstream's
+    /// answer may show part of the key) an error. Other answers pass as they are.
+    fn own_account(&self, status: StatusCode, headers: &mut HeaderMap) -> Result<(), AppError> {
+        if !matches!(&self.target, Target::Http { auth: Some(_), .. }) {
+            return Ok(());
+        }
+        if status == StatusCode::UNAUTHORIZED {
+            return Err(AppError::UpstreamUnavailable(
+                "the upstream refused the gateway's API key (401)".into(),
+            ));
+        }
+        strip_account(headers);
+        Ok(())
     }
 
     /// Whether a request for `uri` can be forwarded: its path and query behind the base URL's
@@ -343,9 +346,7 @@ impl Upstream {
             Ok(Ok(resp)) => resp,
         };
         strip_hop_by_hop(resp.headers_mut());
-        if self.own_key() {
-            strip_account(resp.headers_mut());
-        }
+        self.own_account(resp.status(), resp.headers_mut())?;
         Ok(resp)
     }
 }
