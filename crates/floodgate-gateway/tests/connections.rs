@@ -532,3 +532,29 @@ async fn an_upstream_answer_with_another_transfer_coding_is_a_502() {
     assert_eq!(r.json()["error"]["code"], "upstream_unavailable");
     assert_eq!(r.header("x-ratelimit-remaining"), Some("99"));
 }
+
+/// A caller pausing mid-upload (1.5 s, within `header_timeout_sec` of 3 s) is no upstream
+/// timeout, however short `timeout_sec` (1 s) is: the upstream cannot answer before it has the
+/// request, and the wait is the caller's, which the upload's own timer bounds.
+#[tokio::test]
+async fn a_pause_mid_upload_is_no_upstream_timeout() {
+    let up = fake_upstream().await;
+    let config = STREAMING.replace("header_timeout_sec = 1", "header_timeout_sec = 3");
+    let gw = gateway(&config, &up.url()).await;
+    let body = CHAT.as_bytes();
+    let mut conn = TcpStream::connect(gw.addr).await.unwrap();
+    let framing = format!("content-length: {}", body.len());
+    conn.write_all(upload_head(&framing).as_bytes())
+        .await
+        .unwrap();
+    let (first, rest) = body.split_at(body.len() / 2);
+    conn.write_all(first).await.unwrap();
+    // The caller's pace, not a wait for the gateway.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    conn.write_all(rest).await.unwrap();
+    let mut got = vec![0u8; 4096];
+    let n = conn.read(&mut got).await.unwrap();
+    let got = String::from_utf8_lossy(&got[..n]).into_owned();
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(upstream_errors(&gw), "0");
+}

@@ -7,7 +7,7 @@
 use std::future::Future;
 use std::pin::{Pin, pin};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -16,13 +16,17 @@ use bytes::Bytes;
 use http_body::{Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-/// When an upload last made progress: its last piece handed to the connection, or its end.
-/// Shared by the body (which the connection polls) and the wait for the answer.
+/// When an upload last made progress (its last piece handed to the connection, or its end),
+/// and whether the connection waits for the caller's next piece now. Shared by the body (which
+/// the connection polls) and the wait for the answer.
 #[derive(Debug)]
 pub(super) struct Progress {
     start: Instant,
     /// Nanoseconds from `start` to the last progress.
     last: AtomicU64,
+    /// Whether the connection is waiting for the caller's next piece: the caller's time, which
+    /// the upload's own timer bounds, not the upstream's.
+    waiting: AtomicBool,
 }
 
 impl Progress {
@@ -31,6 +35,7 @@ impl Progress {
         Progress {
             start: Instant::now(),
             last: AtomicU64::new(0),
+            waiting: AtomicBool::new(false),
         }
     }
 
@@ -103,10 +108,12 @@ impl http_body::Body for Upload {
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
                 this.armed = false;
+                this.progress.waiting.store(false, Ordering::Relaxed);
                 this.progress.mark();
                 Poll::Ready(frame)
             }
             Poll::Pending => {
+                this.progress.waiting.store(true, Ordering::Relaxed);
                 let deadline = Instant::now() + this.idle;
                 let timer = this
                     .timer
@@ -133,19 +140,27 @@ impl http_body::Body for Upload {
 }
 
 /// `send`'s output, or `None` once `timeout` has passed since the upload's last progress with
-/// no answer.
+/// no answer. A wait for the caller's next piece is not the upstream's: the upload's own timer
+/// ends it (a caller pausing mid-upload for less than `header_timeout_sec` is no upstream
+/// timeout, however short `timeout_sec` is).
 pub(super) async fn answered_within<F: Future>(
     send: F,
     timeout: Duration,
     progress: &Progress,
 ) -> Option<F::Output> {
     let mut send = pin!(send);
+    let mut deadline = progress.last() + timeout;
     loop {
-        let deadline = progress.last() + timeout;
-        match tokio::time::timeout_at(deadline, &mut send).await {
-            Ok(out) => return Some(out),
-            Err(_) if progress.last() + timeout <= Instant::now() => return None,
-            Err(_) => {}
+        if let Ok(out) = tokio::time::timeout_at(deadline, &mut send).await {
+            return Some(out);
+        }
+        let now = Instant::now();
+        if progress.waiting.load(Ordering::Relaxed) {
+            deadline = now + timeout;
+        } else if progress.last() + timeout <= now {
+            return None;
+        } else {
+            deadline = progress.last() + timeout;
         }
     }
 }
