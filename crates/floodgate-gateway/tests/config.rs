@@ -482,7 +482,7 @@ fn an_upstream_key_variable_that_is_set_but_empty_stops_serve() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&check.stdout);
     assert!(
-        stdout.contains("$FLOODGATE_TEST_EMPTY_KEY (EMPTY"),
+        stdout.contains("$FLOODGATE_TEST_EMPTY_KEY (REFUSED") && stdout.contains("is empty"),
         "{stdout}"
     );
     let mut serve = Command::new(env!("CARGO_BIN_EXE_floodgate"))
