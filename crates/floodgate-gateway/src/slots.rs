@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use axum::body::Body;
+use axum::http::{Method, StatusCode};
 use bytes::Bytes;
 use floodgate::{Chain, Lease};
 use http_body::{Body as _, Frame, SizeHint};
@@ -102,6 +103,31 @@ impl Drop for Releasing {
             // they lapse at their lease's end; the memory store ends with the process.
             now_or_in_a_task(release);
         }
+    }
+}
+
+/// Whether an answer of `status` to a request of `method`, with `body`, has no body to send:
+/// hyper then drops the body without polling it (`HEAD`, 1xx, 204, 304, a length of 0), so its
+/// end cannot wait for the slots ([`HoldingBody`]).
+pub fn bodiless(method: &Method, status: StatusCode, body: &Body) -> bool {
+    method == Method::HEAD
+        || status.is_informational()
+        || matches!(status, StatusCode::NO_CONTENT | StatusCode::NOT_MODIFIED)
+        || body.is_end_stream()
+        || body.size_hint().exact() == Some(0)
+}
+
+/// `body`, holding `slots` until its caller has it ([`HoldingBody`]); an answer with nothing to
+/// send ([`bodiless`]) gives them back first, so that it too reaches its caller only once they
+/// are free.
+pub async fn held_until_sent(body: Body, slots: Option<Slots>, bodiless: bool) -> Body {
+    match slots {
+        None => body,
+        Some(slots) if bodiless => {
+            slots.give_back().await;
+            body
+        }
+        Some(slots) => Body::new(HoldingBody::new(body, slots)),
     }
 }
 

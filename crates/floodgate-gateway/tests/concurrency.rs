@@ -1028,8 +1028,8 @@ async fn send_raw(gw: &Gateway, head: &str) -> tokio::net::TcpStream {
 /// back. On Redis the release goes out after the body's last byte has been read from upstream,
 /// and a holder keeps it from landing until the test has looked: the caller has not seen the end
 /// meanwhile. For an answer of known length (its last byte is its end), for a stream (its end
-/// is the chunked body's last chunk), and for the gateway's own 502 when the upstream cannot be
-/// reached.
+/// is the chunked body's last chunk), for an answer with no body (to a `HEAD`: its head is its
+/// end), and for the gateway's own 502 when the upstream cannot be reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_ends_for_its_caller_only_once_its_slot_is_back() {
     let (gate, url) = Gate::serve().await;
@@ -1060,6 +1060,16 @@ async fn an_answer_ends_for_its_caller_only_once_its_slot_is_back() {
             gate.open(1);
             ends_once_the_slot_is_back(&gw, holder, &mut conn, &mut seen, chunked_whole).await;
             assert!(String::from_utf8_lossy(&seen).contains("[DONE]"));
+            // An answer with no body to send (to a HEAD): hyper never asks for its body, so
+            // its head alone must wait for the slot.
+            if let Some(holder) = holder {
+                holder.arm();
+            }
+            let mut conn = send_raw(&gw, &models.replacen("GET", "HEAD", 1)).await;
+            let mut seen = Vec::new();
+            let head_only = |s: &str| s.contains("\r\n\r\n");
+            ends_once_the_slot_is_back(&gw, holder, &mut conn, &mut seen, head_only).await;
+            assert!(String::from_utf8_lossy(&seen).starts_with("HTTP/1.1 200"));
         }
         gw.settled().await;
         // The upstream unreachable: the gateway's own answer.

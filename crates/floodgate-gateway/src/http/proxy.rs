@@ -17,7 +17,7 @@ use crate::metering::{Meter, MeteredBody, Spend};
 use crate::openai::realtime::is_realtime;
 use crate::openai::sse::AnswerEnd;
 use crate::openai::usage::TokenUsage;
-use crate::slots::HoldingBody;
+use crate::slots::{self, held_until_sent};
 
 /// Answers a request for `/v1/...`.
 pub(super) async fn proxy(state: AppState, req: Request) -> Response {
@@ -109,6 +109,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     let gone = ctx.caller_gone(&admitted);
     let asked = Instant::now();
     let upload_idle = streamed.then(|| ctx.state.header_timeout());
+    let method = parts.method.clone();
     let sent = ctx
         .live
         .upstream
@@ -164,14 +165,11 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     // The request holds its concurrency slots until its body is sent whole or dropped (the
     // caller gone); a metered body read on after its caller left holds none.
     let slots = admitted.take_slots();
-    let held = |body: Body| match slots {
-        Some(slots) => Body::new(HoldingBody::new(body, slots)),
-        None => body,
-    };
+    let bodiless = slots.is_some() && slots::bodiless(&method, head.status, &body);
     if matches!(meter, Meter::None) && !access_log::enabled() {
         // Nothing to read and no line to write when the body ends (the request log is off):
         // the upstream body goes out as it is, without a wrapper.
-        return Response::from_parts(head, held(body));
+        return Response::from_parts(head, held_until_sent(body, slots, bodiless).await);
     }
     let line = ctx.pending_line(head.status, &admitted);
     // With the enforced budgets reserved on, the spend reconciles them, and is added as usual
@@ -188,7 +186,10 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
     });
     let charge = (ctx.state.charges(), ctx.chain, admitted.reservation);
     let body = MeteredBody::new(body, meter, charge, spend, line);
-    Response::from_parts(head, held(Body::new(body)))
+    Response::from_parts(
+        head,
+        held_until_sent(Body::new(body), slots, bodiless).await,
+    )
 }
 
 /// A `Content-Type` value's media type, without its parameters (`; charset=...`) and the

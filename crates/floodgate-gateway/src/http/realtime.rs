@@ -35,7 +35,7 @@ use crate::error::AppError;
 use crate::openai::realtime::{ambiguous_model, query_model};
 use crate::openai::request::Estimate;
 use crate::realtime::{FULL_RETRY_AFTER, SessionMeter, SessionSpend};
-use crate::slots::HoldingBody;
+use crate::slots::{self, held_until_sent};
 
 /// Why a WebSocket upgrade request cannot be forwarded as one, if it cannot: the upstream would
 /// refuse it, the session could never start, or the gateway could price it by another model than
@@ -165,11 +165,10 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         ctx.log(resp.status(), admitted.log_as);
         let (mut head, body) = resp.into_parts();
         admitted.apply_headers(&mut head.headers, &ctx);
-        let body = match admitted.take_slots() {
-            Some(slots) => Body::new(HoldingBody::new(Body::new(body), slots)),
-            None => Body::new(body),
-        };
-        return Response::from_parts(head, body);
+        let body = Body::new(body);
+        let slots = admitted.take_slots();
+        let bodiless = slots.is_some() && slots::bodiless(&Method::GET, head.status, &body);
+        return Response::from_parts(head, held_until_sent(body, slots, bodiless).await);
     }
     let upstream_upgrade = hyper::upgrade::on(&mut resp);
     let (mut head, _) = resp.into_parts();
