@@ -235,7 +235,15 @@ impl Tally {
                 read_file(path)?;
                 Keep::File(path.clone())
             }
-            _ => Keep::Memory,
+            _ => {
+                // Said at start: an operator who expects the alerts to outlive a restart learns
+                // where to keep them before they are lost (the quick start's config sets one).
+                tracing::warn!(
+                    "the refusal tally is kept in memory only: a restart loses it; set \
+                     [alerts] path to keep it in a file"
+                );
+                Keep::Memory
+            }
         };
         Ok(Tally::with(config, keep))
     }
@@ -383,16 +391,19 @@ impl Tally {
                 // file or still pending, never in both or neither. Only a flush adds to
                 // `pending`, and flushes take turns: all of it is written now.
                 let oldest = oldest_kept(today(), self.retention_days);
-                let added = add_to_file(path, &pending, &oldest).and_then(|(_lock, tmp)| {
+                // Through a symbolic link (to a volume, say), the file it names is replaced,
+                // not the link.
+                let file = linked(path);
+                let added = add_to_file(path, &file, &pending, &oldest).and_then(|(_lock, tmp)| {
                     let mut pending = lock(&self.aggregate);
-                    std::fs::rename(&tmp, path)
+                    std::fs::rename(&tmp, &file)
                         .map_err(|e| format!("cannot write {}: {e}", path.display()))?;
                     pending.clear();
                     Ok(())
                 });
                 match added {
                     Ok(()) => {
-                        sync_dir(path);
+                        sync_dir(&file);
                         true
                     }
                     Err(e) => {
@@ -611,13 +622,26 @@ fn read_file(path: &Path) -> Result<Days, String> {
             file.version
         ));
     }
-    if let Some(day) = file.days.keys().find(|d| d.parse::<NaiveDate>().is_err()) {
+    // Written as this gateway writes it (`2026-01-05`, not `2026-1-5`): days are compared as
+    // text, for retention and for the chart.
+    let canonical = |d: &str| d.parse::<NaiveDate>().is_ok_and(|p| p.to_string() == d);
+    if let Some(day) = file.days.keys().find(|d| !canonical(d)) {
         return Err(format!(
             "the refusal tally {} has `{day}`, which is not a date (YYYY-MM-DD): fix or remove it",
             path.display()
         ));
     }
     Ok(file.days)
+}
+
+/// The file `path` names: `path` itself, or the one a symbolic link there points to (which
+/// need not exist yet).
+fn linked(path: &Path) -> PathBuf {
+    match std::fs::read_link(path) {
+        Ok(to) if to.is_relative() => path.parent().map_or(to.clone(), |dir| dir.join(&to)),
+        Ok(to) => to,
+        Err(_) => path.to_path_buf(),
+    }
 }
 
 /// `path` with `suffix` added to its file name.
@@ -685,11 +709,13 @@ fn take_file_lock(path: &Path, wait: Duration) -> Result<std::fs::File, String> 
 }
 
 /// Adds `pending` to the tally in `path` and drops its days before `oldest`, into a new file
-/// beside it (synced), under the exclusive lock on `<path>.lock`: returns the lock and the new
-/// file, which the caller renames over `path` before it lets the lock go. Every process that
+/// beside `file` (synced; `path` itself, or the file a link at `path` names), under the
+/// exclusive lock on `<path>.lock`: returns the lock and the new file, which the caller renames
+/// over `file` before it lets the lock go. Every process that
 /// names the file adds to it, none overwrites another's counts.
 fn add_to_file(
     path: &Path,
+    file: &Path,
     pending: &Days,
     oldest: &str,
 ) -> Result<(std::fs::File, PathBuf), String> {
@@ -698,7 +724,7 @@ fn add_to_file(
     add(&mut days, pending);
     days.retain(|d, _| d.as_str() >= oldest);
     let tmp =
-        write_tmp(path, &days).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
+        write_tmp(file, &days).map_err(|e| format!("cannot write {}: {e}", path.display()))?;
     Ok((lock, tmp))
 }
 
@@ -713,6 +739,10 @@ fn write_tmp(path: &Path, days: &Days) -> std::io::Result<PathBuf> {
     let text = serde_json::to_vec_pretty(&file).map_err(std::io::Error::other)?;
     let tmp = beside(path, ".tmp");
     let mut out = std::fs::File::create(&tmp)?;
+    // The tally's mode as the operator left it (it names tenants' keys: `chmod 600` stays).
+    if let Ok(meta) = std::fs::metadata(path) {
+        out.set_permissions(meta.permissions())?;
+    }
     out.write_all(&text)?;
     out.sync_all()?;
     Ok(tmp)
@@ -721,9 +751,12 @@ fn write_tmp(path: &Path, days: &Days) -> std::io::Result<PathBuf> {
 /// Syncs the directory of `path`: a rename into it is durable once the directory is. (A
 /// failure leaves the new tally in place, so it is not one.)
 fn sync_dir(path: &Path) {
-    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty())
-        && let Ok(d) = std::fs::File::open(dir)
-    {
+    // A bare file name's directory is the current one.
+    let dir = match path.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    if let Ok(d) = std::fs::File::open(dir) {
         let _ = d.sync_all();
     }
 }
@@ -978,6 +1011,54 @@ mod tests {
         assert_eq!(lock(&tally.aggregate)[&today().to_string()]["key:bob"], 2);
         let e = tally.alerts().await.unwrap_err();
         assert!(e.contains("Redis"), "{e}");
+    }
+
+    /// The file as the operator set it up stays so across flushes: its mode (`chmod 600`: it
+    /// names tenants' keys), and a symbolic link to it (onto a volume, say), whose file is
+    /// written, not the link replaced. Before, each flush put a new file in place, with the
+    /// default mode, over the link itself.
+    #[tokio::test]
+    async fn a_flush_keeps_the_files_mode_and_writes_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("floodgate-tally-fs-{}", std::process::id()));
+        let volume = dir.join("volume");
+        std::fs::create_dir_all(&volume).unwrap();
+        let path = dir.join("tally.json");
+        // A link to a file not there yet, relative to the link's directory.
+        std::os::unix::fs::symlink("volume/tally.json", &path).unwrap();
+        let tally = Tally::open(&config(Some(path.clone()), 90)).unwrap();
+        let w = tally.worker();
+        w.refused(Subject::Key(0));
+        flush_on(&tally, today()).await;
+        let real = volume.join("tally.json");
+        std::fs::set_permissions(&real, std::fs::Permissions::from_mode(0o600)).unwrap();
+        w.refused(Subject::Key(0));
+        flush_on(&tally, today()).await;
+        let link = std::fs::symlink_metadata(&path)
+            .unwrap()
+            .file_type()
+            .is_symlink();
+        let mode = std::fs::metadata(&real).unwrap().permissions().mode() & 0o777;
+        let days = read_file(&real).unwrap();
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert!(link, "the link was replaced by a file");
+        assert_eq!(mode, 0o600, "the mode was reset: {mode:o}");
+        assert_eq!(days[&today().to_string()]["key:alice"], 2);
+    }
+
+    /// A day written otherwise than as the gateway writes it (`2026-1-5`) is refused at read,
+    /// as a day that is not a date is: days are compared as text, for retention and the chart.
+    #[test]
+    fn a_day_not_written_yyyy_mm_dd_is_refused() {
+        let dir = std::env::temp_dir().join(format!("floodgate-tally-day-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("tally.json");
+        let text = r#"{"version": 1, "days": {"2026-1-5": {"key:alice": 2}}}"#;
+        std::fs::write(&path, text).unwrap();
+        let read = read_file(&path);
+        std::fs::remove_dir_all(&dir).unwrap();
+        let e = read.expect_err("2026-1-5 read as a day");
+        assert!(e.contains("`2026-1-5`"), "{e}");
     }
 
     /// The flusher wakes at midnight, not before, and counts that flush as the day that ended:
