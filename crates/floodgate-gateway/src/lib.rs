@@ -48,6 +48,7 @@ pub mod reload;
 pub mod report;
 #[cfg(feature = "rls")]
 pub mod rls;
+mod send_timed;
 pub mod server;
 mod slots;
 pub mod startup;

@@ -75,7 +75,12 @@ async fn setup(store: &str, upstream: &str) -> Setup {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let admin = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
-    tokio::spawn(admin::run(listener, admin, std::future::pending()));
+    tokio::spawn(admin::run(
+        listener,
+        admin,
+        c.header_timeout,
+        std::future::pending(),
+    ));
     Setup {
         gw: gateway_with(state).await,
         admin: addr,
@@ -679,7 +684,12 @@ async fn alerts_by_pages_at_ten_thousand_keys() {
     let admin = listener.local_addr().unwrap();
     let process = Process::new(&c, tally);
     let admin_listener = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
-    tokio::spawn(admin::run(listener, admin_listener, std::future::pending()));
+    tokio::spawn(admin::run(
+        listener,
+        admin_listener,
+        c.header_timeout,
+        std::future::pending(),
+    ));
     let client = Client::builder(TokioExecutor::new()).build_http();
     let bearer = [("authorization", "Bearer sk-ops-secret")];
     let get = |path: String| {
@@ -802,4 +812,57 @@ async fn a_right_bearer_is_answered_at_once_while_another_peer_guesses() {
     // From the guesser's own address, the right secret is one more attempt in its queue.
     let (status, _) = send(&guesser, "GET", &usage, &right, "").await;
     assert_eq!(status, 429);
+}
+
+/// The admin listener is timed as the callers' port is: a request head that never comes is cut
+/// off after `[server] header_timeout_sec` (1 s here), so that a client, with no credentials,
+/// cannot hold its connections (and the process's files) for good.
+#[tokio::test]
+async fn a_slow_head_is_cut_off_on_the_admin_listener_too() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let text = CONFIG
+        .replace("{store}", "")
+        .replace("[admin]", "[server]\nheader_timeout_sec = 1\n[admin]");
+    let c = config(&text, "http://127.0.0.1:9");
+    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
+    let process = Process::new(&c, Arc::new(Tally::in_memory(&c)));
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let admin = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
+    tokio::spawn(admin::run(
+        listener,
+        admin,
+        c.header_timeout,
+        std::future::pending(),
+    ));
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
+        .await
+        .unwrap();
+    let start = Instant::now();
+    let mut buf = [0u8; 1024];
+    let closed = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while conn.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the admin listener held a head that never came for 10 s"
+    );
+    assert!(start.elapsed() >= std::time::Duration::from_millis(900));
+    // A sign-in's body that never all comes is answered within as long.
+    let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
+    conn.write_all(
+        b"POST /console/sign-in HTTP/1.1\r\nHost: localhost\r\ncontent-type: application/json\r\n\
+          content-length: 100\r\n\r\n{\"secret\":",
+    )
+    .await
+    .unwrap();
+    let n = tokio::time::timeout(std::time::Duration::from_secs(10), conn.read(&mut buf))
+        .await
+        .expect("an answer within 10 s")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&buf[..n]).into_owned();
+    assert!(answer.starts_with("HTTP/1.1 400"), "{answer}");
+    assert!(answer.contains("did not arrive in time"), "{answer}");
 }

@@ -726,7 +726,12 @@ async fn the_admin_api_shows_each_scopes_requests_in_flight() {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let admin_at = listener.local_addr().unwrap();
     let admin = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
-    tokio::spawn(admin::run(listener, admin, std::future::pending()));
+    tokio::spawn(admin::run(
+        listener,
+        admin,
+        c.header_timeout,
+        std::future::pending(),
+    ));
     let gw = Arc::new(gateway_with(state).await);
     let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
         .build_http::<axum::body::Body>();

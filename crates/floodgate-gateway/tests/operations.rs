@@ -25,7 +25,12 @@ async fn with_admin(text: &str, upstream: &str) -> (Gateway, SocketAddr) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let admin = Admin::new(c.admin.clone().expect("an [admin] section"), process, store).unwrap();
-    tokio::spawn(admin::run(listener, admin, std::future::pending()));
+    tokio::spawn(admin::run(
+        listener,
+        admin,
+        c.header_timeout,
+        std::future::pending(),
+    ));
     (gateway_with(state).await, addr)
 }
 

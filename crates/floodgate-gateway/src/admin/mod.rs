@@ -39,16 +39,17 @@ use axum::response::{IntoResponse, Response};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 
 use crate::config::{AdminConfig, Config};
 use crate::error::AppError;
 use crate::http::Process;
 use crate::metrics::CONTENT_TYPE as METRICS_CONTENT_TYPE;
+use crate::send_timed::SendTimed;
 use crate::store::GatewayStore;
 use session::{Session, Verdict};
-use wire::{Peer, Refusal, json_body, unix_now};
+use wire::{BodyWait, Peer, Refusal, json_body, unix_now};
 
 /// What the admin listener serves: the process's shared state and store, under `[admin]`'s
 /// rules. Cheap to clone.
@@ -417,14 +418,34 @@ pub fn secure(headers: &mut HeaderMap) {
         .or_insert(HeaderValue::from_static("no-store"));
 }
 
-/// Serves `admin` on `listener` until `shutdown` completes.
+/// The most connections the admin listener holds open at once; more wait in the listen
+/// backlog, holding no file of the process.
+const MAX_CONNECTIONS: usize = 64;
+
+/// Serves `admin` on `listener` until `shutdown` completes, timed as the callers' port is
+/// (`timeout`: `[server] header_timeout_sec`): a request head must arrive within it, an idle
+/// kept-alive connection is closed after it, and a write its client takes nothing of fails
+/// after it, and so does a request body that has not all come within it; at most
+/// [`MAX_CONNECTIONS`] connections are open at once. A slow client cannot
+/// hold the listener's connections, nor the process's files, for good.
 pub async fn run(
     listener: TcpListener,
     admin: Admin,
+    timeout: std::time::Duration,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     let mut shutdown = std::pin::pin!(shutdown);
+    let open = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new()).header_read_timeout(timeout);
     loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&open).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return Ok(()),
+            },
+            () = &mut shutdown => return Ok(()),
+        };
         let (tcp, peer) = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok(accepted) => accepted,
@@ -438,17 +459,19 @@ pub async fn run(
             () = &mut shutdown => return Ok(()),
         };
         let admin = admin.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let admin = admin.clone();
+            let mut req = req.map(Body::new);
+            req.extensions_mut().insert(Peer(peer));
+            req.extensions_mut().insert(BodyWait(timeout));
+            async move { Ok::<_, Infallible>(admin.answer(req).await) }
+        });
+        let served = http.serve_connection(TokioIo::new(SendTimed::new(tcp, timeout)), service);
         tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let admin = admin.clone();
-                let mut req = req.map(Body::new);
-                req.extensions_mut().insert(Peer(peer));
-                async move { Ok::<_, Infallible>(admin.answer(req).await) }
-            });
-            let served = http1::Builder::new().serve_connection(TokioIo::new(tcp), service);
             if let Err(e) = served.await {
                 tracing::debug!(error = %e, "admin connection ended");
             }
+            drop(slot);
         });
     }
 }

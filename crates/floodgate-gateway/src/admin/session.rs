@@ -48,6 +48,10 @@ pub const MAX_WAITING: usize = 32;
 /// memory many sources can hold.
 pub const MAX_WAITING_ALL: usize = 256;
 
+/// The most `floodgate_session` cookies of one request checked: a request can carry thousands,
+/// each an HMAC to compute before any sign-in.
+const MAX_SESSION_COOKIES: usize = 4;
+
 /// Where a secret check comes from: its peer's IPv4 address, or its IPv6 address's /64 (a
 /// host's addresses share it, one host holds as many of them as it likes), or an unknown
 /// peer. An IPv4-mapped IPv6 address is its IPv4 one.
@@ -231,7 +235,8 @@ impl Sessions {
         Some(Session { nonce, expires })
     }
 
-    /// The session of a request's `floodgate_session` cookie at `now`, if one is valid.
+    /// The session of a request's `floodgate_session` cookie at `now`, if one is valid (of its
+    /// first [`MAX_SESSION_COOKIES`]).
     pub fn from_headers(&self, headers: &HeaderMap, now: u64) -> Option<Session> {
         // Read as bytes: another app's cookie on the same line (a browser sends one line for
         // every cookie of the host, whatever port set it) may hold bytes that are not text.
@@ -245,6 +250,10 @@ impl Sessions {
                     .strip_prefix(b"=")
             })
             .filter_map(|value| std::str::from_utf8(value).ok())
+            // A browser sends a cookie of one name more than once only when paths or domains
+            // differ: a few are checked, not as many as a request can carry (each is an HMAC,
+            // before any sign-in).
+            .take(MAX_SESSION_COOKIES)
             .find_map(|value| self.verify(value, now))
     }
 
@@ -318,6 +327,23 @@ mod tests {
         assert!(!sessions.csrf_ok(&other, &csrf));
         sessions.revoke(&session, 1_002);
         assert_eq!(sessions.verify(&cookie, 1_003), None);
+    }
+
+    /// Only a request's first few session cookies are checked (each an HMAC before any
+    /// sign-in): a valid one among them is taken, one behind a thousand forged ones is not.
+    #[test]
+    fn only_a_requests_first_session_cookies_are_checked() {
+        let sessions = Sessions::new().unwrap();
+        let (cookie, session) = sessions.issue(1_000).unwrap();
+        let line = |forged: usize| {
+            let mut line = format!("{COOKIE}=1.00.00; ").repeat(forged);
+            line.push_str(&format!("other=x; {COOKIE}={cookie}"));
+            let mut headers = HeaderMap::new();
+            headers.insert(COOKIE_HEADER, line.parse().unwrap());
+            headers
+        };
+        assert_eq!(sessions.from_headers(&line(3), 1_001), Some(session));
+        assert_eq!(sessions.from_headers(&line(1_000), 1_001), None);
     }
 
     const GUESSER: Option<IpAddr> = Some(IpAddr::V4(std::net::Ipv4Addr::new(10, 0, 0, 1)));

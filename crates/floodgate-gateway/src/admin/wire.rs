@@ -49,6 +49,11 @@ impl IntoResponse for Refusal {
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Peer(pub(super) SocketAddr);
 
+/// How long a request's body may take to arrive (`[server] header_timeout_sec`), put in each
+/// request's extensions by [`run`]; [`BODY_WAIT`] without it.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct BodyWait(pub(super) std::time::Duration);
+
 /// 429: too many secret checks waiting; this one was not checked.
 pub(super) fn busy() -> Response {
     (
@@ -68,7 +73,11 @@ pub(super) fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-/// A JSON body of at most [`MAX_BODY`] bytes, sent as `application/json`.
+/// How long a JSON body of the admin API may take to arrive when the request says nothing.
+const BODY_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// A JSON body of at most [`MAX_BODY`] bytes, sent as `application/json`, within the request's
+/// [`BodyWait`].
 pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
     req: Request<Body>,
 ) -> Result<T, api::ApiError> {
@@ -82,8 +91,15 @@ pub(super) async fn json_body<T: serde::de::DeserializeOwned>(
             "send the body as `content-type: application/json`".into(),
         ));
     }
-    let bytes = axum::body::to_bytes(req.into_body(), MAX_BODY)
+    // A body trickled in holds its connection no longer than a request head may take.
+    let wait = req
+        .extensions()
+        .get::<BodyWait>()
+        .map_or(BODY_WAIT, |w| w.0);
+    let read = tokio::time::timeout(wait, axum::body::to_bytes(req.into_body(), MAX_BODY));
+    let bytes = read
         .await
+        .map_err(|_| api::ApiError::BadRequest("the body did not arrive in time".into()))?
         .map_err(|_| api::ApiError::BadRequest(format!("a body of at most {MAX_BODY} bytes")))?;
     serde_json::from_slice(&bytes).map_err(|e| api::ApiError::BadRequest(format!("the body: {e}")))
 }

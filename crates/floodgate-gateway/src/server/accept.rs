@@ -14,8 +14,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 
-use super::send_timed::SendTimed;
 use crate::http::{AppState, route};
+use crate::send_timed::SendTimed;
 
 /// Serves [`route`] on `listener` over HTTP/1.1 until `shutdown` completes, then stops accepting
 /// and waits for the requests in flight (streams included) to finish; idle kept-alive

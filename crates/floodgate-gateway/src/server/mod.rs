@@ -16,7 +16,6 @@
 //! [`Charger::settled`]: crate::charge::Charger::settled
 
 mod accept;
-mod send_timed;
 
 pub use accept::run;
 
@@ -176,7 +175,8 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             Admin::new(admin.clone(), process.clone(), admin_store).map_err(StartError::Worker)?;
         tracing::info!(%addr, "admin listener: the console at /, /admin/*, /metrics");
         let mut stopping = stop_rx.clone();
-        background.spawn(crate::admin::run(listener, admin, async move {
+        let timeout = config.header_timeout;
+        background.spawn(crate::admin::run(listener, admin, timeout, async move {
             let _ = stopping.wait_for(|s| *s).await;
         }));
     }

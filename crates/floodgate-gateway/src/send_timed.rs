@@ -15,7 +15,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 /// `inner` with a deadline on each write that waits: `timeout` from when it first could not go.
-pub(super) struct SendTimed<T> {
+pub(crate) struct SendTimed<T> {
     inner: T,
     timeout: Duration,
     /// The stall timer, made on the first write that waits.
@@ -25,7 +25,7 @@ pub(super) struct SendTimed<T> {
 }
 
 impl<T> SendTimed<T> {
-    pub(super) fn new(inner: T, timeout: Duration) -> SendTimed<T> {
+    pub(crate) fn new(inner: T, timeout: Duration) -> SendTimed<T> {
         SendTimed {
             inner,
             timeout,
