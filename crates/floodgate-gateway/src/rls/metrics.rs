@@ -16,7 +16,7 @@ use axum::http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -24,6 +24,7 @@ use prometheus_client::registry::Registry;
 use tokio::net::TcpListener;
 
 use crate::metrics::{CONTENT_TYPE as METRICS_CONTENT_TYPE, Histogram, STORE_BUCKETS};
+use crate::send_timed::SendTimed;
 
 /// How a `ShouldRateLimit` call was answered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,14 +227,34 @@ impl RlsMetrics {
     }
 }
 
-/// Serves `GET /metrics` on `listener` until `shutdown` completes.
+/// How long the metrics listener waits for a request head, and for a write its client takes
+/// nothing of: nginx's `client_header_timeout` and `send_timeout`.
+const ADMIN_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The most connections the metrics listener holds open at once; more wait in the backlog.
+const ADMIN_CONNECTIONS: usize = 64;
+
+/// Serves `GET /metrics` on `listener` until `shutdown` completes, timed and capped as the
+/// gateway's admin listener is ([`ADMIN_TIMEOUT`], [`ADMIN_CONNECTIONS`]): a slow client cannot
+/// hold its connections, nor the process's files, for good.
 pub async fn serve_admin(
     listener: TcpListener,
     metrics: RlsMetrics,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) {
     let mut shutdown = std::pin::pin!(shutdown);
+    let open = Arc::new(tokio::sync::Semaphore::new(ADMIN_CONNECTIONS));
+    let mut http = http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(ADMIN_TIMEOUT);
     loop {
+        let slot = tokio::select! {
+            slot = Arc::clone(&open).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return,
+            },
+            () = &mut shutdown => return,
+        };
         let tcp = tokio::select! {
             accepted = listener.accept() => match accepted {
                 Ok((tcp, _)) => tcp,
@@ -247,15 +268,17 @@ pub async fn serve_admin(
             () = &mut shutdown => return,
         };
         let metrics = metrics.clone();
+        let service = service_fn(move |req: Request<Incoming>| {
+            let metrics = metrics.clone();
+            async move { Ok::<_, Infallible>(answer(&req, &metrics)) }
+        });
+        let io = TokioIo::new(SendTimed::new(tcp, ADMIN_TIMEOUT));
+        let served = http.serve_connection(io, service);
         tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let metrics = metrics.clone();
-                async move { Ok::<_, Infallible>(answer(&req, &metrics)) }
-            });
-            let served = http1::Builder::new().serve_connection(TokioIo::new(tcp), service);
             if let Err(e) = served.await {
                 tracing::debug!(error = %e, "admin connection ended");
             }
+            drop(slot);
         });
     }
 }
