@@ -51,6 +51,7 @@ pub mod rls;
 mod send_timed;
 pub mod server;
 mod slots;
+mod stall;
 pub mod startup;
 pub mod store;
 pub mod tally;

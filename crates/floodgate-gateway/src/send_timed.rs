@@ -5,58 +5,26 @@
 //! would hold its connection, its upstream connection and its concurrency slots for good, and
 //! a graceful shutdown for its whole drain.
 
-use std::future::Future;
 use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
-use tokio::time::{Instant, Sleep};
+
+use crate::stall::Stall;
 
 /// `inner` with a deadline on each write that waits: `timeout` from when it first could not go.
 pub(crate) struct SendTimed<T> {
     inner: T,
-    timeout: Duration,
-    /// The stall timer, made on the first write that waits.
-    timer: Option<Pin<Box<Sleep>>>,
-    /// Whether `timer` times the write waiting now.
-    armed: bool,
+    stall: Stall,
 }
 
 impl<T> SendTimed<T> {
     pub(crate) fn new(inner: T, timeout: Duration) -> SendTimed<T> {
         SendTimed {
             inner,
-            timeout,
-            timer: None,
-            armed: false,
-        }
-    }
-
-    /// What a write that went (or failed) gives: the timer stands down.
-    fn went<R>(&mut self, done: io::Result<R>) -> Poll<io::Result<R>> {
-        self.armed = false;
-        Poll::Ready(done)
-    }
-
-    /// A write that waits: pending until the socket takes it or, `timeout` after it first
-    /// waited, failed.
-    fn waits<R>(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<R>> {
-        let deadline = Instant::now() + self.timeout;
-        let timer = self
-            .timer
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-        if !self.armed {
-            timer.as_mut().reset(deadline);
-            self.armed = true;
-        }
-        match timer.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                "the caller took nothing of the answer for header_timeout_sec",
-            ))),
-            Poll::Pending => Poll::Pending,
+            stall: Stall::new(timeout),
         }
     }
 
@@ -70,8 +38,17 @@ impl<T> SendTimed<T> {
         T: Unpin,
     {
         match write(Pin::new(&mut self.inner), cx) {
-            Poll::Ready(done) => self.went(done),
-            Poll::Pending => self.waits(cx),
+            Poll::Ready(done) => {
+                self.stall.over();
+                Poll::Ready(done)
+            }
+            Poll::Pending => match self.stall.waits(cx) {
+                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the caller took nothing of the answer for header_timeout_sec",
+                ))),
+                Poll::Pending => Poll::Pending,
+            },
         }
     }
 }

@@ -14,7 +14,9 @@ use std::time::Duration;
 use axum::body::Body;
 use bytes::Bytes;
 use http_body::{Frame, SizeHint};
-use tokio::time::{Instant, Sleep};
+use tokio::time::Instant;
+
+use crate::stall::Stall;
 
 /// When an upload last made progress (its last piece handed to the connection, or its end),
 /// and whether the connection waits for the caller's next piece now. Shared by the body (which
@@ -77,21 +79,17 @@ pub(super) fn stalled(e: &(dyn std::error::Error + 'static)) -> bool {
 /// for `idle` while the connection waits for it, and marks [`Progress`] at each piece.
 pub(super) struct Upload {
     inner: Body,
-    idle: Duration,
     progress: Arc<Progress>,
-    /// The stall timer, armed while the connection waits for a piece (made on the first wait).
-    timer: Option<Pin<Box<Sleep>>>,
-    armed: bool,
+    /// Times the connection's waits for the caller's next piece.
+    stall: Stall,
 }
 
 impl Upload {
     pub(super) fn new(inner: Body, idle: Duration, progress: Arc<Progress>) -> Upload {
         Upload {
             inner,
-            idle,
             progress,
-            timer: None,
-            armed: false,
+            stall: Stall::new(idle),
         }
     }
 }
@@ -107,22 +105,14 @@ impl http_body::Body for Upload {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(frame) => {
-                this.armed = false;
+                this.stall.over();
                 this.progress.waiting.store(false, Ordering::Relaxed);
                 this.progress.mark();
                 Poll::Ready(frame)
             }
             Poll::Pending => {
                 this.progress.waiting.store(true, Ordering::Relaxed);
-                let deadline = Instant::now() + this.idle;
-                let timer = this
-                    .timer
-                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
-                if !this.armed {
-                    timer.as_mut().reset(deadline);
-                    this.armed = true;
-                }
-                match timer.as_mut().poll(cx) {
+                match this.stall.waits(cx) {
                     Poll::Ready(()) => Poll::Ready(Some(Err(axum::Error::new(Stalled)))),
                     Poll::Pending => Poll::Pending,
                 }
