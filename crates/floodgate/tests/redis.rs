@@ -86,6 +86,24 @@ async fn stored_cur(url: &str, store: &RedisStore, key: &str) -> u64 {
     v.split(' ').nth(1).unwrap().parse().unwrap()
 }
 
+/// Waits (within `within`) until `chain` is enforced on `store` again after an outage: its
+/// admissions decided by Redis, not failed open; fails naming `what` and the store's stats.
+async fn until_enforced(chain: &Chain, store: &RedisStore, within: Duration, what: &str) {
+    let deadline = Instant::now() + within;
+    loop {
+        let d = chain.admit(store, 1).await;
+        if matches!(&d, Ok(d) if d.enforced) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {d:?}, {:?}",
+            store.stats()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 fn req(id: &str, scope: ScopeKind, max: u64) -> ChainLimit {
     ChainLimit::new(
         "org:acme",
@@ -2500,19 +2518,8 @@ async fn a_connection_gone_silent_is_replaced_and_enforcement_resumes() {
     relay.go_silent().await;
     let d = chain.admit(&store, 1).await.unwrap();
     assert!(d.admitted && !d.enforced, "the timed-out call fails open");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        if let Ok(d) = chain.admit(&store, 1).await
-            && d.enforced
-        {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "enforcement did not resume over a new connection"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = "enforcement did not resume over a new connection";
+    until_enforced(&chain, &store, Duration::from_secs(5), what).await;
     assert!(!store.stats().breaker_open);
     assert_eq!(store.stats().outages, 1);
 }
@@ -2942,19 +2949,8 @@ async fn a_refused_reconnect_is_an_outage_that_ends(
         .query_async(admin)
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let d = chain.admit(&store, 1).await;
-        if matches!(&d, Ok(d) if d.enforced) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{url}: enforcement did not resume: {d:?}, {:?}",
-            store.stats()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = format!("{url}: enforcement did not resume");
+    until_enforced(&chain, &store, Duration::from_secs(5), &what).await;
     assert_eq!(store.stats().outages, 1);
 }
 
@@ -3323,19 +3319,13 @@ async fn a_server_busy_with_a_script_is_an_outage_until_it_ends() {
         "a busy server fails closed: {refused:?}"
     );
     assert!(open.stats().breaker_open);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let d = chain.admit(&open, 1).await;
-        if matches!(&d, Ok(d) if d.enforced) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "enforcement did not resume: {d:?}, {:?}",
-            open.stats()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_enforced(
+        &chain,
+        &open,
+        Duration::from_secs(5),
+        "enforcement did not resume",
+    )
+    .await;
     assert_eq!(open.stats().outages, 1);
 }
 
@@ -3384,19 +3374,8 @@ async fn a_failover_behind_a_name_is_followed_to_the_new_primary() {
         matches!(&during, Ok(d) if d.admitted && !d.enforced),
         "a read-only server fails open: {during:?}"
     );
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let d = chain.admit(&store, 1).await;
-        if matches!(&d, Ok(d) if d.enforced) {
-            break;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "never reached the new primary: {d:?}, {:?}",
-            store.stats()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let what = "never reached the new primary";
+    until_enforced(&chain, &store, Duration::from_secs(5), what).await;
     assert_eq!(store.stats().outages, 1);
     // The decision was the new primary's.
     let on_new: bool = raw(&format!(
