@@ -68,7 +68,12 @@ struct Setup {
 
 /// A gateway and its admin listener on `store` (a `[store]` section, or nothing for memory).
 async fn setup(store: &str, upstream: &str) -> Setup {
-    let c = config(&CONFIG.replace("{store}", store), upstream);
+    setup_on(&CONFIG.replace("{store}", store), upstream).await
+}
+
+/// A gateway and its admin listener on the config `text`.
+async fn setup_on(text: &str, upstream: &str) -> Setup {
+    let c = config(text, upstream);
     let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
     let process = Process::new(&c, Arc::new(Tally::in_memory(&c)));
     let state = AppState::for_worker(&c, store.clone(), &process).unwrap();
@@ -823,18 +828,7 @@ async fn a_slow_head_is_cut_off_on_the_admin_listener_too() {
     let text = CONFIG
         .replace("{store}", "")
         .replace("[admin]", "[server]\nheader_timeout_sec = 1\n[admin]");
-    let c = config(&text, "http://127.0.0.1:9");
-    let store = floodgate_gateway::store::open(&c.store).await.unwrap().0;
-    let process = Process::new(&c, Arc::new(Tally::in_memory(&c)));
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let admin = Admin::new(c.admin.clone().unwrap(), process, store).unwrap();
-    tokio::spawn(admin::run(
-        listener,
-        admin,
-        c.header_timeout,
-        std::future::pending(),
-    ));
+    let addr = setup_on(&text, "http://127.0.0.1:9").await.admin;
     let mut conn = tokio::net::TcpStream::connect(addr).await.unwrap();
     conn.write_all(b"GET /metrics HTTP/1.1\r\nHost: localhost\r\n")
         .await

@@ -1003,18 +1003,7 @@ async fn ends_once_the_slot_is_back(
         );
         holder.let_go();
     }
-    let mut buf = [0u8; 4096];
-    while !ended(&String::from_utf8_lossy(seen)) {
-        let n = tokio::time::timeout(
-            Duration::from_secs(5),
-            tokio::io::AsyncReadExt::read(conn, &mut buf),
-        )
-        .await
-        .expect("the answer went on")
-        .unwrap();
-        assert!(n > 0, "closed early: {}", String::from_utf8_lossy(seen));
-        seen.extend_from_slice(&buf[..n]);
-    }
+    read_until_it(conn, seen, ended).await;
     let next = probe(gw).await;
     assert!(!refused_for_slots(&next), "refused for its own slot");
 }

@@ -214,24 +214,30 @@ async fn an_upload_still_in_flight_does_not_hold_up_the_next_request() {
     drop(a);
 }
 
-#[tokio::test]
-async fn an_upstream_length_beside_chunked_framing_does_not_cut_the_answer() {
-    // Both framings at once: hyper reads the chunked body (18 bytes); a forwarded
-    // `Content-Length: 5` would cut it to 5.
+/// An upstream that answers the first request on its first connection with `answer` as it is
+/// written, then holds the connection open (the answer, not a close, is what the gateway reads).
+async fn answering_once(answer: &'static [u8]) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let up = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut conn, _) = listener.accept().await.unwrap();
         let mut buf = [0u8; 4096];
         let _ = conn.read(&mut buf).await;
-        conn.write_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\
-              content-length: 5\r\n\r\n12\r\n{\"object\":\"list\"} \r\n0\r\n\r\n",
-        )
-        .await
-        .unwrap();
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        conn.write_all(answer).await.unwrap();
+        let _ = conn.read(&mut buf).await;
     });
+    up
+}
+
+#[tokio::test]
+async fn an_upstream_length_beside_chunked_framing_does_not_cut_the_answer() {
+    // Both framings at once: hyper reads the chunked body (18 bytes); a forwarded
+    // `Content-Length: 5` would cut it to 5.
+    let up = answering_once(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\
+          content-length: 5\r\n\r\n12\r\n{\"object\":\"list\"} \r\n0\r\n\r\n",
+    )
+    .await;
     let gw = gateway(
         "[upstream]\nbase_url = \"{upstream}\"\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n",
         &format!("http://{up}"),
@@ -509,21 +515,11 @@ async fn a_caller_that_stops_reading_is_cut_off() {
 /// would reach the caller unmarked (and unmetered). A 502 instead, charged as any.
 #[tokio::test]
 async fn an_upstream_answer_with_another_transfer_coding_is_a_502() {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let up = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        let (mut conn, _) = listener.accept().await.unwrap();
-        let mut buf = [0u8; 4096];
-        let _ = conn.read(&mut buf).await;
-        conn.write_all(
-            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
-              transfer-encoding: gzip, chunked\r\n\r\n3\r\n\x1f\x8b\x08\r\n0\r\n\r\n",
-        )
-        .await
-        .unwrap();
-        // Held open: the answer, not a closed connection, is what the gateway judges.
-        let _ = conn.read(&mut buf).await;
-    });
+    let up = answering_once(
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\
+          transfer-encoding: gzip, chunked\r\n\r\n3\r\n\x1f\x8b\x08\r\n0\r\n\r\n",
+    )
+    .await;
     let gw = gateway(STREAMING, &format!("http://{up}")).await;
     let r = gw
         .send(gw.request("GET", "/v1/models", Some("sk-k"), ""))

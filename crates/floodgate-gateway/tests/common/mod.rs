@@ -561,8 +561,17 @@ pub async fn send_to_and_read_until(
 
 /// Reads from `conn` into `seen` until `seen` holds `until` (within 5 s of each read).
 pub async fn read_until(conn: &mut tokio::net::TcpStream, seen: &mut Vec<u8>, until: &str) {
+    read_until_it(conn, seen, |s| s.contains(until)).await;
+}
+
+/// Reads from `conn` into `seen` until `done` says `seen` is enough (within 5 s of each read).
+pub async fn read_until_it(
+    conn: &mut tokio::net::TcpStream,
+    seen: &mut Vec<u8>,
+    done: impl Fn(&str) -> bool,
+) {
     let mut buf = [0u8; 4096];
-    while !String::from_utf8_lossy(seen).contains(until) {
+    while !done(&String::from_utf8_lossy(seen)) {
         let n = tokio::time::timeout(
             Duration::from_secs(5),
             tokio::io::AsyncReadExt::read(conn, &mut buf),
