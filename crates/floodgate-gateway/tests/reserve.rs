@@ -512,3 +512,29 @@ async fn a_reserving_token_limit_of_zero_refuses_every_request() {
     }
     assert_eq!(up.seen.hits(), 0);
 }
+
+/// A Responses API create reserves the price of its estimate by the model its body names, as a
+/// completion does: here `m`, the only priced model, at 1 µUSD a token, so that 2000 output
+/// tokens can never fit the budget of 1000 µUSD (before, the model was not read from a
+/// Responses body: its estimate was priced as a request naming no model, here at nothing, and
+/// it was admitted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_create_reserves_the_price_of_the_model_it_names() {
+    let up = fake_upstream().await;
+    let text = budget_config("reserve").replace("model = \"*\"", "model = \"m\"");
+    let gws = replicas(&text, &up.url(), 1).await;
+    let big = r#"{"model":"m","max_output_tokens":2000,"input":"hi"}"#;
+    let r = gws[0]
+        .send(gws[0].request("POST", "/v1/responses", Some("sk-k"), big))
+        .await;
+    assert_eq!(r.status, 400, "{}", r.text());
+    let message = r.json()["error"]["message"].as_str().unwrap().to_owned();
+    assert!(
+        message.contains("org's daily budget of $0.001000"),
+        "{message}"
+    );
+    assert_eq!(up.seen.hits(), 0, "never forwarded");
+    // A completion naming the same model is priced alike.
+    let chat = r#"{"model":"m","max_tokens":2000,"messages":[{"role":"user","content":"hi"}]}"#;
+    assert_eq!(gws[0].chat("sk-k", chat).await.status, 400);
+}

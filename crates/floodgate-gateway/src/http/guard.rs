@@ -137,18 +137,19 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
         return Ok(checked);
     }
     let (bytes, room) = read_body(&checked.parts, body, rules).await?;
+    let want_model = rules.want_model;
     if responses {
-        let (checked_body, bytes) = off_the_loop(bytes, |b| {
-            let verdict = check_responses_request(&b);
+        let (checked_body, bytes) = off_the_loop(bytes, move |b| {
+            let verdict = check_responses_request(&b, want_model);
             (verdict, b)
         })
         .await;
-        let output = checked_body.map_err(bad_request)?;
+        let (output, model) = checked_body.map_err(bad_request)?;
         checked.estimate = estimate(bytes.len(), output, rules.default_output);
+        checked.model = model;
         checked.body = Body::new(HeldBody::new(bytes, room));
         return Ok(checked);
     }
-    let want_model = rules.want_model;
     let sent_len = bytes.len();
     let prepared = off_the_loop(bytes, move |b| prepare_request(b, want_model))
         .await

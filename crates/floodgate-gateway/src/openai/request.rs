@@ -244,19 +244,7 @@ pub fn prepare_request(body: Bytes, want_model: bool) -> Result<Prepared, String
     let stream = field("stream")?;
     let options = field("stream_options")?;
     let output = OutputCap::of(&fields);
-    // Read only to price a response that names no model: a duplicate or a non-string is no
-    // model rather than an error.
-    let model = if want_model {
-        field("model").ok().flatten().and_then(|m| {
-            match super::json::plain_string(m.get().as_bytes()) {
-                // The common spelling, read without the parser: a string without escapes.
-                Some(plain) => plain.map(str::to_owned),
-                None => serde_json::from_str::<String>(m.get()).ok(),
-            }
-        })
-    } else {
-        None
-    };
+    let model = named_model(&fields, want_model);
     match stream.map(RawValue::get) {
         Some("true") => {}
         None | Some("false" | "null") => {
@@ -365,6 +353,22 @@ fn unique_field<'a>(fields: &[Field<'a>], name: &str) -> Result<Option<&'a RawVa
     }
 }
 
+/// The `model` a request body names (with `want_model`: for a chain with budgets), which prices
+/// its estimate and a response that names none. Read only to price: a duplicate or a non-string
+/// is no model rather than an error.
+fn named_model(fields: &[Field<'_>], want_model: bool) -> Option<String> {
+    if !want_model {
+        return None;
+    }
+    unique_field(fields, "model").ok().flatten().and_then(|m| {
+        match super::json::plain_string(m.get().as_bytes()) {
+            // The common spelling, read without the parser: a string without escapes.
+            Some(plain) => plain.map(str::to_owned),
+            None => serde_json::from_str::<String>(m.get()).ok(),
+        }
+    })
+}
+
 /// The fields the gateway reads for an estimate or a price: what [`OutputCap::of`] reads, and
 /// the model.
 const READ_FIELDS: [&str; 6] = [
@@ -435,14 +439,20 @@ fn folds_to(key: &str, name: &str) -> bool {
 /// never charged (see [`is_generating_request`]): the gateway could not charge it at all. Also
 /// refused, as for completions, where the upstream's reading is not certain: a body that is not
 /// a strict JSON object, a `background` other than `true`, `false` or `null`, or one named
-/// twice. The body is forwarded as sent; what it says of its output is returned.
-pub fn check_responses_request(body: &[u8]) -> Result<OutputCap, String> {
+/// twice. The body is forwarded as sent; what it says of its output is returned, and (with
+/// `want_model`) the model it names, as [`prepare_request`] reads it.
+pub fn check_responses_request(
+    body: &[u8],
+    want_model: bool,
+) -> Result<(OutputCap, Option<String>), String> {
     let Ok(TopLevel(fields)) = serde_json::from_slice::<TopLevel>(body) else {
         return Err("The request body is not a JSON object.".into());
     };
     no_case_variants(&fields)?;
     match unique_field(&fields, "background")?.map(RawValue::get) {
-        None | Some("false" | "null") => Ok(OutputCap::of(&fields)),
+        None | Some("false" | "null") => {
+            Ok((OutputCap::of(&fields), named_model(&fields, want_model)))
+        }
         Some("true") => Err(
             "Background responses are not available through this gateway: their tokens could \
              not be counted against your limits. Send the request without `background`."
@@ -514,7 +524,9 @@ mod tests {
                 .tokens(1),
             50
         );
-        let r = check_responses_request(br#"{"max_output_tokens":64}"#).unwrap();
+        let r = check_responses_request(br#"{"max_output_tokens":64}"#, false)
+            .unwrap()
+            .0;
         assert_eq!(r.tokens(4096), 64);
     }
 
@@ -675,10 +687,10 @@ mod tests {
         ] {
             let got = prepare_request(Bytes::copy_from_slice(body), false);
             assert!(got.is_err(), "{}", String::from_utf8_lossy(body));
-            assert!(check_responses_request(body).is_err());
+            assert!(check_responses_request(body, true).is_err());
         }
         let bg = "{\"bac\u{212A}ground\":true}";
-        assert!(check_responses_request(bg.as_bytes()).is_err());
+        assert!(check_responses_request(bg.as_bytes(), true).is_err());
         // Not a fold of `stream`: other fields pass.
         assert!(
             prepare_request(Bytes::from_static(br#"{"streams":true,"strea":1}"#), false).is_ok()
