@@ -706,3 +706,141 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod split_props {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+    }
+
+    /// A generated stream: its bytes, what a filter must forward, the tokens it must read.
+    fn gen_stream(rng: &mut Rng, strip: bool) -> (Vec<u8>, Vec<u8>, Option<u64>) {
+        let (mut s, mut want, mut tokens) = (Vec::new(), Vec::new(), None);
+        let n = 1 + rng.below(6);
+        for i in 0..n {
+            let nl = ["\n", "\r\n", "\r"][rng.below(3)];
+            let sp = [" ", ""][rng.below(2)];
+            let text = ["hi", "say \\\"usage\\\": {}", "caf\u{e9} \\u0041", "a\\\\"][rng.below(4)];
+            let (ev, kept): (String, String) = match rng.below(7) {
+                0 => (format!(": keep-alive{nl}"), format!(": keep-alive{nl}")),
+                1 => {
+                    let c = format!(r#"{{"choices":[{{"delta":{{"content":"{text}"}}}}]"#);
+                    (
+                        format!("event: x{nl}id: {i}{nl}data:{sp}{c},\"usage\":{sp}null}}{nl}"),
+                        format!("event: x{nl}id: {i}{nl}data:{sp}{c}}}{nl}"),
+                    )
+                }
+                2 => {
+                    let t = rng.below(1000) as u64;
+                    tokens = Some(t);
+                    let e = format!(
+                        "data:{sp}{{\"choices\":[],{sp}\"usage\":{sp}{{\"prompt_tokens\":1,\"total_tokens\":{t}}}}}{nl}"
+                    );
+                    (e.clone(), if strip { String::new() } else { e })
+                }
+                3 => {
+                    let e = format!(
+                        "data: {{\"choices\":[{{\"delta\":{{}},{nl}data: \"finish_reason\":\"stop\"}}]}}{nl}"
+                    );
+                    (e.clone(), e)
+                }
+                4 => (format!("data: [DONE]{nl}"), format!("data: [DONE]{nl}")),
+                _ => {
+                    let c = format!(
+                        r#"{{"choices":[{{"index":{i},"delta":{{"content":"{text}"}},"finish_reason":null}}]"#
+                    );
+                    (
+                        format!("data: {c},{sp}\"usage\":{sp}null}}{nl}"),
+                        format!("data: {c}}}{nl}"),
+                    )
+                }
+            };
+            let kept = if strip { kept } else { ev.clone() };
+            // The last event may end without its blank line, or without any terminator.
+            let shape = if i + 1 == n { rng.below(3) } else { 0 };
+            let end = if shape == 0 { nl } else { "" };
+            let (ev, kept) = if shape == 2 {
+                let strip_nl = |x: String| x.strip_suffix(nl).map(str::to_owned).unwrap_or(x);
+                (strip_nl(ev), strip_nl(kept))
+            } else {
+                (ev, kept)
+            };
+            s.extend_from_slice(ev.as_bytes());
+            s.extend_from_slice(end.as_bytes());
+            if !kept.is_empty() {
+                want.extend_from_slice(kept.as_bytes());
+                want.extend_from_slice(end.as_bytes());
+            }
+        }
+        (s, want, tokens)
+    }
+
+    fn run(stream: &[u8], cuts: &[usize], strip: bool) -> (Vec<u8>, Option<u64>, u64) {
+        let mut f = SseFilter::new(strip);
+        let mut out = Vec::new();
+        let mut at = 0;
+        for &c in cuts.iter().chain(std::iter::once(&stream.len())) {
+            out.extend_from_slice(&f.push(Bytes::copy_from_slice(&stream[at..c])));
+            at = c;
+        }
+        out.extend_from_slice(&f.flush());
+        (out, f.tokens, f.events)
+    }
+
+    #[test]
+    fn any_stream_split_anywhere_gives_the_same_stream_and_usage() {
+        let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
+        for round in 0..600 {
+            let strip = round % 2 == 0;
+            let (s, want, tokens) = gen_stream(&mut rng, strip);
+            let (whole, t, events) = run(&s, &[], strip);
+            let show = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+            assert_eq!(
+                show(&whole),
+                show(&want),
+                "whole, strip {strip}: {:?}",
+                show(&s)
+            );
+            assert_eq!(t, tokens, "{:?}", show(&s));
+            for cut in 0..=s.len() {
+                let got = run(&s, &[cut], strip);
+                assert_eq!(
+                    (show(&got.0), got.1, got.2),
+                    (show(&want), tokens, events),
+                    "cut at {cut}: {:?}",
+                    show(&s)
+                );
+            }
+            let mut cuts: Vec<usize> = (0..1 + rng.below(8))
+                .map(|_| rng.below(s.len() + 1))
+                .collect();
+            cuts.sort_unstable();
+            let got = run(&s, &cuts, strip);
+            assert_eq!(
+                (show(&got.0), got.1, got.2),
+                (show(&want), tokens, events),
+                "cuts {cuts:?}: {:?}",
+                show(&s)
+            );
+            let ones: Vec<usize> = (1..s.len()).collect();
+            let got = run(&s, &ones, strip);
+            assert_eq!(
+                (show(&got.0), got.1, got.2),
+                (show(&want), tokens, events),
+                "bytes: {:?}",
+                show(&s)
+            );
+        }
+    }
+}

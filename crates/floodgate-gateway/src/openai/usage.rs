@@ -493,3 +493,239 @@ mod tests {
         assert_eq!(response_done_tokens(br#"{"type":7}"#), None);
     }
 }
+
+#[cfg(test)]
+mod quick_props {
+    use super::*;
+
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+        fn below(&mut self, n: usize) -> usize {
+            (self.next() % n as u64) as usize
+        }
+        fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
+            of[self.below(of.len())]
+        }
+    }
+
+    fn ws(r: &mut Rng) -> &'static str {
+        r.pick(&["", "", "", " ", "\n", "\t", "\r\n  "])
+    }
+
+    fn string(r: &mut Rng) -> String {
+        let parts = [
+            "a",
+            "usage",
+            "\\\"",
+            "\\\\",
+            "\\u0041",
+            "\\ud83d\\ude00",
+            "\u{e9}",
+            "\u{1F600}",
+            "}",
+            "]",
+            "{",
+            "[",
+            ",",
+            ":",
+            "\\n",
+            "\\/",
+            "total_tokens",
+            "\\\"usage\\\":{",
+            " ",
+        ];
+        let n = r.below(6) + if r.below(4) == 0 { 30 } else { 0 };
+        let mut s = String::from("\"");
+        for _ in 0..n {
+            s.push_str(r.pick(&parts));
+        }
+        s.push('"');
+        s
+    }
+
+    fn value(r: &mut Rng, depth: usize) -> String {
+        match r.below(if depth > 3 { 5 } else { 8 }) {
+            0 => string(r),
+            1 => r
+                .pick(&[
+                    "0",
+                    "-0",
+                    "1e3",
+                    "1.0",
+                    "-12",
+                    "3",
+                    "1E+2",
+                    "18446744073709551616",
+                ])
+                .into(),
+            2 => r.pick(&["true", "false", "null"]).into(),
+            3 | 4 => string(r),
+            5 => {
+                let n = r.below(4);
+                let items: Vec<String> = (0..n)
+                    .map(|_| format!("{}{}{}", ws(r), value(r, depth + 1), ws(r)))
+                    .collect();
+                format!("[{}{}]", items.join(","), ws(r))
+            }
+            _ => object(
+                r,
+                depth + 1,
+                &["a", "usage", "model", "total_tokens", "choices"],
+                &mut |r, d| value(r, d),
+            ),
+        }
+    }
+
+    fn object(
+        r: &mut Rng,
+        depth: usize,
+        keys: &[&str],
+        val: &mut dyn FnMut(&mut Rng, usize) -> String,
+    ) -> String {
+        let n = r.below(6);
+        let mut members = Vec::new();
+        for _ in 0..n {
+            let k = r.pick(keys);
+            let (a, b, c, d) = (ws(r), ws(r), ws(r), ws(r));
+            members.push(format!("{a}\"{k}\"{b}:{c}{}{d}", val(r, depth)));
+        }
+        format!("{{{}{}}}", members.join(","), ws(r))
+    }
+
+    fn count(r: &mut Rng) -> String {
+        r.pick(&[
+            "0",
+            "7",
+            "123",
+            "null",
+            "1e3",
+            "-0",
+            "1.0",
+            "-1",
+            "\"3\"",
+            "18446744073709551615",
+            "18446744073709551616",
+            "01",
+            "10",
+            "0.0",
+            "5E0",
+        ])
+        .into()
+    }
+
+    fn usage(r: &mut Rng) -> String {
+        match r.below(8) {
+            0 => "null".into(),
+            1 => value(r, 2),
+            _ => object(
+                r,
+                1,
+                &[
+                    "total_tokens",
+                    "prompt_tokens",
+                    "completion_tokens",
+                    "input_tokens",
+                    "output_tokens",
+                    "details",
+                    "tot\\u0061l_tokens",
+                    "total_tokens ",
+                ],
+                &mut |r, d| {
+                    if r.below(5) == 0 {
+                        value(r, d + 1)
+                    } else {
+                        count(r)
+                    }
+                },
+            ),
+        }
+    }
+
+    fn top(r: &mut Rng, depth: usize) -> String {
+        let _ = depth;
+        match r.below(12) {
+            0..=2 => usage(r),
+            3 => r
+                .pick(&["[]", "[ ]", "null", "[{}]", "[1,2]", "{}", "\"x\""])
+                .into(),
+            4 => r
+                .pick(&[
+                    "\"thread.run.step\"",
+                    "\"thread.run\"",
+                    "\"thread.run\\u002estep\"",
+                    "null",
+                    "7",
+                ])
+                .into(),
+            5 => r
+                .pick(&[
+                    "\"gpt-4o\"",
+                    "\"a\\\"b\"",
+                    "\"caf\u{e9}\"",
+                    "null",
+                    "7",
+                    "\"\"",
+                ])
+                .into(),
+            6 => {
+                let u = usage(r);
+                let m = r.pick(&["\"o3\"", "null", "7"]);
+                format!("{{\"model\":{m},{}\"usage\":{u}}}", ws(r))
+            }
+            _ => value(r, 1),
+        }
+    }
+
+    #[test]
+    fn the_quick_read_agrees_with_the_full_parse_on_generated_bodies() {
+        let mut r = Rng(0x2545_f491_4f6c_dd1d);
+        let mut quick = 0;
+        for _ in 0..50_000 {
+            let body = object(
+                &mut r,
+                0,
+                &[
+                    "usage",
+                    "usage",
+                    "choices",
+                    "object",
+                    "model",
+                    "response",
+                    "id",
+                    "us\\u0061ge",
+                    "x",
+                ],
+                &mut top,
+            );
+            let body = format!("{}{body}{}", ws(&mut r), ws(&mut r));
+            let b = body.as_bytes();
+            if serde_json::from_slice::<serde_json::Value>(b).is_err() {
+                continue;
+            }
+            // Documented: choices that the full parse refuses (twice, or not a list) are read
+            // towards stricter.
+            let choices = body.matches("\"choices\"").count();
+            let odd_choices = choices > 1
+                || serde_json::from_slice::<serde_json::Value>(b)
+                    .ok()
+                    .and_then(|v| v.get("choices").cloned())
+                    .is_some_and(|c| !c.is_array() && !c.is_null());
+            if odd_choices {
+                continue;
+            }
+            let full = Read::full(b);
+            if let Some(q) = quick_read(b) {
+                quick += 1;
+                assert_eq!(q, full, "{body}");
+            }
+            assert_eq!(read(b), full, "{body}");
+        }
+        assert!(quick > 1000, "{quick}");
+    }
+}
