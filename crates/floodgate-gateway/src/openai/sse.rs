@@ -462,22 +462,31 @@ fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// Appends `event` to `out` without its `"usage": null` fields among `fields` (and the comma
-/// that joined each to its neighbour).
+/// that joined each to its neighbour). Only spaces and tabs are passed over around a field: in
+/// data written over several `data:` lines, a comma on another line is not this field's to take
+/// (the line's `data:` prefix stands between), and such a field stays, the JSON whole.
 fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
+    let skip_blank = |mut i: usize| {
+        while event.get(i).is_some_and(|b| matches!(b, b' ' | b'\t')) {
+            i += 1;
+        }
+        i
+    };
     let mut kept = 0;
     for f in fields.iter().filter(|f| f.is_null(event)) {
         let end = f.value + b"null".len();
-        // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after.
-        let before = event[..f.key].iter().rposition(|b| !b" \t\r\n".contains(b));
-        let (from, to) = match before {
-            Some(c) if event[c] == b',' => (c, end),
-            _ => {
-                let after = skip_space(event, end);
-                match event.get(after) {
-                    Some(b',') => (f.key, skip_space(event, after + 1)),
-                    _ => (f.key, end),
-                }
-            }
+        // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after;
+        // `{"usage": null}`: the field alone.
+        let before = event[..f.key]
+            .iter()
+            .rposition(|b| !b" \t".contains(b))
+            .map(|c| (c, event[c]));
+        let after = skip_blank(end);
+        let (from, to) = match (before, event.get(after)) {
+            (Some((c, b',')), _) => (c, end),
+            (_, Some(b',')) => (f.key, skip_blank(after + 1)),
+            (Some((_, b'{')), Some(b'}')) => (f.key, end),
+            _ => continue,
         };
         if from < kept {
             continue;
@@ -703,6 +712,65 @@ mod tests {
         assert!(
             held_back <= MAX_SSE_EVENT + 64 * 1024,
             "held back {held_back} bytes"
+        );
+    }
+
+    /// What a caller reads as the JSON of each event of `stream`: its `data:` lines joined.
+    fn data_of_events(stream: &str) -> Vec<String> {
+        stream
+            .split("\n\n")
+            .filter(|e| !e.is_empty())
+            .map(|e| {
+                e.lines()
+                    .filter_map(|l| l.strip_prefix("data:"))
+                    .map(|d| d.strip_prefix(' ').unwrap_or(d))
+                    .collect::<Vec<_>>()
+                    .join("\n")
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_null_usage_in_multi_line_data_never_breaks_the_json() {
+        // An upstream that writes its JSON over several `data:` lines (pretty-printed, as an
+        // event source library splits multi-line data): the usage field is on a line of its
+        // own, its comma on the line before or after. Where its comma is on its line, it goes;
+        // where not, it stays.
+        for (chunk, hidden) in [
+            (
+                "data: {\ndata:   \"choices\": [{}],\ndata:   \"usage\": null\ndata: }\n\n",
+                false,
+            ),
+            (
+                "data: {\ndata:   \"usage\": null,\ndata:   \"choices\": [{}]\ndata: }\n\n",
+                true,
+            ),
+            ("data: {\"choices\":[{}],\ndata: \"usage\":null}\n\n", false),
+            ("data: {\"usage\":null,\ndata: \"choices\":[{}]}\n\n", true),
+        ] {
+            let mut f = SseFilter::new(true);
+            let mut out = f.push(Bytes::from_static(chunk.as_bytes())).to_vec();
+            out.extend_from_slice(&f.flush());
+            let out = String::from_utf8(out).unwrap();
+            let data = data_of_events(&out);
+            assert_eq!(data.len(), 1, "{out:?}");
+            let v: serde_json::Value = serde_json::from_str(&data[0])
+                .unwrap_or_else(|e| panic!("{chunk:?} became {out:?}: {e}"));
+            assert_eq!(v["choices"], serde_json::json!([{}]), "{out:?}");
+            assert_eq!(v.get("usage").is_none(), hidden, "{out:?}");
+            assert!(
+                out.lines().all(|l| l.is_empty() || l.starts_with("data:")),
+                "lines kept apart: {out:?}"
+            );
+        }
+        // On one line, the field goes as before.
+        let mut f = SseFilter::new(true);
+        let out = f.push(Bytes::from_static(
+            b"data: {\"usage\" : null ,\t\"choices\":[{}]}\n\ndata: {\"choices\":[{}], \"usage\":null}\n\n",
+        ));
+        assert_eq!(
+            &out[..],
+            b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[{}]}\n\n"
         );
     }
 }
