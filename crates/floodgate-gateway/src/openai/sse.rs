@@ -290,13 +290,11 @@ impl SseFilter {
             return Action::Keep;
         }
         // With include_usage, every chunk carries `"usage": null`; a caller that did not ask
-        // for usage would not have seen that field. (JSON may put spaces around the colon.)
-        if self.strip_usage && !fields.iter().any(|f| event[f.value] == b'{') {
-            return if fields.iter().any(|f| f.is_null(event)) {
-                Action::StripNullUsage(fields)
-            } else {
-                Action::Keep
-            };
+        // for usage would not have seen that field. (JSON may put spaces around the colon.) A
+        // value seen as anything else is parsed: in data over several `data:` lines, what
+        // follows a key that ends its line is the next line's prefix, not the usage object.
+        if self.strip_usage && fields.iter().all(|f| f.is_null(event)) {
+            return Action::StripNullUsage(fields);
         }
         let mut data: Vec<u8> = Vec::new();
         for line in lines(event) {
@@ -772,6 +770,20 @@ mod tests {
             &out[..],
             b"data: {\"choices\":[{}]}\n\ndata: {\"choices\":[{}]}\n\n"
         );
+    }
+
+    #[test]
+    fn a_usage_whose_value_starts_on_the_next_data_line_is_read_and_hidden() {
+        // `"usage":` ends a `data:` line, its object on the next: the value the key search sees
+        // is the next line's `data:` prefix, neither `{` nor `null`.
+        let chunk = "data: {\"choices\":[],\"usage\":\ndata: {\"total_tokens\":5}}\n\n";
+        for strip in [true, false] {
+            let mut f = SseFilter::new(strip);
+            let out = f.push(Bytes::from_static(chunk.as_bytes()));
+            assert_eq!(f.tokens, Some(5), "strip {strip}");
+            let want: &[u8] = if strip { b"" } else { chunk.as_bytes() };
+            assert_eq!(&out[..], want, "strip {strip}");
+        }
     }
 }
 
