@@ -39,6 +39,9 @@ pub(crate) struct SseFilter {
     /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
     /// tokens (a chunk carries about one).
     pub(crate) events: u64,
+    /// Whether the stream's first event has been seen (only it may start with a byte-order
+    /// mark).
+    started: bool,
 }
 
 /// What tells, in a stream, that its answer is complete and only its usage is still to come: a
@@ -55,6 +58,9 @@ pub(crate) enum AnswerEnd {
     /// any reading on is.)
     DoneEvent,
 }
+
+/// The UTF-8 byte-order mark, which may start an event stream.
+const BOM: &[u8] = b"\xef\xbb\xbf";
 
 /// Whether an event carries data other than the stream's `[DONE]` (a comment or a bare
 /// `event:` line does not).
@@ -125,6 +131,7 @@ impl SseFilter {
             ends: AnswerEnd::FinishReason,
             answered: false,
             events: 0,
+            started: false,
         }
     }
 
@@ -167,6 +174,7 @@ impl SseFilter {
             "event stream: an event too large to inspect is forwarded as it comes"
         );
         self.oversized = true;
+        self.started = true;
         let held = self.pending.split().freeze();
         let mut joined = BytesMut::with_capacity(out.len() + held.len());
         joined.extend_from_slice(&out);
@@ -278,7 +286,15 @@ impl SseFilter {
     /// answer is complete ([`AnswerEnd`]). `fields`: its `"usage"` fields, each followed by a
     /// value.
     fn inspect(&mut self, event: &[u8], finished: bool, fields: Vec<UsageField>) -> Action {
-        if is_data_event(event) {
+        // A byte-order mark may start the stream (the format's decoder drops it): the first
+        // event's fields are read past it. (Its bytes go on as they came.)
+        let lines_of = if self.started {
+            event
+        } else {
+            self.started = true;
+            event.strip_prefix(BOM).unwrap_or(event)
+        };
+        if is_data_event(lines_of) {
             self.events += 1;
         }
         self.answered |= finished;
@@ -297,7 +313,7 @@ impl SseFilter {
             return Action::StripNullUsage(fields);
         }
         let mut data: Vec<u8> = Vec::new();
-        for line in lines(event) {
+        for line in lines(lines_of) {
             if let Some(payload) = line.strip_prefix(b"data:") {
                 if !data.is_empty() {
                     data.push(b'\n');
@@ -784,6 +800,25 @@ mod tests {
             let want: &[u8] = if strip { b"" } else { chunk.as_bytes() };
             assert_eq!(&out[..], want, "strip {strip}");
         }
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_first_event_does_not_hide_it() {
+        // The event stream format allows a UTF-8 byte-order mark at the stream's start (a
+        // decoder drops it): the first event is still a data event, and its usage is read.
+        let usage = "\u{feff}data: {\"choices\":[],\"usage\":{\"total_tokens\":5}}\n\n";
+        for strip in [true, false] {
+            let mut f = SseFilter::new(strip);
+            let out = f.push(Bytes::from_static(usage.as_bytes()));
+            assert_eq!((f.tokens, f.events), (Some(5), 1), "strip {strip}");
+            assert_eq!(out.is_empty(), strip, "strip {strip}");
+        }
+        // A chunk, counted for a stream cut before its usage; a mark later on is no mark.
+        let mut f = SseFilter::new(true);
+        let stream = "\u{feff}data: {\"choices\":[{}]}\n\n\u{feff}data: {\"choices\":[{}]}\n\n";
+        let out = f.push(Bytes::from_static(stream.as_bytes()));
+        assert_eq!(&out[..], stream.as_bytes());
+        assert_eq!(f.events, 1);
     }
 }
 
