@@ -41,6 +41,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("upstream-bad-port.toml", 2, "upstream.base_url"),
     ("upstream-port-not-a-number.toml", 2, "upstream.base_url"),
     ("upstream-url-with-query.toml", 2, "upstream.base_url"),
+    ("upstream-timeout-too-long.toml", 4, "upstream.timeout_sec"),
     ("secret-not-a-string.toml", 6, "secret"),
     ("secret-quoted-not-a-string.toml", 6, "secret"),
     ("admin-secret-dotted-not-a-string.toml", 1, "admin.secret"),

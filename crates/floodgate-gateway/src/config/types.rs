@@ -25,6 +25,9 @@ pub const DEFAULT_HEADER_TIMEOUT_SEC: u64 = 60;
 
 /// How long the gateway waits for the upstream's response headers when `timeout_sec` is absent.
 pub const DEFAULT_UPSTREAM_TIMEOUT_SEC: u64 = 300;
+/// The largest `[upstream] timeout_sec`: a day, far past any answer's wait, and well within
+/// what the clock can add to now.
+pub const MAX_UPSTREAM_TIMEOUT_SEC: u64 = 86_400;
 /// `[realtime] max_connections` when absent: live realtime sessions per gateway process.
 pub const DEFAULT_REALTIME_MAX_CONNECTIONS: usize = 1000;
 /// `[realtime] flush_sec` when absent: how often a session's metered tokens are charged.

@@ -20,8 +20,9 @@ use super::types::{
     AdminConfig, AlertsConfig, Backend, BudgetConfig, Config, ConfigError, DEFAULT_ADMIN_LISTEN,
     DEFAULT_HEADER_TIMEOUT_SEC, DEFAULT_LISTEN, DEFAULT_MAX_BODY_MIB, DEFAULT_MAX_CONNECTIONS,
     DEFAULT_UPSTREAM_TIMEOUT_SEC, GATEWAY_ID, KeyConfig, Limits, MAX_LEASE_SEC,
-    MAX_REALTIME_DRAIN_SEC, MIN_LEASE_SEC, OnError, OnErrorKinds, PriceConfig, REDIS_URL_ENV,
-    RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget, default_max_buffered_mib,
+    MAX_REALTIME_DRAIN_SEC, MAX_UPSTREAM_TIMEOUT_SEC, MIN_LEASE_SEC, OnError, OnErrorKinds,
+    PriceConfig, REDIS_URL_ENV, RealtimeConfig, StoreConfig, UpstreamConfig, UpstreamTarget,
+    default_max_buffered_mib,
 };
 
 /// The text of one config file being validated: what turns a span into a line and column.
@@ -1014,8 +1015,14 @@ impl Validator<'_> {
         let span = raw.span();
         let raw = raw.into_inner();
         let timeout = match raw.timeout_sec {
-            Some(t) if *t.get_ref() == 0 => {
-                return Err(self.error(t.span(), "upstream.timeout_sec", "must be at least 1"));
+            // The deadline is now plus this, on a clock that panics past its range: a "for
+            // ever" (`u64::MAX`) would bring down every upload streamed to the upstream.
+            Some(t) if *t.get_ref() == 0 || *t.get_ref() > MAX_UPSTREAM_TIMEOUT_SEC => {
+                return Err(self.error(
+                    t.span(),
+                    "upstream.timeout_sec",
+                    format!("must be between 1 and {MAX_UPSTREAM_TIMEOUT_SEC}"),
+                ));
             }
             Some(t) => Duration::from_secs(t.into_inner()),
             None => Duration::from_secs(DEFAULT_UPSTREAM_TIMEOUT_SEC),
