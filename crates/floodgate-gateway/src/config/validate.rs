@@ -86,6 +86,7 @@ impl Validator<'_> {
         let field = quoted_after(&message, "missing field ")
             .or_else(|| quoted_after(&message, "unknown field "))
             .or_else(|| self.key_at(span.clone()))
+            .or_else(|| self.key_holding(span.start))
             .unwrap_or_else(|| "-".into());
         // "invalid type: integer `8675309`, expected a string": never echo a secret's value (a
         // key's or the admin's secret, a Redis URL's password), however the key was written
@@ -120,6 +121,36 @@ impl Validator<'_> {
         let line_start = self.text[..start].rfind('\n').map_or(0, |i| i + 1);
         let line = self.text[line_start..].lines().next().unwrap_or("");
         field == "-" || SECRETS.contains(&last) || line.to_ascii_lowercase().contains("secret")
+    }
+
+    /// The innermost key whose value holds `offset`: the one an element of an array written
+    /// over several lines belongs to (its own line names no key). Read from the document
+    /// parsed again, which only a file that is valid TOML is.
+    fn key_holding(&self, offset: usize) -> Option<String> {
+        // A table's own span may be its header alone: its values are looked through whatever
+        // it says.
+        fn within(table: &toml::de::DeTable<'_>, offset: usize) -> Option<String> {
+            table.iter().find_map(|(key, value)| match value.get_ref() {
+                toml::de::DeValue::Table(t) => within(t, offset),
+                v if value.span().contains(&offset) => {
+                    Some(inside(v, offset).unwrap_or_else(|| key.get_ref().to_string()))
+                }
+                _ => None,
+            })
+        }
+        fn inside(value: &toml::de::DeValue<'_>, offset: usize) -> Option<String> {
+            match value {
+                toml::de::DeValue::Table(t) => within(t, offset),
+                toml::de::DeValue::Array(a) => a.iter().find_map(|v| match v.get_ref() {
+                    toml::de::DeValue::Table(t) => within(t, offset),
+                    other if v.span().contains(&offset) => inside(other, offset),
+                    _ => None,
+                }),
+                _ => None,
+            }
+        }
+        let doc = toml::de::DeTable::parse(self.text).ok()?;
+        within(doc.get_ref(), offset)
     }
 
     /// The key written at `span`, or assigned the value at `span` (`key = <value>`).
