@@ -47,6 +47,7 @@ const CASES: &[(&str, usize, &str)] = &[
     ("admin-secret-dotted-not-a-string.toml", 1, "admin.secret"),
     ("redis-urls-not-a-list.toml", 6, "urls"),
     ("admin-host-with-port.toml", 5, "admin.hosts"),
+    ("admin-listen-on-the-gateways-port.toml", 8, "admin.listen"),
     ("admin-host-not-a-string-over-lines.toml", 7, "hosts"),
     ("customer-id-not-ascii.toml", 6, "rate_limits[0].id"),
     ("redis-url-bad-port.toml", 3, "store.url"),

@@ -36,6 +36,8 @@ pub(super) struct Validator<'a> {
 /// `[server]`, resolved: the fields of [`Config`] it sets.
 struct ServerSettings {
     listen: SocketAddr,
+    /// Where `listen` is written, if it is.
+    listen_span: Option<Range<usize>>,
     workers: Option<usize>,
     header_timeout: Duration,
     max_body_mib: u64,
@@ -224,7 +226,7 @@ impl Validator<'_> {
         self.gateway_limit(raw.gateway, &mut limits)?;
         let keys = self.keys(raw.keys, &mut limits)?;
         let alerts = self.alerts(raw.alerts, &keys.hashes, store.backend)?;
-        let admin = self.admin(raw.admin, &keys.hashes, alerts.secret_sha256)?;
+        let admin = self.admin(raw.admin, &keys.hashes, alerts.secret_sha256, &server)?;
         self.rate_limits(raw.rate_limits, &keys.ids, tokens, &mut limits)?;
 
         let prices = self.prices(raw.prices)?;
@@ -324,6 +326,7 @@ impl Validator<'_> {
             }
             w => w.map(Spanned::into_inner),
         };
+        let listen_span = listen.as_ref().map(Spanned::span);
         let listen = match listen {
             None => DEFAULT_LISTEN
                 .parse()
@@ -338,6 +341,7 @@ impl Validator<'_> {
         };
         Ok(ServerSettings {
             listen,
+            listen_span,
             workers,
             header_timeout,
             max_body_mib,
@@ -527,6 +531,7 @@ impl Validator<'_> {
         raw: Option<RawAdmin>,
         key_hashes: &HashMap<[u8; 32], usize>,
         alerts: Option<[u8; 32]>,
+        server: &ServerSettings,
     ) -> Result<Option<AdminConfig>, ConfigError> {
         let Some(raw) = raw else {
             return Ok(None);
@@ -543,6 +548,23 @@ impl Validator<'_> {
                 )
             })?,
         };
+        // Bound before the gateway's own listener, the admin one would take its port: `serve`
+        // could never start.
+        if overlap(listen, server.listen) {
+            let (span, field) = match (&raw.listen, &server.listen_span) {
+                (Some(l), _) => (l.span(), "admin.listen"),
+                (None, Some(s)) => (s.clone(), "server.listen"),
+                (None, None) => (0..0, "admin.listen"),
+            };
+            return Err(self.error(
+                span,
+                field,
+                format!(
+                    "the admin listener ({listen}) and the gateway ({}) cannot listen on one port: give [admin] listen another",
+                    server.listen
+                ),
+            ));
+        }
         let secret_sha256 =
             self.secret(raw.secret.as_ref(), raw.secret_sha256.as_ref(), "admin.")?;
         let secret_span = || match (&raw.secret, &raw.secret_sha256) {
@@ -1202,6 +1224,15 @@ impl Validator<'_> {
     }
 }
 
+/// Whether sockets bound to `a` and to `b` would take the same port: one port (not 0, which
+/// the system picks afresh for each), on one address or on a wildcard that covers the other's
+/// (`[::]` covers IPv4 too, as Linux binds it).
+fn overlap(a: SocketAddr, b: SocketAddr) -> bool {
+    let covers =
+        |w: SocketAddr, o: SocketAddr| w.ip().is_unspecified() && (w.is_ipv6() || o.is_ipv4());
+    a.port() == b.port() && a.port() != 0 && (a.ip() == b.ip() || covers(a, b) || covers(b, a))
+}
+
 /// A digest of a config file's text: the reload watcher compares it with the running config's
 /// [`Config::text_digest`] (docs/design.md §7).
 pub fn text_digest(text: &[u8]) -> u64 {
@@ -1328,6 +1359,27 @@ mod tests {
         );
         let e = parse("[upstream]\ndemo = true\n[realtime]\nflush_sec = 0\n").unwrap_err();
         assert_eq!((e.line, e.field.as_str()), (4, "realtime.flush_sec"), "{e}");
+    }
+
+    #[test]
+    fn the_admin_listener_may_not_take_the_gateways_port() {
+        let addr = |a: &str| a.parse::<SocketAddr>().unwrap();
+        for (a, b, taken) in [
+            ("127.0.0.1:8080", "127.0.0.1:8080", true),
+            ("0.0.0.0:8080", "127.0.0.1:8080", true),
+            ("[::]:8080", "127.0.0.1:8080", true),
+            ("0.0.0.0:8080", "[::1]:8080", false),
+            ("127.0.0.1:8080", "127.0.0.2:8080", false),
+            ("127.0.0.1:8080", "127.0.0.1:9090", false),
+            ("127.0.0.1:0", "127.0.0.1:0", false),
+        ] {
+            assert_eq!(overlap(addr(a), addr(b)), taken, "{a} {b}");
+            assert_eq!(overlap(addr(b), addr(a)), taken, "{b} {a}");
+        }
+        // The admin listener's default address, taken by the gateway: said where it is taken.
+        let e = parse("[server]\nlisten = \"127.0.0.1:9090\"\n[upstream]\ndemo = true\n[admin]\n")
+            .unwrap_err();
+        assert_eq!((e.line, e.field.as_str()), (2, "server.listen"), "{e}");
     }
 
     #[test]
