@@ -702,6 +702,40 @@ async fn beside_a_descriptor_that_never_passes_the_others_report_their_own_state
 }
 
 #[tokio::test]
+async fn every_limit_a_call_can_never_pass_refuses_it() {
+    let config = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: ip\n    value: 10.0.0.1\n    rate_limit: {unit: hour, requests_per_unit: 0}\n  - key: agent\n    value: bot\n    rate_limit: {unit: hour, requests_per_unit: 0}\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n",
+    )
+    .unwrap();
+    let mut s = start(config).await;
+    let codes = |r: &RateLimitResponse| -> Vec<(i32, u32)> {
+        r.statuses
+            .iter()
+            .map(|st| (st.code, st.limit_remaining))
+            .collect()
+    };
+    // Two blocked values in one call: each refuses it, as each does alone.
+    let blocked = request("d", &[&[("ip", "10.0.0.1")], &[("agent", "bot")]]);
+    let r = s.call(blocked).await;
+    assert_eq!(r.overall_code, OVER);
+    assert_eq!(codes(&r), [(OVER, 0), (OVER, 0)]);
+    // A cost above two limits: each refuses it; the third, which it fits, says its state.
+    let mut huge = request(
+        "d",
+        &[&[("k", "x")], &[("agent", "bot")], &[("agent", "ok")]],
+    );
+    huge.hits_addend = 6;
+    let r = s.call(huge).await;
+    assert_eq!(codes(&r)[..2], [(OVER, 0), (OVER, 0)]);
+    let metrics = s.rls.metrics().encode();
+    assert!(
+        metrics.contains("floodgate_rls_descriptors_total{outcome=\"over\"} 4"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test]
 async fn the_binary_runs_in_global_shadow_mode_by_flag_or_by_shadow_mode() {
     let dir = tempdir::Dir::new();
     let file = dir.path().join("limits.yaml");

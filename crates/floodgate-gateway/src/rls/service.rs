@@ -209,6 +209,16 @@ impl Rls {
             // answers its own remaining and reset rather than a full limit.
             let decided = match decided {
                 Ok(mut d) if !d.admitted && d.enforced && d.retry_after.is_none() => {
+                    // The library names the first limit the call can never fit; every other one
+                    // it can never fit refuses it too (two blocked values, a cost above two
+                    // limits), and says so.
+                    for ((st, limit), &cost) in
+                        d.statuses.iter_mut().zip(chain.limits()).zip(&costs)
+                    {
+                        if !limit.fits(cost) {
+                            (st.over, st.remaining) = (true, 0);
+                        }
+                    }
                     let started = Instant::now();
                     let read = chain.admit(&self.store, 0).await;
                     let failed = !read.as_ref().is_ok_and(|r| r.enforced);
