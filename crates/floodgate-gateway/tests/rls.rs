@@ -207,6 +207,22 @@ fn bad_configs_name_file_line_and_field() {
 }
 
 #[test]
+fn empty_fields_are_read_as_envoyproxy_ratelimit_reads_them() {
+    // yaml.v2 reads an empty `rate_limit:` as no rule, an empty `replaces:` as none and an
+    // empty `unit:` as no unit: envoyproxy/ratelimit loads these files, and so must floodgate.
+    let c = RlsConfig::parse(
+        Path::new("d.yaml"),
+        "domain: d\ndescriptors:\n  - key: placeholder\n    rate_limit:\n      # unit: second\n      # requests_per_unit: 10\n  - key: free\n    rate_limit:\n      unlimited: true\n      unit:\n  - key: k\n    rate_limit:\n      unit: minute\n      requests_per_unit: 5\n      replaces:\n",
+    )
+    .unwrap();
+    assert_eq!(c.lookup("d", [("placeholder", "x")]), None);
+    let free = c.lookup("d", [("free", "x")]).unwrap();
+    assert_eq!(free.limit, None);
+    let k = c.lookup("d", [("k", "x")]).unwrap();
+    assert!(k.limit.is_some() && k.replaces.is_empty(), "{k:?}");
+}
+
+#[test]
 fn a_directory_with_one_domain_twice_is_refused() {
     let dir = tempdir::Dir::new();
     for f in ["readme-example09-12.yaml", "readme-example09-13.yaml"] {

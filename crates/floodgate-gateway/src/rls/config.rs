@@ -420,7 +420,8 @@ fn descriptors(
                 "detailed_metric" | "value_to_metric" => {
                     ctx.bool(v, &f)?;
                 }
-                "rate_limit" => rate_limit = Some((v, f)),
+                // Empty, it is no rule: yaml.v2 leaves envoyproxy/ratelimit's pointer nil.
+                "rate_limit" => rate_limit = (!v.is_null()).then_some((v, f)),
                 "descriptors" => children = Some((v, f)),
                 other => {
                     let message = UNSUPPORTED.iter().find(|(n, _)| *n == other).map_or_else(
@@ -494,7 +495,11 @@ fn rule(
     for (k, line, v) in entries {
         let f = format!("{field}.{k}");
         match k.as_str() {
-            "unit" => unit = Some((ctx.string(v, &f)?, v.line)),
+            // Empty, it is no unit (beside `unlimited` too), as envoyproxy/ratelimit reads it.
+            "unit" => {
+                let text = ctx.string(v, &f)?;
+                unit = (!text.is_empty()).then_some((text, v.line));
+            }
             "requests_per_unit" => {
                 let text = ctx.string(v, &f)?;
                 // Digits only, without a leading zero: envoyproxy/ratelimit's YAML reads `010`
@@ -515,6 +520,8 @@ fn rule(
             }
             "unlimited" => unlimited = ctx.bool(v, &f)?,
             "name" => name = ctx.string(v, &f)?,
+            // Empty, it replaces nothing.
+            "replaces" if v.is_null() => {}
             "replaces" => {
                 replaces_line = *line;
                 let Value::Seq(items) = &v.value else {
