@@ -807,6 +807,52 @@ async fn a_bad_request_is_an_invalid_argument() {
     assert_eq!(e.code(), tonic::Code::InvalidArgument);
 }
 
+#[tokio::test]
+async fn a_call_of_more_descriptors_than_one_admission_holds_is_an_invalid_argument() {
+    // 9 000 counters in one call: past what one Redis script unpacks (about 8 000 keys), so on
+    // Redis the admission failed (UNAVAILABLE, or OK unchecked failing open, and counted as a
+    // store error) where memory decided it. Refused the same on every store, before any.
+    let text = "domain: d\ndescriptors:\n  - key: k\n    rate_limit: {unit: minute, requests_per_unit: 5}\n";
+    let config = || RlsConfig::parse(Path::new("d.yaml"), text).unwrap();
+    let mut stores = vec![("memory", frozen_store())];
+    if let Some(url) = redis_url() {
+        let redis = floodgate::store::redis::RedisStore::connect(
+            floodgate::store::redis::RedisConfig::new(url),
+        )
+        .await
+        .unwrap();
+        stores.push(("redis", AnyStore::Redis(redis)));
+    }
+    for (name, store) in stores {
+        let mut s = start_with(Rls::new(config(), store, RlsMetrics::new())).await;
+        let mut many = request("d", &[]);
+        for i in 0..9_000 {
+            many.descriptors
+                .push(descriptor(&[("k", &format!("{name}-{i}"))]));
+        }
+        let e = match s.client.should_rate_limit(many).await {
+            Ok(r) => panic!("{name}: answered {:?}", r.get_ref().overall_code),
+            Err(e) => e,
+        };
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{name}: {e:?}");
+        assert!(e.message().contains("at most 1024"), "{name}: {e:?}");
+        let metrics = s.rls.metrics().encode();
+        assert!(
+            metrics.contains("floodgate_store_errors_total{op=\"admit\"} 0"),
+            "{name}: {metrics}"
+        );
+        // As many as the bound holds are decided.
+        let mut bound = request("d", &[]);
+        for i in 0..1024 {
+            bound
+                .descriptors
+                .push(descriptor(&[("k", &format!("{name}-{i}"))]));
+        }
+        let r = s.call(bound).await;
+        assert_eq!((r.overall_code, r.statuses.len()), (OK, 1024), "{name}");
+    }
+}
+
 /// Polls `f` until it holds, for up to 10 s: waits for an event, not for a time.
 async fn eventually(mut f: impl AsyncFnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(10);

@@ -39,6 +39,12 @@ use tonic::{Request, Response, Status};
 use super::config::{RlsConfig, Rule, Unit};
 use super::metrics::{Answer, DescriptorOutcome, RlsMetrics};
 
+/// The most descriptors one call may carry: far past what Envoy sends (one per entry of a
+/// route's `rate_limits`), and within what one atomic admission holds on every store (one Redis
+/// script unpacks its keys onto Lua's stack, about 8 000 at most) and what one call may make the
+/// process allocate. A call with more is an `INVALID_ARGUMENT`, decided on no store.
+pub const MAX_DESCRIPTORS: usize = 1024;
+
 /// The rate limit service: the running config, the store, the metrics.
 #[derive(Debug)]
 pub struct Rls {
@@ -121,6 +127,12 @@ impl Rls {
                 "rate limit descriptor list must not be empty",
             ));
         }
+        if req.descriptors.len() > MAX_DESCRIPTORS {
+            return Err(Status::invalid_argument(format!(
+                "descriptors: {} in one call, at most {MAX_DESCRIPTORS}",
+                req.descriptors.len()
+            )));
+        }
         let config = self.config();
         let rules = req
             .descriptors
@@ -168,7 +180,7 @@ impl Rls {
                         // sent twice with equal costs it is charged once, with different costs
                         // the larger.
                         // Found by key in a map, not by a search of the list: a call may carry
-                        // as many descriptors as a gRPC message holds.
+                        // up to MAX_DESCRIPTORS.
                         let at = match places.get(limit.key()).copied() {
                             Some(at) => {
                                 if stricter(&limit, &limits[at]) {
