@@ -483,7 +483,10 @@ where
         // cancels the read loses the event alone, never a byte of the upstream's.
         send(to, &mut dir.writing, &out).await?;
         out.clear();
-        if let Some(relay) = &mut dir.relay {
+        // Not after the upstream's close frame: a data frame after it breaks the protocol.
+        if let Some(relay) = &mut dir.relay
+            && !dir.frames.closed()
+        {
             relay.tell_after(done, &mut out).await;
         }
         send(to, &mut dir.writing, &out).await?;
@@ -680,9 +683,11 @@ fn is_rate_limits_event(payload: &[u8]) -> bool {
 }
 
 /// Sends a close frame with status 1001 (going away) on `to`, if `dir` (what went there) ended
-/// between two frames, masked as a client's when `masked`; within 1 s, or not at all.
+/// between two frames and held no close frame, masked as a client's when `masked`; within 1 s,
+/// or not at all.
 async fn going_away<W: AsyncWrite + Unpin>(to: &mut W, dir: &Direction<'_>, masked: bool) {
-    if !dir.between_frames() {
+    // A close frame has gone that way already: a second one has nothing to say.
+    if !dir.between_frames() || dir.frames.closed() {
         return;
     }
     // A client's frames are masked (RFC 6455, 5.3); the key needs no secrecy here: the payload
@@ -890,6 +895,19 @@ mod tests {
         assert!(matches!(r, Err(Failure::Write(_))), "{r:?}");
         assert_eq!(pending.load(Ordering::SeqCst), 9);
         assert!(!dir.between_frames(), "the caller may have part of a frame");
+    }
+
+    #[tokio::test]
+    async fn no_close_frame_of_the_gateways_follows_one_that_passed() {
+        let mut out = Vec::new();
+        let mut dir = Direction::new(None);
+        dir.passed(&frame(true, 0x8, &1000u16.to_be_bytes(), None));
+        going_away(&mut out, &dir, false).await;
+        assert!(out.is_empty(), "{out:?}");
+        let mut dir = Direction::new(None);
+        dir.passed(&frame(true, 1, b"x", None));
+        going_away(&mut out, &dir, false).await;
+        assert_eq!(out, frame(true, 0x8, &GOING_AWAY, None));
     }
 
     #[test]

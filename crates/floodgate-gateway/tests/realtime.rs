@@ -214,7 +214,8 @@ impl WsUpstream {
 /// tokens in one frame, `usage-fragmented:N` the same in three fragments with a ping between
 /// them, `usage-big:N` one over the gateway's metering bound, `usage-later:N` one after 300 ms,
 /// `session:M` a `session.updated` naming the model `M`, `hold` nothing for 5 s (not even a
-/// read), `bye` a close frame and the end;
+/// read), `bye` a close frame and the end, `usage-bye:N` a `response.done` and a close frame in
+/// one write (then the end, once the client's close has come);
 /// anything else (text or binary) is echoed. A close frame is answered with one and the end.
 /// Plain requests get `200 {"object": "list"}`.
 async fn ws_upstream() -> WsUpstream {
@@ -374,6 +375,22 @@ async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen
             ws.send(TEXT, done.as_bytes()).await;
         } else if text == "bye" {
             ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+            return;
+        } else if let Some(n) = arg("usage-bye:") {
+            // One write: the gateway reads the turn's end and the close frame in one piece.
+            let mut both = Vec::new();
+            for (opcode, payload) in [
+                (TEXT, response_done(n, 0).into_bytes()),
+                (CLOSE, 1000u16.to_be_bytes().to_vec()),
+            ] {
+                both.push(0x80 | opcode);
+                both.push(126);
+                both.extend_from_slice(&(payload.len() as u16).to_be_bytes());
+                both.extend_from_slice(&payload);
+            }
+            ws.io.write_all(&both).await.unwrap();
+            ws.io.flush().await.unwrap();
+            let _ = ws.message().await;
             return;
         } else if text == "hold" {
             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -799,6 +816,34 @@ async fn after_a_turn_the_caller_hears_its_own_limits_not_the_upstreams() {
     assert_eq!(ws.message().await.unwrap().1, b"no usage");
     assert_eq!(ws.rate_limits.len(), 2);
     assert!(ws.rate_limits[1].contains("event_floodgate_2"));
+}
+
+/// A turn's end that comes with the upstream's close frame: the gateway's limits event would be a
+/// data frame after a close frame (RFC 6455, 5.5.1), which a client may take as a protocol
+/// error; it is not sent.
+#[tokio::test]
+async fn no_limits_event_follows_the_upstreams_close_frame() {
+    let up = ws_upstream().await;
+    let config = METERED.replace("flush_sec = 1", "flush_sec = 3600");
+    let gw = gateway(&config, &up.url()).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let ws = a.ws();
+    ws.send(TEXT, b"usage-bye:5").await;
+    let done = ws.frame().await.unwrap();
+    assert_eq!(
+        (done.opcode, done.payload),
+        (TEXT, response_done(5, 0).into_bytes())
+    );
+    let close = ws.frame().await.unwrap();
+    assert_eq!(close.opcode, CLOSE);
+    ws.send(CLOSE, &1000u16.to_be_bytes()).await;
+    // Nothing after the close frame: the connection ends.
+    if let Some(f) = ws.frame().await {
+        let text = String::from_utf8_lossy(&f.payload);
+        panic!("a frame after the close frame: opcode {}, {text}", f.opcode);
+    }
+    live_sessions_reach(&gw, 0).await;
 }
 
 #[tokio::test]

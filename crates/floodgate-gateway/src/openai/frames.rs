@@ -78,6 +78,8 @@ pub struct FrameReader {
     /// What the held message's first bytes say of its type.
     kind: Kind,
     text: Vec<u8>,
+    /// A close frame has begun: nothing but its end may follow it (RFC 6455, 5.5.1).
+    closed: bool,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -278,6 +280,12 @@ impl FrameReader {
         !self.in_payload && self.head_len == 0
     }
 
+    /// Whether a close frame has been read: its sender sends no frame after it, and no one
+    /// may send one in its name (RFC 6455, 5.5.1).
+    pub fn closed(&self) -> bool {
+        self.closed
+    }
+
     /// The header is complete: reads it and starts the frame's payload.
     fn start_frame(&mut self, on_message: &mut impl FnMut(Message<'_>)) {
         let head = &self.head[..self.head_len];
@@ -301,6 +309,7 @@ impl FrameReader {
         self.payload_pos = 0;
         self.fin = fin;
         self.control = opcode & 0x08 != 0;
+        self.closed |= opcode == 0x8;
         match opcode {
             // Control frames (close, ping, pong) may come between a message's fragments: they
             // leave the message as it is.
