@@ -241,7 +241,8 @@ pub(crate) struct SessionSpend {
 enum End {
     /// The upstream closed its connection.
     UpstreamClosed,
-    /// The caller closed its connection, and the upstream followed.
+    /// The caller closed its connection, or started the closing handshake, and the upstream
+    /// followed.
     CallerClosed,
     /// The caller closed its connection, the upstream did not follow within
     /// [`HALF_CLOSED_LINGER`].
@@ -352,6 +353,14 @@ impl Session {
                 }
             }
         };
+        // A caller's close frame, answered by the upstream, which then closes its connection (as
+        // a WebSocket server does): the caller ended the session, not the upstream.
+        let end = match end {
+            End::UpstreamClosed if caller_closed_first(&to_upstream, &to_caller) => {
+                End::CallerClosed
+            }
+            end => end,
+        };
         // The session is over (unless the upstream ended it, its caller's connection is still
         // open): its slots go back now, before the gateway's close frame, the connection's close
         // or a failed caller's upstream read on.
@@ -409,6 +418,15 @@ impl Session {
             error,
             "realtime session ended"
         );
+    }
+}
+
+/// Whether the caller sent a close frame (`to_upstream`) before the upstream sent one
+/// (`to_caller`), if it did.
+fn caller_closed_first(to_upstream: &Direction<'_>, to_caller: &Direction<'_>) -> bool {
+    match (to_upstream.frames.closed_at(), to_caller.frames.closed_at()) {
+        (Some(caller), Some(upstream)) => caller <= upstream,
+        (caller, _) => caller.is_some(),
     }
 }
 

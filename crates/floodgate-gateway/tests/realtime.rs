@@ -655,6 +655,66 @@ async fn either_side_closing_ends_the_session() {
     live_sessions_reach(&gw, 0).await;
 }
 
+/// What the gateway logs at `info`, kept (for the tasks of the test's own thread).
+#[derive(Clone, Default)]
+struct Logs(Arc<Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logs {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The session's end line names the side that ended it: a caller's close frame, which the
+/// upstream answers and then closes its connection (as a WebSocket server does), is the
+/// caller's end, not the upstream's. (One test captures the logs: tracing's global level hint
+/// is not to be raced by several.)
+#[tokio::test]
+async fn the_end_line_names_the_side_that_ended_the_session() {
+    let logs = Logs::default();
+    let writer = logs.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _logging = tracing::subscriber::set_default(subscriber);
+    let up = ws_upstream().await;
+    let gw = gateway(PLAIN, &up.url()).await;
+    let ends = || {
+        let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        logged
+            .lines()
+            .filter(|l| l.contains("realtime session ended"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    // The caller closes.
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    a.ws().send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert_eq!(a.ws().message().await.unwrap().0, CLOSE);
+    assert!(a.ws().closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    // The upstream closes.
+    let mut b = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(b.status, 101);
+    b.ws().send(TEXT, b"bye").await;
+    assert_eq!(b.ws().message().await.unwrap().0, CLOSE);
+    b.ws().send(CLOSE, &1000u16.to_be_bytes()).await;
+    assert!(b.ws().closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&gw, 0).await;
+    let ends = ends();
+    assert_eq!(ends.len(), 2, "{ends:?}");
+    assert!(ends[0].contains("end=\"caller_closed\""), "{}", ends[0]);
+    assert!(ends[1].contains("end=\"upstream_closed\""), "{}", ends[1]);
+}
+
 #[tokio::test]
 async fn an_unknown_key_is_401_and_a_browser_key_in_a_subprotocol_is_taken() {
     let up = ws_upstream().await;

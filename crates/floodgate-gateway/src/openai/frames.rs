@@ -78,8 +78,8 @@ pub struct FrameReader {
     /// What the held message's first bytes say of its type.
     kind: Kind,
     text: Vec<u8>,
-    /// A close frame has begun: nothing but its end may follow it (RFC 6455, 5.5.1).
-    closed: bool,
+    /// When the first close frame began: nothing but its end may follow it (RFC 6455, 5.5.1).
+    closed_at: Option<std::time::Instant>,
 }
 
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -283,7 +283,13 @@ impl FrameReader {
     /// Whether a close frame has been read: its sender sends no frame after it, and no one
     /// may send one in its name (RFC 6455, 5.5.1).
     pub fn closed(&self) -> bool {
-        self.closed
+        self.closed_at.is_some()
+    }
+
+    /// When the first close frame was read, if one was: which side of a session started the
+    /// closing handshake.
+    pub fn closed_at(&self) -> Option<std::time::Instant> {
+        self.closed_at
     }
 
     /// The header is complete: reads it and starts the frame's payload.
@@ -309,7 +315,9 @@ impl FrameReader {
         self.payload_pos = 0;
         self.fin = fin;
         self.control = opcode & 0x08 != 0;
-        self.closed |= opcode == 0x8;
+        if opcode == 0x8 && self.closed_at.is_none() {
+            self.closed_at = Some(std::time::Instant::now());
+        }
         match opcode {
             // Control frames (close, ping, pong) may come between a message's fragments: they
             // leave the message as it is.
