@@ -247,10 +247,26 @@ enum End {
     /// The caller closed its connection, the upstream did not follow within
     /// [`HALF_CLOSED_LINGER`].
     HalfClosed,
-    /// Reading or writing one side failed (a reset).
-    Failed(std::io::Error),
+    /// Reading or writing one side failed (a reset): whose, and how.
+    Failed(Side, std::io::Error),
     /// The worker closed it at the end of its drain.
     Shutdown,
+}
+
+/// A side of a session.
+#[derive(Clone, Copy, Debug)]
+enum Side {
+    Caller,
+    Upstream,
+}
+
+impl Side {
+    fn as_str(self) -> &'static str {
+        match self {
+            Side::Caller => "caller",
+            Side::Upstream => "upstream",
+        }
+    }
 }
 
 impl End {
@@ -259,7 +275,7 @@ impl End {
             End::UpstreamClosed => "upstream_closed",
             End::CallerClosed => "caller_closed",
             End::HalfClosed => "half_closed",
-            End::Failed(_) => "connection_error",
+            End::Failed(..) => "connection_error",
             End::Shutdown => "shutdown",
         }
     }
@@ -329,9 +345,9 @@ impl Session {
                         Err(Failure::Read(e)) => {
                             upstream_until =
                                 Some(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
-                            break End::Failed(e);
+                            break End::Failed(Side::Caller, e);
                         }
-                        Err(Failure::Write(e)) => break End::Failed(e),
+                        Err(Failure::Write(e)) => break End::Failed(Side::Upstream, e),
                     },
                     // Everything the upstream sent has gone to the caller, then a half-close.
                     r = &mut down => match r {
@@ -343,9 +359,9 @@ impl Session {
                             } else {
                                 tokio::time::Instant::now() + HALF_CLOSED_LINGER
                             });
-                            break End::Failed(e);
+                            break End::Failed(Side::Caller, e);
                         }
-                        Err(Failure::Read(e)) => break End::Failed(e),
+                        Err(Failure::Read(e)) => break End::Failed(Side::Upstream, e),
                     },
                     () = &mut flusher => {}
                     () = &mut closing => break End::Shutdown,
@@ -406,15 +422,16 @@ impl Session {
             }
             self.charger.spend_now(&spend.budgets, micro_usd).await;
         }
-        let error = match &end {
-            End::Failed(e) => Some(e.to_string()),
-            _ => None,
+        let (failed, error) = match &end {
+            End::Failed(side, e) => (Some(side.as_str()), Some(e.to_string())),
+            _ => (None, None),
         };
         tracing::info!(
             key = %self.key,
             duration_ms = latency_ms(start),
             tokens,
             end = end.as_str(),
+            failed,
             error,
             "realtime session ended"
         );

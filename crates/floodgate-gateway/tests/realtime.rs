@@ -672,7 +672,7 @@ impl std::io::Write for Logs {
 
 /// The session's end line names the side that ended it: a caller's close frame, which the
 /// upstream answers and then closes its connection (as a WebSocket server does), is the
-/// caller's end, not the upstream's. (One test captures the logs: tracing's global level hint
+/// caller's end, not the upstream's; a failed connection is named too. (One test captures the logs: tracing's global level hint
 /// is not to be raced by several.)
 #[tokio::test]
 async fn the_end_line_names_the_side_that_ended_the_session() {
@@ -709,10 +709,41 @@ async fn the_end_line_names_the_side_that_ended_the_session() {
     b.ws().send(CLOSE, &1000u16.to_be_bytes()).await;
     assert!(b.ws().closed_within(Duration::from_secs(2)).await);
     live_sessions_reach(&gw, 0).await;
+    // A session broken by a failed connection: whose, the caller's (a client that vanished) or
+    // the upstream's. The caller's connection is reset.
+    send_and_reset(&gw, &up, b"hi").await;
+    live_sessions_reach(&gw, 0).await;
+    // The upstream's connection is reset, once the caller's first frame has reached it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut tcp, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            head.push(tcp.read_u8().await.unwrap());
+        }
+        let answer = format!(
+            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+             sec-websocket-accept: {WS_ACCEPT}\r\n\r\n"
+        );
+        tcp.write_all(answer.as_bytes()).await.unwrap();
+        let _ = tcp.read_u8().await;
+        tcp.set_zero_linger().unwrap();
+    });
+    let resets = gateway(PLAIN, &format!("http://{addr}")).await;
+    let mut c = open(&resets, Some("sk-k"), &[]).await;
+    assert_eq!(c.status, 101);
+    c.ws().send(TEXT, b"hi").await;
+    assert!(c.ws().closed_within(Duration::from_secs(2)).await);
+    live_sessions_reach(&resets, 0).await;
     let ends = ends();
-    assert_eq!(ends.len(), 2, "{ends:?}");
+    assert_eq!(ends.len(), 4, "{ends:?}");
     assert!(ends[0].contains("end=\"caller_closed\""), "{}", ends[0]);
     assert!(ends[1].contains("end=\"upstream_closed\""), "{}", ends[1]);
+    for (line, side) in ends[2..].iter().zip(["caller", "upstream"]) {
+        assert!(line.contains("end=\"connection_error\""), "{line}");
+        assert!(line.contains(&format!("failed=\"{side}\"")), "{line}");
+    }
 }
 
 #[tokio::test]
