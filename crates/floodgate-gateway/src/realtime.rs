@@ -44,6 +44,7 @@ use crate::openai::frames::{self, FrameReader, GOING_AWAY, MAX_METERED_MESSAGE, 
 use crate::openai::realtime::session_model;
 use crate::openai::usage::response_done_usage;
 use crate::pricing::Prices;
+use crate::send_timed::SendTimed;
 use crate::slots::Slots;
 use crate::store::GatewayStore;
 
@@ -105,18 +106,22 @@ pub(crate) struct Sessions {
     max: usize,
     flush: Duration,
     drain: Duration,
+    /// How long a write to the upstream may wait with nothing taken (`[server]
+    /// header_timeout_sec`, as for the caller's socket).
+    stall: Duration,
     /// `true` once the worker closes its sessions. Each session holds a receiver until it has
     /// ended and charged its tokens: no receiver left means no session left.
     close: watch::Sender<bool>,
 }
 
 impl Sessions {
-    pub(crate) fn new(config: &RealtimeConfig, live: LiveSessions) -> Sessions {
+    pub(crate) fn new(config: &RealtimeConfig, stall: Duration, live: LiveSessions) -> Sessions {
         Sessions {
             live,
             max: config.max_connections,
             flush: config.flush,
             drain: config.drain,
+            stall,
             close: watch::Sender::new(false),
         }
     }
@@ -160,6 +165,7 @@ impl Sessions {
             spend,
             rates,
             flush: self.flush,
+            stall: self.stall,
             close: self.close.subscribe(),
             _slot: slot,
             slots,
@@ -205,6 +211,8 @@ struct Session {
     /// unmetered session (its frames pass unchanged).
     rates: Option<Arc<Chain>>,
     flush: Duration,
+    /// How long a write to the upstream may wait with nothing taken.
+    stall: Duration,
     close: watch::Receiver<bool>,
     /// Held until the session has ended.
     _slot: Slot,
@@ -292,7 +300,15 @@ impl Session {
             }
         };
         let (mut caller_in, mut caller_out) = tokio::io::split(TokioIo::new(caller));
-        let (mut upstream_in, mut upstream_out) = tokio::io::split(TokioIo::new(upstream));
+        // An upstream that takes nothing (hung) would hold the session, and its slots, for good:
+        // the caller's frames would wait for it, and the gateway would read no more of the
+        // caller, not even its leaving. Its writes are timed as the caller's socket's are.
+        let upstream = SendTimed::saying(
+            TokioIo::new(upstream),
+            self.stall,
+            "the upstream took nothing for header_timeout_sec",
+        );
+        let (mut upstream_in, mut upstream_out) = tokio::io::split(upstream);
         let pending = AtomicU64::new(0);
         let pending_spend = AtomicU64::new(0);
         // The caller's frames are only followed, never held; the upstream's are read for

@@ -18,13 +18,25 @@ use crate::stall::Stall;
 pub(crate) struct SendTimed<T> {
     inner: T,
     stall: Stall,
+    /// The error of a write that waited too long.
+    stalled: &'static str,
 }
 
 impl<T> SendTimed<T> {
     pub(crate) fn new(inner: T, timeout: Duration) -> SendTimed<T> {
+        SendTimed::saying(
+            inner,
+            timeout,
+            "the caller took nothing of the answer for header_timeout_sec",
+        )
+    }
+
+    /// [`new`](Self::new), whose stalled write fails with `stalled`.
+    pub(crate) fn saying(inner: T, timeout: Duration, stalled: &'static str) -> SendTimed<T> {
         SendTimed {
             inner,
             stall: Stall::new(timeout),
+            stalled,
         }
     }
 
@@ -43,10 +55,9 @@ impl<T> SendTimed<T> {
                 Poll::Ready(done)
             }
             Poll::Pending => match self.stall.waits(cx) {
-                Poll::Ready(()) => Poll::Ready(Err(io::Error::new(
-                    io::ErrorKind::TimedOut,
-                    "the caller took nothing of the answer for header_timeout_sec",
-                ))),
+                Poll::Ready(()) => {
+                    Poll::Ready(Err(io::Error::new(io::ErrorKind::TimedOut, self.stalled)))
+                }
                 Poll::Pending => Poll::Pending,
             },
         }

@@ -1599,6 +1599,48 @@ async fn a_turn_under_way_when_the_caller_fails_is_charged() {
     assert_eq!(r.header("x-ratelimit-remaining-tokens"), Some("967"));
 }
 
+/// An upstream that takes the handshake and then reads nothing more, as a hung one: a caller's
+/// frames would wait for it for good, the caller's leaving unseen (the gateway reads no more of
+/// it), and the session with its slots would live on. Its writes are timed as the caller's are:
+/// `header_timeout_sec` with nothing taken ends the session.
+#[tokio::test]
+async fn a_session_whose_upstream_takes_nothing_ends() {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(8).unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        let (mut tcp, _) = listener.accept().await.unwrap();
+        let mut head = Vec::new();
+        while !head.ends_with(b"\r\n\r\n") {
+            head.push(tcp.read_u8().await.unwrap());
+        }
+        let answer = format!(
+            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+             sec-websocket-accept: {WS_ACCEPT}\r\n\r\n"
+        );
+        tcp.write_all(answer.as_bytes()).await.unwrap();
+        // Held open, never read again.
+        std::future::pending::<()>().await;
+        drop(tcp);
+    });
+    let config = format!("[server]\nheader_timeout_sec = 1\n{PLAIN}");
+    let gw = gateway(&config, &format!("http://{addr}")).await;
+    let mut a = open(&gw, Some("sk-k"), &[]).await;
+    assert_eq!(a.status, 101);
+    let mut ws = a.ws.take().unwrap();
+    // Audio, as fast as it goes: the writes stall once the buffers on the way are full.
+    tokio::spawn(async move {
+        let mut frame = vec![0x82, 127];
+        frame.extend_from_slice(&(64u64 * 1024).to_be_bytes());
+        frame.extend_from_slice(&[0, 0, 0, 0]);
+        frame.extend(std::iter::repeat_n(b'a', 64 * 1024));
+        while ws.io.write_all(&frame).await.is_ok() {}
+    });
+    live_sessions_reach(&gw, 0).await;
+}
+
 #[tokio::test]
 async fn an_unmetered_session_whose_caller_fails_frees_its_slot_at_once() {
     // Nothing to meter: the upstream (busy for 5 s) is not read on after the caller's reset.

@@ -218,7 +218,11 @@ impl AppState {
                 header_timeout: config.header_timeout,
                 max_body_mib: config.max_body_mib,
                 tally: Arc::clone(&process.tally),
-                sessions: Sessions::new(&config.realtime, process.live_sessions.clone()),
+                sessions: Sessions::new(
+                    &config.realtime,
+                    config.header_timeout,
+                    process.live_sessions.clone(),
+                ),
                 buffers: process.buffers.clone(),
                 connections: Arc::clone(&process.connections),
                 metrics: process.metrics.clone(),
