@@ -1090,6 +1090,13 @@ async fn malformed_upgrades_charge_nothing() {
     let a = open(&gw, Some("sk-k"), &[("sec-websocket-version", "8")]).await;
     assert_eq!(a.status, 400, "{}", a.body);
     assert_eq!(a.code(), "invalid_request");
+    // A handshake that announces a body: forwarded, its upstream could wait for the body.
+    let b = open(&gw, Some("sk-k"), &[("content-length", "4")]).await;
+    assert_eq!(b.status, 400, "{}", b.body);
+    assert_eq!(b.code(), "invalid_request");
+    let chunked = raw_upgrade(1).replace("\r\n\r\n", "\r\nTransfer-Encoding: chunked\r\n\r\n");
+    let (_tcp, head) = raw_request(gw.addr, &chunked).await;
+    assert!(head.starts_with("HTTP/1.1 400"), "{head}");
     let tcp = TcpStream::connect(gw.addr).await.unwrap();
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
         .await

@@ -21,8 +21,8 @@ use std::sync::Arc;
 use axum::body::Body;
 use axum::extract::Request;
 use axum::http::header::{
-    CONNECTION, SEC_WEBSOCKET_EXTENSIONS, SEC_WEBSOCKET_KEY, SEC_WEBSOCKET_PROTOCOL,
-    SEC_WEBSOCKET_VERSION, UPGRADE,
+    CONNECTION, CONTENT_LENGTH, SEC_WEBSOCKET_EXTENSIONS, SEC_WEBSOCKET_KEY,
+    SEC_WEBSOCKET_PROTOCOL, SEC_WEBSOCKET_VERSION, TRANSFER_ENCODING, UPGRADE,
 };
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Version};
 use axum::response::Response;
@@ -55,6 +55,17 @@ fn malformed<B>(req: &Request<B>) -> Option<&'static str> {
         .map(|v| v.as_bytes().trim_ascii());
     if version != Some(b"13".as_slice()) {
         return Some("A WebSocket upgrade needs `Sec-WebSocket-Version: 13`.");
+    }
+    // The handshake is a GET without content (RFC 6455, 4.1): one announcing a body would be
+    // forwarded without it (an upgrade's connection carries frames after its head), and the
+    // upstream could wait for it until the gateway's timeout, a 504 charged to the caller.
+    let announces_body = headers.contains_key(TRANSFER_ENCODING)
+        || headers
+            .get_all(CONTENT_LENGTH)
+            .iter()
+            .any(|v| v.as_bytes().trim_ascii() != b"0");
+    if announces_body {
+        return Some("A WebSocket upgrade carries no body.");
     }
     // 16 random bytes in base64 (RFC 6455, 4.1).
     let key_ok = headers.get(SEC_WEBSOCKET_KEY).is_some_and(|k| {
