@@ -36,7 +36,7 @@ use http_body::{Frame, SizeHint};
 use crate::access_log::PendingLine;
 use crate::charge::{BudgetReservation, Charger, Held, Reservation};
 use crate::openai::sse::{AnswerEnd, SseFilter};
-use crate::openai::usage::{TokenUsage, usage_and_model_from_json};
+use crate::openai::usage::{Tail, TokenUsage, usage_and_model_from_json};
 use crate::pricing::Prices;
 
 /// Most bytes of a JSON response kept to read its `usage`; past this the response is forwarded
@@ -149,7 +149,12 @@ impl Frames {
 
 enum Mode {
     Pass,
-    Json { chunks: Frames, size: usize },
+    Json {
+        chunks: Frames,
+        size: usize,
+    },
+    /// A JSON body too large to keep whole: its last bytes, where its usage is.
+    JsonTail(Tail),
     Sse(SseFilter),
 }
 
@@ -206,6 +211,12 @@ impl MeteredBody {
     }
 
     fn parse_json(&mut self) {
+        if let Mode::JsonTail(tail) = &mut self.mode {
+            let usage = tail.usage();
+            self.tokens = usage.map(|u| u.total);
+            self.usage = usage;
+            return;
+        }
         if let Mode::Json { chunks, .. } = &mut self.mode {
             let (usage, model) = match chunks.first {
                 None => (None, None),
@@ -230,6 +241,8 @@ impl MeteredBody {
             Mode::Json { chunks, .. } => {
                 chunks.first.is_some() && usage_and_model_from_json(&chunks.whole()).0.is_none()
             }
+            // Its usage is at its end, still to come.
+            Mode::JsonTail(_) => true,
             Mode::Sse(f) => f.answered && f.usage.is_none(),
         }
     }
@@ -404,8 +417,28 @@ impl http_body::Body for MeteredBody {
                             this.finish();
                         }
                     } else {
-                        tracing::warn!(key = %this.line.key, "JSON response too large to meter");
-                        this.mode = Mode::Pass;
+                        // Its usage is read from its last bytes (the model it names is not: the
+                        // request's prices it).
+                        tracing::warn!(
+                            key = %this.line.key,
+                            max_bytes = MAX_JSON_METERED,
+                            "JSON response too large to hold: its usage is read from its end"
+                        );
+                        let mut tail = Tail::default();
+                        for kept in std::iter::once(&chunks.first).flatten().chain(&chunks.rest) {
+                            tail.push(kept);
+                        }
+                        tail.push(&data);
+                        this.mode = Mode::JsonTail(tail);
+                        if this.inner.is_end_stream() {
+                            this.finish();
+                        }
+                    }
+                }
+                Mode::JsonTail(tail) => {
+                    tail.push(&data);
+                    if this.inner.is_end_stream() {
+                        this.finish();
                     }
                 }
                 Mode::Sse(f) => {

@@ -473,6 +473,23 @@ async fn fetching_a_stored_response_charges_nothing_creating_one_charges_its_usa
     assert_eq!(tokens_left(&gw).await.as_deref(), Some("50"));
 }
 
+/// A JSON answer too large to hold whole (over 16 MiB: the output before its usage) is charged
+/// the usage at its end, read from its last bytes.
+#[tokio::test]
+async fn a_json_answer_too_large_to_hold_is_charged_the_usage_at_its_end() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT);
+    let headers = req.headers_mut();
+    headers.insert("x-test-tokens", "30".parse().unwrap());
+    headers.insert("x-test-content-bytes", (17u64 << 20).into());
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200);
+    assert!(r.text().len() > 17 << 20, "forwarded whole");
+    let left = tokens_left(&gw).await;
+    assert_eq!(left.as_deref(), Some("70"));
+}
+
 /// Any other POST is charged the usage its answer carries, whatever the API: an
 /// Anthropic-style `/v1/messages` on a LiteLLM or vLLM upstream.
 #[tokio::test]

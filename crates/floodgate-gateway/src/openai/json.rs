@@ -246,7 +246,7 @@ fn next_structural(buf: &[u8], mut i: usize) -> Option<usize> {
 
 /// The end (exclusive) of the value starting at `buf[start]`; `None` if it does not end (or
 /// there is none).
-fn value_end(buf: &[u8], start: usize) -> Option<usize> {
+pub(super) fn value_end(buf: &[u8], start: usize) -> Option<usize> {
     match *buf.get(start)? {
         b'"' => string_end(buf, start).map(|(end, _)| end),
         b'{' | b'[' => {

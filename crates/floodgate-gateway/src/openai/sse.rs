@@ -7,7 +7,7 @@ use bytes::{Bytes, BytesMut};
 use memchr::memmem::Finder;
 
 use super::json::{skip_space, string_end};
-use super::usage::{self, TokenUsage};
+use super::usage::{self, Tail, TokenUsage};
 
 /// Most bytes of one event held back to inspect it whole. A larger event (an image in base64,
 /// say) is forwarded as it arrives, uninspected, and filtering resumes with the next event.
@@ -23,6 +23,9 @@ pub(crate) struct SseFilter {
     searched: usize,
     /// Forwarding an event too large to hold until its end.
     oversized: bool,
+    /// The last bytes of that event, where its usage would be (a Responses API stream's
+    /// completion echoes the whole output before it).
+    oversized_tail: Tail,
     pub(crate) strip_usage: bool,
     pub(crate) tokens: Option<u64>,
     /// The last usage read, in detail (what budgets price).
@@ -123,6 +126,7 @@ impl SseFilter {
             pending: BytesMut::new(),
             searched: 0,
             oversized: false,
+            oversized_tail: Tail::default(),
             strip_usage,
             tokens: None,
             usage: None,
@@ -180,6 +184,7 @@ impl SseFilter {
         joined.extend_from_slice(&out);
         joined.extend_from_slice(&held);
         self.keep_tail(&held);
+        self.oversized_tail.push(&held);
         joined.freeze()
     }
 
@@ -199,11 +204,14 @@ impl SseFilter {
         match event_end(&window) {
             None => {
                 self.keep_tail(&window);
+                self.oversized_tail.push(&data);
                 data
             }
             Some(e) => {
                 // The tail alone held no event end (at most an undecided one ending with it).
                 let split = e.saturating_sub(tail);
+                self.oversized_tail.push(&data[..split]);
+                self.oversized_ended();
                 self.oversized = false;
                 self.pending.clear();
                 self.searched = 0;
@@ -216,11 +224,22 @@ impl SseFilter {
         }
     }
 
+    /// An event too large to hold has ended: its usage, if its last bytes state one, is the
+    /// stream's so far, as an event read whole would have it (it went out as it came: a
+    /// usage-only chunk is never that large).
+    fn oversized_ended(&mut self) {
+        if let Some(usage) = self.oversized_tail.usage() {
+            self.tokens = Some(usage.total);
+            self.usage = Some(usage);
+        }
+    }
+
     /// What is left when the stream ends (an event without its final blank line).
     pub(crate) fn flush(&mut self) -> Bytes {
         if self.oversized {
             // Its bytes went out already; `pending` only held a copy of the tail.
             self.pending.clear();
+            self.oversized_ended();
             return Bytes::new();
         }
         let rest = self.pending.split().freeze();
@@ -727,6 +746,50 @@ mod tests {
             held_back <= MAX_SSE_EVENT + 64 * 1024,
             "held back {held_back} bytes"
         );
+    }
+
+    #[test]
+    fn the_usage_of_an_event_too_large_to_hold_is_read_from_its_end() {
+        // A Responses API completion that echoes its output (images in base64) before its usage,
+        // split anywhere, and the same event cut at the stream's end without its blank line.
+        let big = format!(
+            "event: response.completed\ndata: {{\"type\":\"response.completed\",\"response\":{{\"output\":[{{\"result\":\"{}\",\"note\":\"a \\\"usage\\\":{{\\\"total_tokens\\\":1}}\"}}],\"usage\":{{\"input_tokens\":7,\"output_tokens\":30,\"total_tokens\":37}},\"metadata\":{{\"usage\":\"n/a\"}}}}}}\n\n",
+            "A".repeat(MAX_SSE_EVENT + 1000)
+        );
+        for terminated in [true, false] {
+            let stream = if terminated {
+                big.clone()
+            } else {
+                big.trim_end().to_owned()
+            };
+            for piece in [64 * 1024, 1_000_003] {
+                let mut f = SseFilter::new(false);
+                f.ends = AnswerEnd::DoneEvent;
+                let mut out = Vec::new();
+                for p in stream.as_bytes().chunks(piece) {
+                    out.extend_from_slice(&f.push(Bytes::copy_from_slice(p)));
+                }
+                out.extend_from_slice(&f.flush());
+                assert!(out == stream.as_bytes(), "forwarded as it came");
+                let usage = f.usage.expect("the usage at the event's end");
+                assert_eq!(
+                    (usage.input, usage.output, usage.total),
+                    (Some(7), Some(30), 37),
+                    "terminated {terminated}, pieces of {piece}"
+                );
+            }
+        }
+        // A large event without a usage leaves the stream's as it was.
+        let mut f = SseFilter::new(false);
+        let usage = "data: {\"choices\":[],\"usage\":{\"total_tokens\":21}}\n\n";
+        f.push(Bytes::from_static(usage.as_bytes()));
+        let big = format!(
+            "data: {{\"image\":\"{}\"}}\n\n",
+            "A".repeat(MAX_SSE_EVENT + 1)
+        );
+        f.push(Bytes::from(big));
+        f.flush();
+        assert_eq!(f.tokens, Some(21));
     }
 
     /// What a caller reads as the JSON of each event of `stream`: its `data:` lines joined.

@@ -222,6 +222,80 @@ fn quick_read(body: &[u8]) -> Option<Read> {
     })
 }
 
+/// How many of a body's or an event's last bytes [`Tail`] keeps: room for the members that
+/// follow a response's `usage` (OpenAI's `user` and `metadata`, a few KiB at most) and the
+/// usage itself.
+pub const TAIL_BYTES: usize = 64 * 1024;
+
+/// The last [`TAIL_BYTES`] of a body or an event too large to hold whole, kept as it goes by:
+/// where its usage is, after the output it counts (docs/design.md §6).
+#[derive(Default)]
+pub struct Tail(Vec<u8>);
+
+impl Tail {
+    /// Keeps `bytes` as the tail's end.
+    pub fn push(&mut self, bytes: &[u8]) {
+        if bytes.len() >= TAIL_BYTES {
+            self.0.clear();
+            self.0.extend_from_slice(&bytes[bytes.len() - TAIL_BYTES..]);
+            return;
+        }
+        // Trimmed once it holds twice the tail: each byte is moved about once.
+        if self.0.len() + bytes.len() > 2 * TAIL_BYTES {
+            let keep = TAIL_BYTES - bytes.len();
+            self.0.drain(..self.0.len() - keep);
+        }
+        self.0.extend_from_slice(bytes);
+    }
+
+    /// The usage read from the tail ([`usage_in_tail`]); the tail is emptied.
+    pub fn usage(&mut self) -> Option<TokenUsage> {
+        let usage = usage_in_tail(&self.0);
+        self.0 = Vec::new();
+        usage
+    }
+}
+
+/// The usage a body or an event too large to hold states, read from its last bytes: the last
+/// `"usage"` key there whose value is an object that ends within them and reads as a usage. A
+/// body's members cannot be told apart by depth from its tail alone; OpenAI's responses put
+/// `usage` after everything a caller shapes but `user` and `metadata` (whose values are
+/// strings), so the last one is the response's. `None` if there is none.
+pub fn usage_in_tail(tail: &[u8]) -> Option<TokenUsage> {
+    let finder = memchr::memmem::FinderRev::new(b"\"usage\"");
+    for at in finder.rfind_iter(tail) {
+        // A quote escaped (an odd run of backslashes before it) is text inside a string; a run
+        // that reaches the tail's start cannot be told.
+        let run = tail[..at].iter().rev().take_while(|&&b| b == b'\\').count();
+        if run % 2 == 1 || run == at {
+            continue;
+        }
+        let colon = json::skip_space(tail, at + b"\"usage\"".len());
+        if tail.get(colon) != Some(&b':') {
+            continue;
+        }
+        let open = json::skip_space(tail, colon + 1);
+        if tail.get(open) != Some(&b'{') {
+            continue;
+        }
+        let Some(end) = json::value_end(tail, open) else {
+            continue;
+        };
+        let raw = &tail[open..end];
+        let usage = match quick_usage(raw) {
+            Some(u) => u,
+            None => serde_json::from_slice::<Usage>(raw).ok(),
+        };
+        // An object of that name with no count in it is not a usage.
+        if let Some(u) = usage
+            .filter(|u| u.total_tokens.is_some() || u.input().is_some() || u.output().is_some())
+        {
+            return Some(u.detail());
+        }
+    }
+    None
+}
+
 /// A `usage` value: `null`, or an object of counts each a plain integer or `null`; `None` for
 /// anything else (left to the full parse).
 fn quick_usage(raw: &[u8]) -> Option<Option<Usage>> {
@@ -298,6 +372,43 @@ mod tests {
     use bytes::Bytes;
 
     use super::super::request::prepare_request;
+
+    #[test]
+    fn a_tail_reads_the_last_usage_that_is_a_key() {
+        let read = |t: &str| usage_in_tail(t.as_bytes()).map(|u| (u.input, u.output, u.total));
+        // The response's, after output that mentions usage in its text (escaped quotes).
+        let body = r#"ut":[{"text":"say \"usage\":{\"total_tokens\":1}"}],"usage":{"prompt_tokens":3,"completion_tokens":4},"user":null}"#;
+        assert_eq!(read(body), Some((Some(3), Some(4), 7)));
+        // The last key whose value is a usage object wins; one with no count is no usage.
+        let body = r#"{"usage":{"total_tokens":5}},"tools":[],"usage":{"type":"object"}}"#;
+        assert_eq!(read(body), Some((None, None, 5)));
+        // A usage cut at the tail's start, or not closed within it, is not read.
+        assert_eq!(read(r#"usage":{"total_tokens":5}}"#), None);
+        assert_eq!(read(r#"{"usage":{"total_tokens":5"#), None);
+        // A quote whose escape may lie before the tail's start cannot be told.
+        assert_eq!(read(r#"\"usage":{"total_tokens":5}}"#), None);
+        assert_eq!(read(r#"\\"usage":{"total_tokens":5}}"#), None);
+        assert_eq!(
+            read(r#"x "usage" : { "total_tokens" : 5 } }"#),
+            Some((None, None, 5))
+        );
+    }
+
+    #[test]
+    fn a_tail_keeps_the_last_bytes_however_they_come() {
+        let body: Vec<u8> = (0..5 * TAIL_BYTES).map(|i| (i % 251) as u8).collect();
+        for piece in [1, 7, 4096, TAIL_BYTES - 1, TAIL_BYTES, 3 * TAIL_BYTES] {
+            let mut t = Tail::default();
+            for p in body.chunks(piece) {
+                t.push(p);
+                assert!(t.0.len() <= 2 * TAIL_BYTES, "pieces of {piece}");
+            }
+            assert!(
+                t.0.ends_with(&body[body.len() - TAIL_BYTES..]),
+                "pieces of {piece}"
+            );
+        }
+    }
     use super::super::sse::model_in;
     use super::*;
 

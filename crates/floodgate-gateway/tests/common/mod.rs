@@ -87,7 +87,8 @@ fn header_u64(h: &HeaderMap, name: &str, default: u64) -> u64 {
 /// `x-test-usage-delay-ms` that last chunk carries `"finish_reason": "stop"` and the usage chunk
 /// comes that long after it (with `x-test-break-after-finish` the upstream breaks off then
 /// instead: no usage chunk, no `[DONE]`, the body ends in an error); a JSON
-/// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole.
+/// body ends (its last, empty chunk) `x-test-end-delay-ms` (default 0) after it was sent whole,
+/// its message's content `x-test-content-bytes` (default 2) long.
 async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Response {
     seen.hits.fetch_add(1, Ordering::SeqCst);
     let req: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
@@ -114,6 +115,12 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
             "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}, "finish_reason": "stop"}],
             "usage": usage,
         }));
+        let content_bytes = header_u64(&headers, "x-test-content-bytes", 2);
+        let mut completion = completion;
+        if content_bytes != 2 {
+            let content = "A".repeat(usize::try_from(content_bytes).unwrap());
+            completion["choices"][0]["message"]["content"] = Value::String(content);
+        }
         let end = Duration::from_millis(header_u64(&headers, "x-test-end-delay-ms", 0));
         if let Some(content_type) = headers.get("x-test-content-type") {
             return Response::builder()
