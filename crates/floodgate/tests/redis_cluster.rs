@@ -407,3 +407,143 @@ async fn a_reservation_across_slots_is_reconciled_at_each_steps_instant() {
         .unwrap();
     assert!(pinned_d.charged_at.is_empty());
 }
+
+/// A cluster of the test's own (three primaries, no replicas), whose nodes a test may make
+/// refuse writes; stopped on drop.
+struct OwnCluster {
+    dir: std::path::PathBuf,
+    seeds: Vec<String>,
+}
+
+impl OwnCluster {
+    fn start(name: &str) -> OwnCluster {
+        let dir = std::env::temp_dir().join(format!(
+            "floodgate-lib-own-cluster-{name}-{}",
+            std::process::id()
+        ));
+        let out = std::process::Command::new(Self::script())
+            .arg("start")
+            .arg(&dir)
+            .args(["3", "0"])
+            .output()
+            .expect("scripts/redis-cluster runs (redis-server and redis-cli installed)");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let seeds = String::from_utf8(out.stdout).unwrap();
+        let seeds = seeds.trim().split(',').map(str::to_owned).collect();
+        OwnCluster { dir, seeds }
+    }
+
+    fn script() -> std::path::PathBuf {
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/redis-cluster")
+    }
+
+    fn cli(&self, port: u16, args: &[&str]) -> String {
+        let out = std::process::Command::new("redis-cli")
+            .arg("-p")
+            .arg(port.to_string())
+            .args(args)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    fn any_port(&self) -> u16 {
+        self.seeds[0].rsplit(':').next().unwrap().parse().unwrap()
+    }
+
+    /// The port of the primary serving hash tag `tag`'s slot.
+    fn primary_of(&self, tag: &str) -> u16 {
+        let via = self.any_port();
+        let slot: u16 = self
+            .cli(via, &["cluster", "keyslot", &format!("{{{tag}}}")])
+            .trim()
+            .parse()
+            .unwrap();
+        for line in self.cli(via, &["cluster", "nodes"]).lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            if f.len() < 9 || !f[2].contains("master") {
+                continue;
+            }
+            let serves = f[8..].iter().any(|range| match range.split_once('-') {
+                Some((a, b)) => (a.parse::<u16>().unwrap()..=b.parse().unwrap()).contains(&slot),
+                None => range.parse::<u16>() == Ok(slot),
+            });
+            if serves {
+                return f[1].split(['@', ':']).nth(1).unwrap().parse().unwrap();
+            }
+        }
+        panic!("no primary serves {tag}'s slot")
+    }
+
+    /// Makes the node on `port` refuse every write (`OOM`), or take them again.
+    fn refuse_writes(&self, port: u16, refuse: bool) {
+        let max = if refuse { "1" } else { "0" };
+        assert_eq!(
+            self.cli(port, &["config", "set", "maxmemory", max]).trim(),
+            "OK"
+        );
+    }
+}
+
+impl Drop for OwnCluster {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new(Self::script())
+            .arg("stop")
+            .arg(&self.dir)
+            .status();
+    }
+}
+
+/// An org's budget and the gateway's, in slots served by two different primaries (the org's
+/// and the gateway's), each with a cap nothing here reaches.
+fn budgets_on_two_nodes(cluster: &OwnCluster) -> (floodgate::Budgets, u16, u16) {
+    use floodgate::{Budget, Budgets, Period};
+    let gateway = cluster.primary_of("gateway");
+    let org = (0..)
+        .map(|i| format!("acme{i}"))
+        .find(|o| cluster.primary_of(&format!("org:{o}")) != gateway)
+        .unwrap();
+    let budgets = Budgets::new(vec![
+        Budget::new(
+            &format!("org:{org}"),
+            ScopeKind::Org,
+            &org,
+            Period::Day,
+            1_000_000,
+        ),
+        Budget::new(
+            "gateway",
+            ScopeKind::Gateway,
+            "gateway",
+            Period::Day,
+            1_000_000,
+        ),
+    ]);
+    (budgets, cluster.primary_of(&format!("org:{org}")), gateway)
+}
+
+/// A refused request's budget reservation is taken back slot by slot: a slot whose node fails
+/// the refund keeps its part (towards stricter, counted as an error), and every other slot is
+/// still refunded, not left charged for the rest of the period.
+#[tokio::test]
+async fn a_reservation_refund_reaches_every_slot_that_answers() {
+    if seeds("a_reservation_refund_reaches_every_slot_that_answers").is_none() {
+        return;
+    }
+    let cluster = OwnCluster::start("refund");
+    let store = store_with(&cluster.seeds, &prefix()).await;
+    let (budgets, org_node, _) = budgets_on_two_nodes(&cluster);
+    let reserved = budgets.reserve(&store, 300).await.unwrap();
+    assert!(reserved.allowed());
+    // The org's slot, refunded first, fails; the gateway's node is fine.
+    cluster.refuse_writes(org_node, true);
+    let refunded = budgets.reconcile(&store, reserved.now, -300).await;
+    cluster.refuse_writes(org_node, false);
+    assert!(refunded.is_err(), "the org's part failed");
+    let spent = budgets.check(&store).await.unwrap().spent;
+    assert_eq!(spent, [300, 0], "the gateway's part was refunded");
+}

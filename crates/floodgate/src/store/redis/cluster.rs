@@ -328,7 +328,9 @@ impl RedisStore {
     }
 
     /// Adds `delta` (signed) to each of `limits`' bucket of instant `at` (`reconcile.lua`): a
-    /// reservation's difference, or a cross-slot refund. On a cluster, one call per slot.
+    /// reservation's difference, or a cross-slot refund. On a cluster, one call per slot: one
+    /// that fails leaves its part undone and the others are still sent; the first failure is
+    /// returned.
     pub(super) async fn add_to_buckets(
         &self,
         limits: &[&ChainLimit],
@@ -337,6 +339,7 @@ impl RedisStore {
         now: Option<Timestamp>,
     ) -> Result<(), Failure> {
         use super::scripts::RECONCILE;
+        let mut failed = None;
         for (_, part) in self.by_slot(limits, |l| l.key()) {
             let n = part.len();
             let mut cmd = self.evalsha(&RECONCILE, n, 2 + 3 * n);
@@ -349,9 +352,11 @@ impl RedisStore {
                 let w = limits[i].limit().window_micros();
                 cmd.arg(w).arg(at.as_micros() / w).arg(ttl_millis(w));
             }
-            self.inner.run::<()>(&RECONCILE, &cmd).await?;
+            if let Err(f) = self.inner.run::<()>(&RECONCILE, &cmd).await {
+                failed.get_or_insert(f);
+            }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 }
 

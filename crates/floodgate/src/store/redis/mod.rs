@@ -689,7 +689,10 @@ impl Store for RedisStore {
         if counters.is_empty() || delta == 0 {
             return Ok(());
         }
-        // One call per slot on a cluster (a counter is its own add: nothing spans them).
+        // One call per slot on a cluster (a counter is its own add: nothing spans them). A slot
+        // that fails keeps its part; the others are still sent (a refused request's refund left
+        // out of every slot after the failed one would stay charged there for the period).
+        let mut failed = None;
         for (_, part) in self.by_slot(counters, |c| c.key()) {
             let n = part.len();
             let mut cmd = self.evalsha(&PERIODS_RECONCILE, n, 3 + n);
@@ -702,12 +705,12 @@ impl Store for RedisStore {
                 cmd.arg(counters[i].period().as_str());
             }
             let op = &PERIODS_RECONCILE;
-            self.inner.run::<()>(op, &cmd).await.map_err(|f| {
+            if let Err(f) = self.inner.run::<()>(op, &cmd).await {
                 bump(&self.inner.counters.errors);
-                Error::from(f)
-            })?;
+                failed.get_or_insert(Error::from(f));
+            }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     async fn read_state(
