@@ -274,7 +274,7 @@ impl Budgets {
             decision.waits_for = None;
             return Ok(decision);
         }
-        let seen = store.add_periods(&self.counters, amount, None).await?;
+        let seen = store.reserve_periods(&self.counters, amount, None).await?;
         let before: Vec<u64> = seen
             .totals
             .iter()

@@ -547,3 +547,23 @@ async fn a_reservation_refund_reaches_every_slot_that_answers() {
     let spent = budgets.check(&store).await.unwrap().spent;
     assert_eq!(spent, [300, 0], "the gateway's part was refunded");
 }
+
+/// A budget reservation is all or nothing: if one slot's add fails, the slots whose adds
+/// landed are taken back, so that the request, answered with the store's error (or admitted
+/// unchecked, budgets failing open, and then charged its spend), is not also charged its
+/// reservation's price there for the rest of the period.
+#[tokio::test]
+async fn a_reservation_that_fails_in_one_slot_is_taken_back_from_the_others() {
+    if seeds("a_reservation_that_fails_in_one_slot_is_taken_back_from_the_others").is_none() {
+        return;
+    }
+    let cluster = OwnCluster::start("reserve");
+    let store = store_with(&cluster.seeds, &prefix()).await;
+    let (budgets, _, gateway_node) = budgets_on_two_nodes(&cluster);
+    cluster.refuse_writes(gateway_node, true);
+    let reserved = budgets.reserve(&store, 300).await;
+    cluster.refuse_writes(gateway_node, false);
+    assert!(reserved.is_err(), "the gateway's part failed");
+    let spent = budgets.check(&store).await.unwrap().spent;
+    assert_eq!(spent, [0, 0], "the org's part was taken back");
+}

@@ -183,6 +183,18 @@ impl Store for AnyStore {
         }
     }
 
+    async fn reserve_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        match self {
+            AnyStore::Memory(s) => s.reserve_periods(counters, amount, now).await,
+            AnyStore::Redis(s) => s.reserve_periods(counters, amount, now).await,
+        }
+    }
+
     fn lease(&self) -> Lease {
         match self {
             AnyStore::Memory(s) => s.lease(),

@@ -287,6 +287,20 @@ pub trait Store: Send + Sync {
         now: Option<Timestamp>,
     ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send;
 
+    /// [`add_periods`](Self::add_periods) for a reservation (a decision, which
+    /// [`Budgets::reserve`](crate::Budgets::reserve) takes back on a refusal): all or nothing as
+    /// far as the store can tell. A store that adds slot by slot (a Redis Cluster) takes back the
+    /// slots whose adds landed when another's failed, so that a reservation that failed is
+    /// charged to nothing. The default is `add_periods`, atomic on a store that adds in one step.
+    fn reserve_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> impl Future<Output = Result<PeriodObservation, Error>> + Send {
+        self.add_periods(counters, amount, now)
+    }
+
     /// Reconciles an amount added at `reserved_at` (a budget's reservation): adds `delta`
     /// (actual minus reserved, signed) to each counter's total in the period `reserved_at` fell
     /// in, never below zero, as [`PeriodState::reconciled`](crate::period::PeriodState::reconciled)

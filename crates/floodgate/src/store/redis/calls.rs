@@ -127,12 +127,16 @@ impl RedisStore {
     }
 
     /// Adds `amount` to every counter of `counters` (not empty), through a charge batch (on a
-    /// cluster, one per slot, the totals put back in order).
+    /// cluster, one per slot, the totals put back in order). With `whole` (a reservation, a
+    /// decision), a cluster's add that fails in one slot is taken back from the slots whose
+    /// adds landed, as one server's failed add adds nothing; without (a spend), each slot keeps
+    /// what it took.
     pub(super) async fn add_periods_inner(
         &self,
         counters: &[PeriodCounter],
         amount: u64,
         now: Option<Timestamp>,
+        whole: bool,
     ) -> Result<PeriodObservation, Failure> {
         if !self.is_cluster() {
             let work = Work::periods(counters.to_vec(), amount);
@@ -145,18 +149,48 @@ impl RedisStore {
         }
         let parts = self.by_slot(counters, |c| c.key());
         let mut waits = Vec::with_capacity(parts.len());
+        let mut failed = None;
         for (slot, part) in &parts {
             let list = part.iter().map(|&i| counters[i].clone()).collect();
-            waits.push(self.charge(*slot, Work::periods(list, amount), now)?);
+            match self.charge(*slot, Work::periods(list, amount), now) {
+                Ok(wait) => waits.push(wait),
+                Err(f) => {
+                    failed = Some(f);
+                    break;
+                }
+            }
         }
         let mut at = None;
         let mut totals = vec![0; counters.len()];
+        // Each part that landed, with its instant (the period it went into).
+        let mut took = Vec::with_capacity(waits.len());
         for ((_, part), wait) in parts.iter().zip(waits) {
-            let (t, seen) = landed(wait).await?;
-            at.get_or_insert(t);
-            for (&i, total) in part.iter().zip(seen) {
-                totals[i] = total;
+            match landed(wait).await {
+                Ok((t, seen)) => {
+                    at.get_or_insert(t);
+                    for (&i, total) in part.iter().zip(seen) {
+                        totals[i] = total;
+                    }
+                    took.push((part, t));
+                }
+                Err(f) => {
+                    failed.get_or_insert(f);
+                }
             }
+        }
+        if let Some(failure) = failed {
+            if whole {
+                let refund = -i64::try_from(amount).unwrap_or(i64::MAX);
+                for (part, t) in took {
+                    let list: Vec<PeriodCounter> =
+                        part.iter().map(|&i| counters[i].clone()).collect();
+                    let at = Timestamp::from_micros(t);
+                    // A refund that fails is counted and leaves that part (towards stricter).
+                    let _ =
+                        crate::store::Store::reconcile_periods(self, &list, at, refund, now).await;
+                }
+            }
+            return Err(failure);
         }
         Ok(PeriodObservation {
             now: Timestamp::from_micros(at.unwrap_or_default()),
@@ -222,7 +256,9 @@ impl RedisStore {
                     done = store.record_inner(limits, *units, None).await;
                 }
                 if let Some((counters, amount)) = &work.periods {
-                    let added = store.add_periods_inner(counters, *amount, None).await;
+                    let added = store
+                        .add_periods_inner(counters, *amount, None, false)
+                        .await;
                     done = done.and(added.map(drop));
                 }
                 reply.send(done.map(|()| (0, Vec::new())));

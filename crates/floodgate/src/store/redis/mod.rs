@@ -671,7 +671,24 @@ impl Store for RedisStore {
         if counters.is_empty() {
             return Ok(no_periods(now));
         }
-        self.add_periods_inner(counters, amount, now)
+        self.add_periods_inner(counters, amount, now, false)
+            .await
+            .map_err(|f| {
+                bump(&self.inner.counters.errors);
+                f.into()
+            })
+    }
+
+    async fn reserve_periods(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            return Ok(no_periods(now));
+        }
+        self.add_periods_inner(counters, amount, now, true)
             .await
             .map_err(|f| {
                 bump(&self.inner.counters.errors);
