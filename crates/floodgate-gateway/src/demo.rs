@@ -64,7 +64,8 @@ fn error(status: StatusCode, message: &str) -> Response {
 async fn not_found() -> Response {
     error(
         StatusCode::NOT_FOUND,
-        "The floodgate demo upstream only answers POST /v1/chat/completions and GET /v1/models.",
+        "The floodgate demo upstream only answers POST /v1/chat/completions, GET /v1/models and \
+         WebSocket sessions on GET /v1/realtime.",
     )
 }
 
@@ -518,6 +519,27 @@ mod tests {
         client.read_exact(&mut close).await.unwrap();
         assert_eq!(close[..2], [0x88, 2]);
         assert_eq!(u16::from_be_bytes([close[2], close[3]]), 1009);
+    }
+
+    #[tokio::test]
+    async fn a_path_it_does_not_answer_names_every_one_it_does() {
+        use http_body_util::BodyExt;
+        use tower::ServiceExt;
+        let req = axum::http::Request::get("/v1/embeddings")
+            .body(Body::empty())
+            .unwrap();
+        let answer = router().oneshot(req).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::NOT_FOUND);
+        let body = answer.into_body().collect().await.unwrap().to_bytes();
+        let body: Value = serde_json::from_slice(&body).unwrap();
+        let message = body["error"]["message"].as_str().unwrap();
+        for route in [
+            "POST /v1/chat/completions",
+            "GET /v1/models",
+            "GET /v1/realtime",
+        ] {
+            assert!(message.contains(route), "{route} missing from {message}");
+        }
     }
 
     #[test]
