@@ -3,8 +3,8 @@
 //!
 //! - A JSON response's `usage` (`total_tokens`, else `prompt_tokens + completion_tokens`, or the
 //!   Responses API's `input_tokens + output_tokens`) is read when the body ends. The body is
-//!   forwarded frame by frame as it arrives; the frames are only kept (as cheap `Bytes` clones)
-//!   to be parsed at the end.
+//!   forwarded frame by frame as it arrives; the frames are only kept (the first as a cheap
+//!   `Bytes` clone, the rest copied into one buffer) to be parsed at the end.
 //! - A server-sent event stream is forwarded event by event as soon as each event is complete;
 //!   the last event carrying a `usage` gives the tokens. For a streaming request the gateway
 //!   asks the upstream for that usage (`stream_options.include_usage = true`) and, if the caller
@@ -29,7 +29,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use axum::body::Body;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use floodgate::{Budgets, Chain};
 use http_body::{Frame, SizeHint};
 
@@ -112,38 +112,41 @@ pub struct MeteredBody {
     trailers: Option<Frame<Bytes>>,
 }
 
-/// A JSON body's frames, kept to read its usage at its end: the first on its own (a body
-/// mostly comes in one), so that keeping it allocates nothing.
+/// A JSON body's frames, kept to read its usage at its end: the first as it came (a body
+/// mostly comes in one, so that keeping it allocates nothing), the rest copied into one buffer
+/// with it. Kept as they came, the frames of a body sent in many small pieces (a chunked body of
+/// one-byte chunks) would each hold a handle and the upstream connection's read buffer it is a
+/// slice of: many times the body's bytes (one of 15 MiB in one-byte chunks took 610 MiB), where
+/// [`MAX_JSON_METERED`] counts the bytes alone.
 #[derive(Default)]
 struct Frames {
     first: Option<Bytes>,
-    rest: Vec<Bytes>,
+    /// Every frame so far, the first included, once a second has come.
+    joined: BytesMut,
 }
 
 impl Frames {
     fn push(&mut self, frame: Bytes) {
-        match self.first {
-            None => self.first = Some(frame),
-            Some(_) => self.rest.push(frame),
+        match &self.first {
+            None if self.joined.is_empty() => self.first = Some(frame),
+            None => self.joined.extend_from_slice(&frame),
+            Some(first) => {
+                self.joined.reserve(first.len() + frame.len());
+                self.joined.extend_from_slice(first);
+                self.joined.extend_from_slice(&frame);
+                self.first = None;
+            }
         }
     }
 
-    /// The frames so far as one body: borrowed when there is one.
-    fn whole(&self) -> std::borrow::Cow<'_, [u8]> {
-        match &self.first {
-            None => std::borrow::Cow::Borrowed(&[]),
-            Some(first) if self.rest.is_empty() => std::borrow::Cow::Borrowed(first),
-            Some(first) => {
-                let mut all = Vec::with_capacity(
-                    first.len() + self.rest.iter().map(Bytes::len).sum::<usize>(),
-                );
-                all.extend_from_slice(first);
-                for frame in &self.rest {
-                    all.extend_from_slice(frame);
-                }
-                std::borrow::Cow::Owned(all)
-            }
-        }
+    /// Whether no frame has come.
+    fn is_empty(&self) -> bool {
+        self.first.is_none() && self.joined.is_empty()
+    }
+
+    /// The frames so far as one body.
+    fn whole(&self) -> &[u8] {
+        self.first.as_deref().unwrap_or(&self.joined)
     }
 }
 
@@ -218,9 +221,10 @@ impl MeteredBody {
             return;
         }
         if let Mode::Json { chunks, .. } = &mut self.mode {
-            let (usage, model) = match chunks.first {
-                None => (None, None),
-                Some(_) => usage_and_model_from_json(&chunks.whole()),
+            let (usage, model) = if chunks.is_empty() {
+                (None, None)
+            } else {
+                usage_and_model_from_json(chunks.whole())
             };
             *chunks = Frames::default();
             self.tokens = usage.map(|u| u.total);
@@ -239,7 +243,7 @@ impl MeteredBody {
         match &self.mode {
             Mode::Pass => false,
             Mode::Json { chunks, .. } => {
-                chunks.first.is_some() && usage_and_model_from_json(&chunks.whole()).0.is_none()
+                !chunks.is_empty() && usage_and_model_from_json(chunks.whole()).0.is_none()
             }
             // Its usage is at its end, still to come.
             Mode::JsonTail(_) => true,
@@ -425,9 +429,7 @@ impl http_body::Body for MeteredBody {
                             "JSON response too large to hold: its usage is read from its end"
                         );
                         let mut tail = Tail::default();
-                        for kept in std::iter::once(&chunks.first).flatten().chain(&chunks.rest) {
-                            tail.push(kept);
-                        }
+                        tail.push(chunks.whole());
                         tail.push(&data);
                         this.mode = Mode::JsonTail(tail);
                         if this.inner.is_end_stream() {
@@ -470,5 +472,43 @@ impl http_body::Body for MeteredBody {
             Mode::Sse(_) => SizeHint::default(),
             _ => self.inner.size_hint(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_body_of_many_small_frames_is_kept_in_one_buffer_of_its_bytes() {
+        // An upstream's frames are slices of its connection's read buffer: a body in one-byte
+        // chunks comes as a frame a byte.
+        let read_buffer = Bytes::from(vec![b' '; 64 * 1024]);
+        let mut frames = Frames::default();
+        frames.push(Bytes::from_static(br#"{"usage":{"total_tokens":7}"#));
+        for i in 0..10_000 {
+            frames.push(read_buffer.slice(i..i + 1));
+        }
+        frames.push(Bytes::from_static(b"}"));
+        // Kept as they came, they would hold the read buffer (and a handle each).
+        assert!(
+            read_buffer.is_unique(),
+            "the frames hold the upstream's buffer"
+        );
+        assert_eq!(frames.whole().len(), 27 + 10_000 + 1);
+        assert_eq!(
+            usage_and_model_from_json(frames.whole()).0.unwrap().total,
+            7
+        );
+    }
+
+    #[test]
+    fn a_body_of_one_frame_is_kept_as_it_came() {
+        let body = Bytes::from_static(br#"{"usage":{"total_tokens":7}}"#);
+        let mut frames = Frames::default();
+        assert!(frames.is_empty());
+        frames.push(body.clone());
+        assert!(!frames.is_empty());
+        assert_eq!(frames.whole().as_ptr(), body.as_ptr());
     }
 }
