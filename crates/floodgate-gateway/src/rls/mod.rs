@@ -106,6 +106,24 @@ pub async fn open_store(
     }
 }
 
+/// The most calls read and decided at once, over every connection. A call's message is read
+/// whole before it is decided (up to tonic's 4 MiB), and neither the calls of one connection
+/// nor the connections are otherwise bounded: a client holding many calls with their messages
+/// half sent made the process hold 4 MiB for each (200 of them on one connection: 900 MiB). A
+/// call past this waits for its turn before its message is read (the rest of it then waits in
+/// the client, under HTTP/2's flow control): with this, the same 200 held about 300 MiB. Far past what
+/// Envoy keeps in flight (a call is decided in microseconds on memory, a round trip on Redis).
+pub const MAX_CALLS: usize = 64;
+
+/// How long a call may take once its turn came (reading its message included), unless it asks
+/// for less (`grpc-timeout`): a client that never finishes its messages does not keep the
+/// turns of [`MAX_CALLS`] from everyone else. Envoy gives up on a call after 20 ms by default.
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The most calls one connection may have open at once: hyper's default for an HTTP/2 server,
+/// which tonic's leaves unbounded.
+const MAX_STREAMS: u32 = 200;
+
 /// Serves `rls` over gRPC on `listener` until `shutdown` completes, then lets calls in flight
 /// finish.
 pub async fn run(
@@ -115,6 +133,9 @@ pub async fn run(
 ) -> Result<(), RlsError> {
     let incoming = tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
     tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS)
+        .timeout(CALL_TIMEOUT)
+        .layer(tower::limit::GlobalConcurrencyLimitLayer::new(MAX_CALLS))
         .add_service(RateLimitServiceServer::from_arc(rls))
         .serve_with_incoming_shutdown(incoming, shutdown)
         .await
