@@ -1186,33 +1186,11 @@ async fn a_realtime_session_closes_for_its_caller_only_once_its_slot_is_back() {
     }
 }
 
-/// What the gateway logs at `info`, kept (for the tasks of the test's own thread).
-#[derive(Clone, Default)]
-struct Logs(Arc<std::sync::Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// A shadow concurrency limit takes its slot past its max and never refuses; a request it alone
 /// would refuse is counted as `shadow_over` and logged, as a shadow rate limit's is.
 #[tokio::test]
 async fn a_shadow_concurrency_limit_over_admits_and_is_logged() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (logs, _logging) = capture_logs();
     let (gate, url) = Gate::serve().await;
     let config =
         two_at_once("").replace("max_in_flight = 2 }", "max_in_flight = 1, shadow = true }");
@@ -1228,7 +1206,7 @@ async fn a_shadow_concurrency_limit_over_admits_and_is_logged() {
     let over =
         r#"floodgate_limit_decisions_total{scope="key",kind="in_flight",outcome="shadow_over"} 1"#;
     assert!(metrics.contains(over), "{metrics}");
-    let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+    let logged = logs.text();
     let line = logged
         .lines()
         .find(|l| l.contains("a shadow concurrency limit would have refused this request"))

@@ -655,39 +655,17 @@ async fn either_side_closing_ends_the_session() {
     live_sessions_reach(&gw, 0).await;
 }
 
-/// What the gateway logs at `info`, kept (for the tasks of the test's own thread).
-#[derive(Clone, Default)]
-struct Logs(Arc<Mutex<Vec<u8>>>);
-
-impl std::io::Write for Logs {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.0.lock().unwrap().extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
 /// The session's end line names the side that ended it: a caller's close frame, which the
 /// upstream answers and then closes its connection (as a WebSocket server does), is the
 /// caller's end, not the upstream's; a failed connection is named too. (One test captures the logs: tracing's global level hint
 /// is not to be raced by several.)
 #[tokio::test]
 async fn the_end_line_names_the_side_that_ended_the_session() {
-    let logs = Logs::default();
-    let writer = logs.clone();
-    let subscriber = tracing_subscriber::fmt()
-        .with_writer(move || writer.clone())
-        .with_ansi(false)
-        .with_max_level(tracing::Level::INFO)
-        .finish();
-    let _logging = tracing::subscriber::set_default(subscriber);
+    let (logs, _logging) = capture_logs();
     let up = ws_upstream().await;
     let gw = gateway(PLAIN, &up.url()).await;
     let ends = || {
-        let logged = String::from_utf8_lossy(&logs.0.lock().unwrap()).into_owned();
+        let logged = logs.text();
         logged
             .lines()
             .filter(|l| l.contains("realtime session ended"))
@@ -718,15 +696,7 @@ async fn the_end_line_names_the_side_that_ended_the_session() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut tcp, _) = listener.accept().await.unwrap();
-        let mut head = Vec::new();
-        while !head.ends_with(b"\r\n\r\n") {
-            head.push(tcp.read_u8().await.unwrap());
-        }
-        let answer = format!(
-            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
-             sec-websocket-accept: {WS_ACCEPT}\r\n\r\n"
-        );
-        tcp.write_all(answer.as_bytes()).await.unwrap();
+        accept_upgrade(&mut tcp).await;
         let _ = tcp.read_u8().await;
         tcp.set_zero_linger().unwrap();
     });
@@ -1619,15 +1589,7 @@ async fn a_session_whose_upstream_takes_nothing_ends() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
         let (mut tcp, _) = listener.accept().await.unwrap();
-        let mut head = Vec::new();
-        while !head.ends_with(b"\r\n\r\n") {
-            head.push(tcp.read_u8().await.unwrap());
-        }
-        let answer = format!(
-            "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
-             sec-websocket-accept: {WS_ACCEPT}\r\n\r\n"
-        );
-        tcp.write_all(answer.as_bytes()).await.unwrap();
+        accept_upgrade(&mut tcp).await;
         // Held open, never read again.
         std::future::pending::<()>().await;
         drop(tcp);
@@ -1715,4 +1677,17 @@ async fn a_session_holds_its_keys_slot_on_every_replica_on_redis() {
         fresh_prefix()
     );
     sessions_hold_their_slots(&store, 2).await;
+}
+
+/// For a raw upstream: reads the upgrade request's head from `tcp` and answers it 101.
+async fn accept_upgrade(tcp: &mut TcpStream) {
+    let mut head = Vec::new();
+    while !head.ends_with(b"\r\n\r\n") {
+        head.push(tcp.read_u8().await.unwrap());
+    }
+    let answer = format!(
+        "HTTP/1.1 101 Switching Protocols\r\nconnection: upgrade\r\nupgrade: websocket\r\n\
+         sec-websocket-accept: {WS_ACCEPT}\r\n\r\n"
+    );
+    tcp.write_all(answer.as_bytes()).await.unwrap();
 }

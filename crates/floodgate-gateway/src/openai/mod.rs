@@ -10,5 +10,7 @@ mod json;
 pub mod paths;
 pub mod realtime;
 pub mod request;
+#[cfg(test)]
+mod rng;
 pub mod sse;
 pub mod usage;

@@ -889,18 +889,7 @@ mod tests {
 mod split_props {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-    }
+    use super::super::rng::Rng;
 
     /// A generated stream: its bytes, what a filter must forward, the tokens it must read.
     fn gen_stream(rng: &mut Rng, strip: bool) -> (Vec<u8>, Vec<u8>, Option<u64>) {

@@ -609,21 +609,7 @@ mod tests {
 mod quick_props {
     use super::*;
 
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 << 13;
-            self.0 ^= self.0 >> 7;
-            self.0 ^= self.0 << 17;
-            self.0
-        }
-        fn below(&mut self, n: usize) -> usize {
-            (self.next() % n as u64) as usize
-        }
-        fn pick<'a>(&mut self, of: &[&'a str]) -> &'a str {
-            of[self.below(of.len())]
-        }
-    }
+    use super::super::rng::Rng;
 
     fn ws(r: &mut Rng) -> &'static str {
         r.pick(&["", "", "", " ", "\n", "\t", "\r\n  "])

@@ -154,6 +154,26 @@ fn data_identity(config: &RedisConfig) -> u64 {
 }
 
 impl RedisStore {
+    /// [`Store::add_periods`] (`whole`: [`Store::reserve_periods`]): nothing to do for no
+    /// counters; a failure is counted.
+    async fn add_periods_counted(
+        &self,
+        counters: &[PeriodCounter],
+        amount: u64,
+        now: Option<Timestamp>,
+        whole: bool,
+    ) -> Result<PeriodObservation, Error> {
+        if counters.is_empty() {
+            return Ok(no_periods(now));
+        }
+        self.add_periods_inner(counters, amount, now, whole)
+            .await
+            .map_err(|f| {
+                bump(&self.inner.counters.errors);
+                f.into()
+            })
+    }
+
     /// A store for the server `config.url` names, or for the Redis Cluster of
     /// [`RedisConfig::cluster`]'s seeds.
     ///
@@ -668,15 +688,7 @@ impl Store for RedisStore {
         amount: u64,
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Error> {
-        if counters.is_empty() {
-            return Ok(no_periods(now));
-        }
-        self.add_periods_inner(counters, amount, now, false)
-            .await
-            .map_err(|f| {
-                bump(&self.inner.counters.errors);
-                f.into()
-            })
+        self.add_periods_counted(counters, amount, now, false).await
     }
 
     async fn reserve_periods(
@@ -685,15 +697,7 @@ impl Store for RedisStore {
         amount: u64,
         now: Option<Timestamp>,
     ) -> Result<PeriodObservation, Error> {
-        if counters.is_empty() {
-            return Ok(no_periods(now));
-        }
-        self.add_periods_inner(counters, amount, now, true)
-            .await
-            .map_err(|f| {
-                bump(&self.inner.counters.errors);
-                f.into()
-            })
+        self.add_periods_counted(counters, amount, now, true).await
     }
 
     async fn reconcile_periods(
