@@ -429,7 +429,10 @@ async fn max_connections_holds_across_workers_without_a_slot_held_idle() {
 
 /// An upstream that counts the requests that arrive and reads none of their bodies until `gate`
 /// gives it a permit for each: the gateway's forwarding of a large body stalls, and the body
-/// keeps its room meanwhile.
+/// keeps its room meanwhile. Its connections' receive buffers are small and fixed: what the
+/// kernel takes off the gateway's hands is then at most a socket's send buffer (`tcp_wmem`,
+/// 4 MiB by default), and a body larger than that is still held. (Left to grow, the buffers on
+/// the two sides took a whole 4 MiB body on some machines, and the test read no room held.)
 async fn stalling_upstream() -> (String, Arc<AtomicU64>, Arc<tokio::sync::Semaphore>) {
     use axum::extract::{Request, State};
     type Shared = (Arc<AtomicU64>, Arc<tokio::sync::Semaphore>);
@@ -450,7 +453,10 @@ async fn stalling_upstream() -> (String, Arc<AtomicU64>, Arc<tokio::sync::Semaph
             ),
         )
         .with_state(shared.clone());
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let listener = socket.listen(1024).unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     (url, shared.0, shared.1)
@@ -463,10 +469,11 @@ async fn a_key_a_reload_adds_holds_at_most_half_of_the_bound() {
     use floodgate_gateway::reload::Reloader;
 
     let (url, arrived, gate) = stalling_upstream().await;
-    // 16 MiB in all, 8 a key: two bodies of 4 MiB fill a key's share.
+    // 64 MiB in all, 32 a key: two bodies of 16 MiB fill a key's share (each far larger than
+    // what the kernel's buffers take while the upstream reads nothing).
     let text = |keys: &[&str]| {
         let mut t = format!(
-            "[server]\nmax_body_mib = 4\nmax_buffered_mib = 16\nheader_timeout_sec = 2\n\
+            "[server]\nmax_body_mib = 16\nmax_buffered_mib = 64\nheader_timeout_sec = 2\n\
              [upstream]\nbase_url = \"{url}\"\ntimeout_sec = 60\n"
         );
         for k in keys {
@@ -489,7 +496,7 @@ async fn a_key_a_reload_adds_holds_at_most_half_of_the_bound() {
     std::fs::write(&file, text(&["old", "new"])).unwrap();
     reloader.reload().unwrap();
 
-    let content = "x".repeat(4 * 1024 * 1024 - 100);
+    let content = "x".repeat(16 * 1024 * 1024 - 100);
     let large = Bytes::from(format!(
         r#"{{"model":"m","messages":[{{"role":"user","content":"{content}"}}]}}"#
     ));
@@ -506,7 +513,7 @@ async fn a_key_a_reload_adds_holds_at_most_half_of_the_bound() {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let total = 16 << 20;
+    let total = 64 << 20;
     assert_eq!(process.buffers.available(), total - 2 * large.len(), "held");
     // A third finds no room in its share, though the total has half left: 503 at its deadline.
     let third = tokio::time::timeout(Duration::from_secs(10), send("sk-new"))
