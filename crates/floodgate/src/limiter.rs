@@ -39,6 +39,9 @@ use crate::window::Charge;
 #[derive(Clone, Debug, Default)]
 pub struct Chain {
     limits: Vec<ChainLimit>,
+    /// The largest cost every limit can pass, `None` if some limit passes none: what
+    /// [`Costs::never_fits`] answers for one cost across the chain, worked out once.
+    fits_up_to: Option<u64>,
     in_flight: Vec<InFlightLimit>,
     /// The refusal cache, when turned on ([`cache_refusals`](Self::cache_refusals)); clones
     /// share it, as they share the limits.
@@ -65,8 +68,20 @@ impl Chain {
                 .all(|(i, l)| limits[..i].iter().all(|m| m.key() != l.key())),
             "a chain's limits must have distinct storage keys"
         );
+        let fits_up_to = limits.iter().try_fold(u64::MAX, |up_to, l| {
+            let max = l.limit().max();
+            let bound = match l.charge() {
+                _ if l.is_shadow() => u64::MAX,
+                Charge::Admission => max,
+                Charge::Reactive if max > 0 => u64::MAX,
+                Charge::Reserved if max > 0 => max,
+                Charge::Reactive | Charge::Reserved => return None,
+            };
+            Some(up_to.min(bound))
+        });
         Chain {
             limits,
+            fits_up_to,
             in_flight: Vec::new(),
             refusals: None,
         }
@@ -302,13 +317,23 @@ impl Chain {
         self.admit_inner(store, Costs::Each(cost), Some(now))
     }
 
+    /// [`Costs::never_fits`] for this chain: for one cost across it, from the bound worked out
+    /// when the chain was built, without walking its limits.
+    #[inline]
+    fn never_fits(&self, costs: Costs<'_>) -> Option<usize> {
+        match (costs, self.fits_up_to) {
+            (Costs::Each(cost), Some(up_to)) if cost <= up_to => None,
+            _ => costs.never_fits(&self.limits),
+        }
+    }
+
     async fn admit_inner<S: Store>(
         &self,
         store: &S,
         cost: Costs<'_>,
         now: Option<Timestamp>,
     ) -> Result<ChainDecision, Error> {
-        if let Some(i) = cost.never_fits(&self.limits) {
+        if let Some(i) = self.never_fits(cost) {
             let now = now.unwrap_or_else(Timestamp::now);
             return Ok(ChainDecision::impossible(&self.limits, i, now));
         }
@@ -400,7 +425,7 @@ impl Chain {
         // What the one call does not cover (no budget, a request that can never fit, a
         // remembered refusal, concurrency slots, no limits) goes as the check, then the chain.
         let one_call = !budgets.is_empty()
-            && costs.never_fits(&self.limits).is_none()
+            && self.never_fits(costs).is_none()
             && self.in_flight.is_empty()
             && !self.limits.is_empty()
             && !costs.is_zero()
@@ -821,8 +846,34 @@ signed_names!(i8, i16, i32, i64, isize);
 
 #[cfg(test)]
 mod tests {
+    use proptest::prelude::*;
+
     use super::*;
-    use crate::Rate;
+    use crate::{Rate, ScopeKind, WindowLimit};
+
+    proptest! {
+        /// The bound a chain works out once answers as its limits, asked one by one, do.
+        #[test]
+        fn a_chain_knows_what_can_never_fit_as_its_limits_do(
+            parts in prop::collection::vec((0u8..3, 0u64..4, any::<bool>()), 0..5),
+            cost in 0u64..6,
+        ) {
+            let charges = [Charge::Admission, Charge::Reactive, Charge::Reserved];
+            let limits: Vec<ChainLimit> = parts
+                .iter()
+                .enumerate()
+                .map(|(i, &(charge, max, shadow))| {
+                    let charge = charges[usize::from(charge)];
+                    let limit = WindowLimit::per_minute(max);
+                    ChainLimit::new("t", ScopeKind::Key, &format!("k{i}"), charge, limit)
+                        .with_shadow(shadow)
+                })
+                .collect();
+            let costs = Costs::Each(cost);
+            let chain = Chain::new(limits.clone());
+            prop_assert_eq!(chain.never_fits(costs), costs.never_fits(&limits));
+        }
+    }
 
     #[test]
     fn keys_are_tagged_on_the_name() {

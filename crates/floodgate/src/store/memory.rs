@@ -383,7 +383,7 @@ impl MemoryStore {
     ) -> Observation {
         let (now, sweep_at) = self.times(now);
         if slots.is_empty()
-            && let Some(seen) = self.admit_small(limits, costs, now, sweep_at)
+            && let Some(seen) = self.admit_small(limits, costs, now)
         {
             return seen;
         }
@@ -460,31 +460,26 @@ impl MemoryStore {
         }
     }
 
-    /// The step of the common case, a chain of at most [`SMALL`] limits with a cell each and no
-    /// concurrency slots, with its lists in arrays on the stack; `None` for any other chain,
-    /// which the general step decides.
+    /// The step of the common case, a chain of at most [`SMALL`] limits that remember their
+    /// cells in this store and no concurrency slots, with its lists in arrays on the stack;
+    /// `None` for any other chain, which the general step decides (and a limit new to the
+    /// store remembers its cell there).
     fn admit_small(
         &self,
         limits: &[ChainLimit],
         costs: Costs<'_>,
         now: Timestamp,
-        sweep_at: Timestamp,
     ) -> Option<Observation> {
         let n = limits.len();
         if n > SMALL {
             return None;
         }
         let id = self.inner.id;
-        // The cells the limits do not remember (they remember another store's) are held here.
-        let mut found: [Option<Arc<WindowCell>>; SMALL] = Default::default();
-        for (l, found) in limits.iter().zip(&mut found) {
-            if l.cell().get(id).is_none() {
-                *found = self.look_up(l, sweep_at).into_found();
-            }
-        }
+        // Only the cells the limits remember: a limit new to this store, or remembering another
+        // store's cell, goes through the table in the general step.
         let mut cells: [Option<&WindowCell>; SMALL] = [None; SMALL];
-        for ((l, found), cell) in limits.iter().zip(&found).zip(&mut cells) {
-            *cell = l.cell().get(id).or(found.as_deref());
+        for (l, cell) in limits.iter().zip(&mut cells) {
+            *cell = Some(l.cell().get(id)?);
         }
         // Locked in the cells' one lock order, as the general step locks them. Two limits of one
         // key (which `Chain::new` refuses in debug builds) go to the general step.
@@ -938,16 +933,6 @@ impl std::ops::Deref for CellRef<'_> {
         match self {
             CellRef::Remembered(cell) => cell,
             CellRef::Found(cell) => cell,
-        }
-    }
-}
-
-impl CellRef<'_> {
-    /// The cell if the limit does not remember it: a reference to keep while it is used.
-    fn into_found(self) -> Option<Arc<WindowCell>> {
-        match self {
-            CellRef::Remembered(_) => None,
-            CellRef::Found(cell) => Some(cell),
         }
     }
 }
