@@ -79,7 +79,7 @@ impl WindowCell {
     /// breadth of the limit's scope (its `ScopeKind`'s place, narrowest first).
     ///
     /// [`lock_order`]: WindowCell::lock_order
-    pub(crate) fn new(rank: u8) -> WindowCell {
+    pub(crate) const fn new(rank: u8) -> WindowCell {
         WindowCell {
             held: AtomicBool::new(false),
             rank,
@@ -88,6 +88,12 @@ impl WindowCell {
             prev: AtomicU64::new(0),
             expires: AtomicU64::new(0),
         }
+    }
+
+    /// The cell's scope rank, the first part of its [`lock_order`](Self::lock_order).
+    #[inline]
+    pub(crate) fn rank(&self) -> u8 {
+        self.rank
     }
 
     /// The cell's place in the one order every decision locks its cells in: narrow scopes

@@ -106,6 +106,49 @@ fn chains_over_many_shards_in_opposite_orders_do_not_deadlock() {
 }
 
 #[test]
+fn short_chains_in_any_order_lock_alike_and_count_every_admission() {
+    // A short chain takes the step with its lists on the stack, which keeps the chain's order
+    // when its scopes come ranked narrowest first: chains in that order, the reverse one, and
+    // with two limits of one rank race here over the same cells.
+    let store = MemoryStore::new();
+    let limits: Vec<_> = [
+        (ScopeKind::Key, "k"),
+        (ScopeKind::Team, "t1"),
+        (ScopeKind::Team, "t2"),
+        (ScopeKind::Org, "o"),
+        (ScopeKind::Gateway, "g"),
+    ]
+    .into_iter()
+    .map(|(scope, id)| limit(scope, id, Charge::Admission, 1_000_000))
+    .collect();
+    let chains = Arc::new([
+        Chain::new(limits[..2].iter().chain(&limits[3..]).cloned().collect()),
+        Chain::new(limits.iter().rev().cloned().collect()),
+        Chain::new(limits[1..].to_vec()),
+        Chain::new(vec![
+            limits[2].clone(),
+            limits[0].clone(),
+            limits[1].clone(),
+        ]),
+    ]);
+    let racing = Arc::clone(&chains);
+    let s = store.clone();
+    let admitted = race(8, move |i| {
+        let chain = &racing[i % 4];
+        (0..2_000).all(|_| {
+            ready(chain.admit_at(&s, 1, at(0)))
+                .expect("memory")
+                .admitted
+        })
+    });
+    assert_eq!(admitted, 8);
+    // Each cell counted once for each admission of each chain it is in (two threads a chain).
+    let read = store.read_state_sync(&limits, &[], Some(at(0)));
+    let counts: Vec<u64> = read.snapshots.iter().map(|s| s.cur).collect();
+    assert_eq!(counts, [12_000, 16_000, 12_000, 12_000, 12_000]);
+}
+
+#[test]
 fn a_limit_built_apart_shares_the_window_of_its_key_as_the_table_grows() {
     // A window is found by its limit's key text, whichever limit wrote it: the same limit
     // (known by the text's address), or one built apart with the same key (known by the text).

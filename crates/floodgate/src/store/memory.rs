@@ -28,6 +28,8 @@ use crate::window::{Charge, Snapshot};
 type Inline<T> = SmallVec<[T; SMALL]>;
 /// The most limits a chain has for its step to keep its lists in arrays (`admit_small`).
 const SMALL: usize = 8;
+/// What fills the places of `admit_small`'s array of cells past its chain's: never locked.
+static UNUSED: WindowCell = WindowCell::new(0);
 
 /// Shards per core: enough that cores rarely meet on one lock, few enough that the shards' locks
 /// and tables stay in cache (each shard is a few more cache lines to touch).
@@ -477,25 +479,28 @@ impl MemoryStore {
         let id = self.inner.id;
         // Only the cells the limits remember: a limit new to this store, or remembering another
         // store's cell, goes through the table in the general step.
-        let mut cells: [Option<&WindowCell>; SMALL] = [None; SMALL];
+        let mut cells: [&WindowCell; SMALL] = [&UNUSED; SMALL];
         for (l, cell) in limits.iter().zip(&mut cells) {
-            *cell = Some(l.cell().get(id)?);
+            *cell = l.cell().get(id)?;
         }
-        // Locked in the cells' one lock order, as the general step locks them. Two limits of one
-        // key (which `Chain::new` refuses in debug builds) go to the general step.
-        let mut order = [((0, 0), 0); SMALL];
-        for (i, (place, at)) in order[..n].iter_mut().enumerate() {
-            *place = cells[i].map_or((0, 0), WindowCell::lock_order);
-            *at = i;
-        }
+        // Locked in the cells' one lock order, as the general step locks them. A chain's limits
+        // mostly come narrowest first, each scope ranked above the last: then the chain's order
+        // is the lock order, and no two limits share a cell. Two limits of one key (which
+        // `Chain::new` refuses in debug builds) go to the general step.
+        let mut order: [usize; SMALL] = std::array::from_fn(|i| i);
         let order = &mut order[..n];
-        order.sort_unstable();
-        if order.windows(2).any(|w| w[0].0 == w[1].0) {
-            return None;
+        if !cells[..n].windows(2).all(|w| w[0].rank() < w[1].rank()) {
+            order.sort_unstable_by_key(|&i| cells[i].lock_order());
+            if order
+                .windows(2)
+                .any(|w| cells[w[0]].lock_order() == cells[w[1]].lock_order())
+            {
+                return None;
+            }
         }
         let mut guards: [Option<CellGuard<'_>>; SMALL] = Default::default();
-        for &(_, i) in order.iter() {
-            guards[i] = cells[i].map(WindowCell::lock);
+        for &i in order.iter() {
+            guards[i] = Some(cells[i].lock());
         }
         let mut snapshots = Vec::with_capacity(n);
         // Limits of one window share the instant's bucket (a chain's are mostly per minute).
@@ -512,7 +517,7 @@ impl MemoryStore {
         let admitted = first_refusal(limits, &snapshots, costs).is_none();
         // Written and unlocked in the reverse of the lock order: the cells most shared, locked
         // last, are held the shortest.
-        for &(_, i) in order.iter().rev() {
+        for &i in order.iter().rev() {
             let (l, guard) = (&limits[i], guards[i].take());
             if let Some(mut state) = guard
                 && admitted
