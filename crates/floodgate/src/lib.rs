@@ -52,6 +52,7 @@ pub mod in_flight;
 mod limiter;
 pub mod period;
 mod refusals;
+mod spare;
 pub mod store;
 #[cfg(feature = "tower")]
 pub mod tower;

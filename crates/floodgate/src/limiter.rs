@@ -13,6 +13,7 @@ use crate::chain::{ChainDecision, ChainLimit, Costs};
 use crate::clock::Timestamp;
 use crate::in_flight::{InFlightLimit, InFlightStatus, Lease};
 use crate::refusals::Refusals;
+use crate::spare;
 use crate::store::{BucketKey, NameRef, Observation, Store};
 use crate::window::Charge;
 
@@ -379,6 +380,8 @@ impl Chain {
             decision.charged_at = seen.at;
         }
         self.remember(&decision, &seen.snapshots, cost, lowered);
+        // The memory store's next step fills the list again (`spare`).
+        spare::give(seen.snapshots);
         decision
     }
 

@@ -22,6 +22,7 @@ use crate::chain::{ChainLimit, Costs, KEY_HASHER, first_refusal};
 use crate::clock::{Clock, FastClock, Timestamp};
 use crate::in_flight::{InFlightLimit, Lease};
 use crate::period::{PeriodCounter, PeriodState};
+use crate::spare;
 use crate::window::{Charge, Snapshot};
 
 /// A list of one decision's items (cells, shards, locks), inline up to a chain of eight.
@@ -502,7 +503,8 @@ impl MemoryStore {
         for &i in order.iter() {
             guards[i] = Some(cells[i].lock());
         }
-        let mut snapshots = Vec::with_capacity(n);
+        // The list the last decision on this thread gave back, if any (`spare`).
+        let mut snapshots = spare::take(n);
         // Limits of one window share the instant's bucket (a chain's are mostly per minute).
         let mut split = (0, 0, 0);
         for (l, g) in limits.iter().zip(&guards) {
