@@ -508,8 +508,8 @@ impl ChainDecision {
 
     /// [`from_snapshots`](Self::from_snapshots) for an admitted request, the common case: no
     /// limit waits, every limit charged at admission is charged, and only a shadow limit can be
-    /// over. Each status is made in one pass, into a list of the chain's length (a tenth of a
-    /// memory store's chain admission: docs/benchmarks.md).
+    /// over. Each status is made in one pass, into a list of the chain's length: no search for
+    /// a refusing limit or a wait.
     fn admitted_from(
         limits: &[ChainLimit],
         snapshots: &[Snapshot],
@@ -674,6 +674,7 @@ mod tests {
                 1..6,
             ),
             cost in 0u64..5,
+            per_limit in prop::option::of(prop::collection::vec(0u64..5, 0..6)),
         ) {
             let charges = [Charge::Admission, Charge::Reactive, Charge::Reserved];
             let limits: Vec<ChainLimit> = parts
@@ -688,7 +689,8 @@ mod tests {
                 .iter()
                 .map(|&(_, _, _, cur, prev, elapsed)| Snapshot { bucket: 7, cur, prev, elapsed })
                 .collect();
-            let costs = Costs::Each(cost);
+            // One cost for the chain, or one a limit (a short list costs the rest 0).
+            let costs = per_limit.as_deref().map_or(Costs::Each(cost), Costs::PerLimit);
             let now = Timestamp::from_secs(420);
             prop_assert_eq!(
                 ChainDecision::admitted_from(&limits, &snapshots, now, costs),

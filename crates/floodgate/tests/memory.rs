@@ -149,6 +149,47 @@ fn short_chains_in_any_order_lock_alike_and_count_every_admission() {
 }
 
 #[test]
+fn chains_built_per_request_or_shared_between_stores_count_in_each_store() {
+    // A short chain whose limits do not remember their cells in the store deciding (built for
+    // one request, or remembering another store's) looks them up first: each store keeps its
+    // own counts, and a chain built anew each time counts into the same windows.
+    let limits = || {
+        vec![
+            limit(ScopeKind::Key, "k", Charge::Admission, 100),
+            limit(ScopeKind::Org, "o", Charge::Admission, 100),
+        ]
+    };
+    let (first, second) = (MemoryStore::new(), MemoryStore::new());
+    let shared = Chain::new(limits());
+    for _ in 0..3 {
+        assert!(
+            ready(shared.admit_at(&first, 1, at(0)))
+                .expect("memory")
+                .admitted
+        );
+    }
+    for _ in 0..5 {
+        assert!(
+            ready(shared.admit_at(&second, 2, at(0)))
+                .expect("memory")
+                .admitted
+        );
+        let fresh = Chain::new(limits());
+        assert!(
+            ready(fresh.admit_at(&second, 1, at(0)))
+                .expect("memory")
+                .admitted
+        );
+    }
+    let counts = |store: &MemoryStore| -> Vec<u64> {
+        let read = store.read_state_sync(&limits(), &[], Some(at(0)));
+        read.snapshots.iter().map(|s| s.cur).collect()
+    };
+    assert_eq!(counts(&first), [3, 3]);
+    assert_eq!(counts(&second), [15, 15]);
+}
+
+#[test]
 fn a_limit_built_apart_shares_the_window_of_its_key_as_the_table_grows() {
     // A window is found by its limit's key text, whichever limit wrote it: the same limit
     // (known by the text's address), or one built apart with the same key (known by the text).
