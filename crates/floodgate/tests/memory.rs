@@ -5,7 +5,7 @@ mod common;
 use std::future::Future;
 use std::pin::pin;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Barrier};
+use std::sync::{Arc, Barrier, mpsc};
 use std::task::{Context, Poll, Waker};
 use std::thread;
 use std::time::Duration;
@@ -26,22 +26,33 @@ fn ready<F: Future>(f: F) -> F::Output {
     }
 }
 
-/// Runs `f(i)` on `n` threads released together; returns how many returned true.
+/// Runs `f(i)` on `n` threads released together; returns how many returned true. A thread that
+/// has not finished a minute after the one before it fails the test, rather than hanging it (two
+/// decisions waiting on each other's cells).
 fn race(n: usize, f: impl Fn(usize) -> bool + Send + Sync + 'static) -> u64 {
     let f = Arc::new(f);
     let start = Arc::new(Barrier::new(n));
     let wins = Arc::new(AtomicU64::new(0));
+    let (done, finished) = mpsc::channel();
     let threads: Vec<_> = (0..n)
         .map(|i| {
-            let (f, start, wins) = (f.clone(), start.clone(), wins.clone());
+            let (f, start, wins, done) = (f.clone(), start.clone(), wins.clone(), done.clone());
             thread::spawn(move || {
                 start.wait();
                 if f(i) {
                     wins.fetch_add(1, Ordering::SeqCst);
                 }
+                let _ = done.send(());
             })
         })
         .collect();
+    // The threads hold the only senders now: one that panics ends the wait at once.
+    drop(done);
+    for _ in 0..n {
+        finished
+            .recv_timeout(Duration::from_secs(60))
+            .expect("every racing thread finishes: none panicked, none stuck on a lock");
+    }
     for t in threads {
         t.join().expect("thread");
     }
