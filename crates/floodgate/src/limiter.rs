@@ -360,12 +360,18 @@ impl Chain {
             return Ok(ChainDecision::unlimited(now));
         }
         let seen = store.admit(&self.limits, cost, now).await?;
-        Ok(self.decided(seen, cost, lowered))
+        Ok(self.decided(seen, cost, now.is_some(), lowered))
     }
 
-    /// The decision the store's observation `seen` of an admission at `cost` gives, told to the
-    /// refusal cache.
-    fn decided(&self, seen: Observation, cost: Costs<'_>, lowered: u128) -> ChainDecision {
+    /// The decision the store's observation `seen` of an admission at `cost` (at a `pinned`
+    /// instant, or on the store's clock) gives, told to the refusal cache.
+    fn decided(
+        &self,
+        seen: Observation,
+        cost: Costs<'_>,
+        pinned: bool,
+        lowered: u128,
+    ) -> ChainDecision {
         if !seen.enforced {
             return ChainDecision::unenforced(seen.now);
         }
@@ -379,7 +385,7 @@ impl Chain {
         if seen.admitted {
             decision.charged_at = seen.at;
         }
-        self.remember(&decision, &seen.snapshots, cost, lowered);
+        self.remember(&decision, &seen.snapshots, cost, pinned, lowered);
         // The memory store's next step fills the list again (`spare`).
         spare::give(seen.snapshots);
         decision
@@ -448,7 +454,10 @@ impl Chain {
             .admit_within(budgets.counters(), budgets.caps(), &self.limits, costs, now)
             .await?;
         let checked = budgets.decision_of(read);
-        Ok((checked, seen.map(|seen| self.decided(seen, costs, lowered))))
+        Ok((
+            checked,
+            seen.map(|seen| self.decided(seen, costs, now.is_some(), lowered)),
+        ))
     }
 
     /// Tells the refusal cache, if any, what the store decided.
@@ -457,12 +466,13 @@ impl Chain {
         decision: &ChainDecision,
         snapshots: &[crate::window::Snapshot],
         costs: Costs<'_>,
+        pinned: bool,
         lowered: u128,
     ) {
         if let Some(cache) = &self.refusals
             && !costs.is_zero()
         {
-            cache.remember(decision, snapshots, lowered);
+            cache.remember(decision, snapshots, pinned, lowered);
         }
     }
 
@@ -498,7 +508,7 @@ impl Chain {
         if seen.admitted {
             decision.charged_at = seen.at;
         }
-        self.remember(&decision, &seen.snapshots, cost, lowered);
+        self.remember(&decision, &seen.snapshots, cost, now.is_some(), lowered);
         Ok(decision)
     }
 

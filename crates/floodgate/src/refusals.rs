@@ -19,7 +19,11 @@
 //! store whose clock is elsewhere (Redis's `TIME`), the store's instant of the refusal plus what
 //! the process's monotonic clock has counted since its answer arrived. That is never later
 //! than the store's clock (the answer took time to arrive), so the cache errs stricter, by at
-//! most one round trip, and never by a clock step.
+//! most one round trip, and never by a clock step. A refusal decided at a pinned instant does
+//! not answer an unpinned request there: the store's clock may be anywhere from it.
+//!
+//! Not remembered: the refusal of a chain with concurrency limits. It reports the slots in use,
+//! which requests ending free at any moment, so a remembered one would repeat a stale count.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
@@ -27,7 +31,6 @@ use std::time::Instant;
 
 use crate::chain::{ChainDecision, ChainLimit, Costs, first_refusal};
 use crate::clock::Timestamp;
-use crate::in_flight::InFlightStatus;
 use crate::window::{Snapshot, WindowState};
 
 /// A chain's remembered refusal, if any.
@@ -53,10 +56,10 @@ struct Remembered {
     now: Timestamp,
     /// When its answer arrived, on the process's monotonic clock.
     arrived: Instant,
+    /// Whether `now` was pinned by the caller rather than read from the store's clock.
+    pinned: bool,
     /// Each limit's counts at `now`, in chain order.
     snapshots: Vec<Snapshot>,
-    /// The concurrency limits' states the refusal reported (a refusal takes no slot).
-    in_flight: Vec<InFlightStatus>,
     /// The store's count of lowerings before the refusal was asked for.
     lowered: u128,
 }
@@ -90,7 +93,13 @@ impl Refusals {
             self.put(&mut last, None);
             return None;
         }
-        let t = now.unwrap_or_else(|| seen.now.saturating_add(seen.arrived.elapsed()));
+        let t = match now {
+            Some(t) => t,
+            // The store's clock, elsewhere: carried from its instant of the refusal. Not from a
+            // pinned instant, which may be anywhere from the store's clock.
+            None if !seen.pinned => seen.now.saturating_add(seen.arrived.elapsed()),
+            None => return None,
+        };
         if t < seen.now || seen.snapshots.len() != limits.len() {
             // A pinned instant before the refusal: the counts then may have been lower.
             return None;
@@ -111,20 +120,29 @@ impl Refusals {
             self.put(&mut last, None);
             return None;
         }
-        let mut decision = ChainDecision::from_snapshots(limits, &carried, t, costs, false);
-        decision.in_flight = seen.in_flight.clone();
-        Some(decision)
+        Some(ChainDecision::from_snapshots(
+            limits, &carried, t, costs, false,
+        ))
     }
 
-    /// Remembers `decision`, taken from `snapshots` by the store, if it is a refusal that a
-    /// wait can cure (a rate limit refused and a retry time is known); anything else forgets
-    /// what was remembered. `lowered` is the store's count of lowerings read before the
-    /// decision was asked for: a refund that lands after that read moves the count.
-    pub(crate) fn remember(&self, decision: &ChainDecision, snapshots: &[Snapshot], lowered: u128) {
+    /// Remembers `decision`, taken from `snapshots` by the store at a `pinned` instant or on
+    /// its clock, if it is a refusal that a wait can cure (a rate limit refused and a retry
+    /// time is known) of a chain without concurrency limits (their states change as requests
+    /// end); anything else forgets what was remembered. `lowered` is the store's count of
+    /// lowerings read before the decision was asked for: a refund that lands after that read
+    /// moves the count.
+    pub(crate) fn remember(
+        &self,
+        decision: &ChainDecision,
+        snapshots: &[Snapshot],
+        pinned: bool,
+        lowered: u128,
+    ) {
         let cacheable = decision.enforced
             && !decision.admitted
             && decision.refused_by.is_some()
-            && decision.retry_after.is_some();
+            && decision.retry_after.is_some()
+            && decision.in_flight.is_empty();
         if !cacheable && !self.held.load(Ordering::Acquire) {
             // Nothing to forget: the common admission takes no lock.
             return;
@@ -132,8 +150,8 @@ impl Refusals {
         let entry = cacheable.then(|| Remembered {
             now: decision.now,
             arrived: Instant::now(),
+            pinned,
             snapshots: snapshots.to_vec(),
-            in_flight: decision.in_flight.clone(),
             lowered,
         });
         self.put(&mut self.last(), entry);

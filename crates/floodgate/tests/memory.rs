@@ -488,6 +488,40 @@ fn a_refusal_on_the_stores_clock_is_remembered_until_forgotten() {
 }
 
 #[test]
+fn a_chain_with_concurrency_limits_is_not_answered_from_the_cache() {
+    // One request a minute, two at a time. A refusal reports the slots in use, which a request
+    // ending frees at any moment: a remembered one would repeat a stale count in the
+    // `x-floodgate-in-flight-*` headers (docs/design.md §11). So the store answers every time.
+    let chain = Chain::new(vec![ChainLimit::new(
+        "org:if",
+        ScopeKind::Key,
+        "if",
+        Charge::Admission,
+        WindowLimit::per_minute(1),
+    )])
+    .with_in_flight(vec![floodgate::InFlightLimit::new(
+        "org:if",
+        ScopeKind::Key,
+        "if",
+        2,
+    )])
+    .cache_refusals();
+    let store = MemoryStore::new();
+    let t = at(1_000);
+    let held = ready(chain.admit_at(&store, 1, t)).unwrap();
+    assert!(held.admitted);
+    let refused = ready(chain.admit_at(&store, 1, t)).unwrap();
+    assert_eq!(refused.refused_by, Some(0));
+    assert_eq!(refused.in_flight[0].remaining(), 1, "one slot held");
+    assert!(chain.cached_refusal(&store, 1, Some(t)).is_none());
+    // The held request ends: the store's next refusal reports both slots free.
+    ready(chain.release(&store, held.lease)).unwrap();
+    let again = ready(chain.admit_at(&store, 1, t)).unwrap();
+    assert_eq!(again.refused_by, Some(0));
+    assert_eq!(again.in_flight[0].remaining(), 2);
+}
+
+#[test]
 fn a_refund_forgets_the_refusal_it_may_have_made_wrong() {
     // A reserved token limit of 100 under a request limit: 80 reserved, the next 80 refused
     // and remembered; the first's usage of 20 refunds 60, so the same request now passes, and

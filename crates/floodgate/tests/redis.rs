@@ -252,6 +252,34 @@ async fn a_refund_through_one_store_voids_a_refusal_remembered_on_another_of_the
     assert!(second.admit_at(&two, 180, t).await.unwrap().admitted);
 }
 
+/// A refusal decided at a pinned instant does not answer an unpinned request: on Redis the
+/// store decides those at its own clock (`TIME`), which may be anywhere from the pinned
+/// instant (docs/design.md §11). Pinned five minutes back, a minute's limit has long emptied.
+#[tokio::test]
+async fn a_refusal_at_a_pinned_instant_does_not_answer_on_the_stores_clock() {
+    let Some(url) = redis_url("a_refusal_at_a_pinned_instant_does_not_answer_on_the_stores_clock")
+    else {
+        return;
+    };
+    let store = store(&url).await;
+    let chain = Chain::new(vec![ChainLimit::new(
+        "org:pin",
+        ScopeKind::Key,
+        "pin",
+        Charge::Admission,
+        WindowLimit::per_minute(1),
+    )])
+    .cache_refusals();
+    let past = Timestamp::from_micros(Timestamp::now().as_micros() - 300_000_000);
+    assert!(chain.admit_at(&store, 1, past).await.unwrap().admitted);
+    assert!(!chain.admit_at(&store, 1, past).await.unwrap().admitted);
+    // Remembered, for requests pinned at or after it...
+    assert!(chain.cached_refusal(&store, 1u64, Some(past)).is_some());
+    // ...but not for one on the store's clock, which the store admits.
+    assert!(chain.cached_refusal(&store, 1u64, None).is_none());
+    assert!(chain.admit(&store, 1).await.unwrap().admitted);
+}
+
 /// Expiries of a whole multiple of 10^8 ms are set: Redis 7.2.0-7.2.4 print such a Lua number
 /// as `1e+08`, which `PX` refuses, so every script hands `PX` digits.
 #[tokio::test]

@@ -220,6 +220,37 @@ async fn a_refusal_by_a_later_slot_is_charged_to_none() {
     assert_eq!(chain.admit_at(&memory, 1, now).await.unwrap(), refused);
 }
 
+/// A chain across slots refused by its first step charged nothing, so it lowers no count: its
+/// refusal is remembered and answers the next request without the store, as on one server
+/// (the gateway's flood: an over-limit key, its `{gateway}` limits in another slot).
+#[tokio::test]
+async fn a_refusal_by_the_first_slot_lowers_nothing_and_is_cached() {
+    let Some(seeds) = seeds("a_refusal_by_the_first_slot_lowers_nothing_and_is_cached") else {
+        return;
+    };
+    let store = store(&seeds).await;
+    let now = pinned(11);
+    let key = req("org:acme", ScopeKind::Key, "alice", 2);
+    let gateway = req("gateway", ScopeKind::Gateway, "gateway", 100);
+    let chain = Chain::new(vec![key, gateway]).cache_refusals();
+    for _ in 0..2 {
+        assert!(chain.admit_at(&store, 1, now).await.unwrap().admitted);
+    }
+    let unlowered = store.lowered();
+    let refused = chain.admit_at(&store, 1, now).await.unwrap();
+    assert_eq!(refused.refused_by, Some(0), "the key's own slot refuses");
+    assert_eq!(store.lowered(), unlowered, "nothing was refunded");
+    let later = pinned(12);
+    let cached = chain
+        .cached_refusal(&store, 1, Some(later))
+        .expect("the refusal is remembered");
+    // Exactly the store's answer at that instant (nothing else ran).
+    let plain = Chain::new(chain.limits().to_vec());
+    assert_eq!(plain.admit_at(&store, 1, later).await.unwrap(), cached);
+    // Only the key's step ran: the gateway limit counts the two admitted requests.
+    assert_eq!(counts(&store, &chain, later).await, [2, 2]);
+}
+
 /// The bound docs/redis.md states: a request refused by a later slot holds its charge in the
 /// earlier slots until its refund, so concurrent requests there can be refused that an atomic
 /// decision would admit, at most as many as such requests are in flight, and never the other

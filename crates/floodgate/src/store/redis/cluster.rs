@@ -257,7 +257,13 @@ impl RedisStore {
         // from what they saw before it, before it goes out and again once it has landed, as for
         // a reconcile's refund (docs/design.md §11). (A refusal seen between the charge and its
         // refund, of another chain sharing a key, would otherwise stand until its retry time.)
-        self.inner.lowered.bump();
+        // An admission refused at its first step charged nothing and lowers nothing: it leaves
+        // the caches be, its own refusal among them (the common flood, an over-limit key
+        // refused by its own slot's step).
+        let refunds = !admitted.is_empty();
+        if refunds {
+            self.inner.lowered.bump();
+        }
         for (step, at) in admitted {
             // One call per distinct cost (the script takes one amount): one, for requests.
             let mut charged: Vec<(u64, Vec<&ChainLimit>)> = Vec::new();
@@ -293,7 +299,9 @@ impl RedisStore {
                 }
             }
         }
-        self.inner.lowered.bump();
+        if refunds {
+            self.inner.lowered.bump();
+        }
         if let Some(lease) = lease {
             self.forget_lease(lease);
         }
