@@ -111,14 +111,14 @@ impl RedisStore {
         }
         if !self.is_cluster() {
             let slot = None;
-            return landed(self.charge(slot, Work::record(reactive, units), now)?)
+            return landed(self.charge(slot, Work::record(reactive, units), now, false)?)
                 .await
                 .map(drop);
         }
         let mut waits = Vec::new();
         for (slot, part) in self.by_slot(&reactive, |l| l.key()) {
             let part = part.iter().map(|&i| reactive[i].clone()).collect();
-            waits.push(self.charge(slot, Work::record(part, units), now)?);
+            waits.push(self.charge(slot, Work::record(part, units), now, false)?);
         }
         for wait in waits {
             landed(wait).await?;
@@ -140,7 +140,7 @@ impl RedisStore {
     ) -> Result<PeriodObservation, Failure> {
         if !self.is_cluster() {
             let work = Work::periods(counters.to_vec(), amount);
-            let (t, totals) = landed(self.charge(None, work, now)?).await?;
+            let (t, totals) = landed(self.charge(None, work, now, whole)?).await?;
             return Ok(PeriodObservation {
                 now: Timestamp::from_micros(t),
                 enforced: true,
@@ -152,7 +152,7 @@ impl RedisStore {
         let mut failed = None;
         for (slot, part) in &parts {
             let list = part.iter().map(|&i| counters[i].clone()).collect();
-            match self.charge(*slot, Work::periods(list, amount), now) {
+            match self.charge(*slot, Work::periods(list, amount), now, whole) {
                 Ok(wait) => waits.push(wait),
                 Err(f) => {
                     failed = Some(f);
@@ -205,6 +205,7 @@ impl RedisStore {
         slot: Option<Slot>,
         work: Work,
         now: Option<Timestamp>,
+        urgent: bool,
     ) -> Result<Answer<Charged>, Failure> {
         let time = now.map(Timestamp::as_micros);
         self.step(slot, |reply| {
@@ -212,6 +213,7 @@ impl RedisStore {
                 work,
                 time,
                 reply: Reply::Waiting(reply),
+                urgent,
             })
         })
     }
@@ -269,6 +271,7 @@ impl RedisStore {
             work,
             time: None,
             reply,
+            urgent: false,
         });
         if let Err(call) = self.queue_step(None, call) {
             call.fail(&Failure::Unavailable("circuit breaker open".into()));

@@ -92,6 +92,10 @@ pub(super) struct PendingCharge {
     /// A pinned time (µs); `None`: the store's clock, read when the batch goes out.
     pub(super) time: Option<u64>,
     pub(super) reply: Reply,
+    /// A reservation, which its caller awaits before it admits: it does not linger for the
+    /// next admission's call, and is left out if its caller has gone before it goes (nothing
+    /// would hold it, nor give it back).
+    pub(super) urgent: bool,
 }
 
 impl PendingCharge {
@@ -104,6 +108,11 @@ impl PendingCharge {
     /// Answers it with `failure`.
     pub(super) fn fail(self, failure: &Failure) {
         self.reply.send(Err(failure.again()));
+    }
+
+    /// Whether it is urgent and its caller stopped waiting for it: it can be left out.
+    pub(super) fn abandoned(&self) -> bool {
+        self.urgent && matches!(&self.reply, Reply::Waiting(reply) if reply.is_closed())
     }
 }
 
@@ -219,6 +228,7 @@ mod tests {
             work,
             time: None,
             reply: Reply::Waiting(tokio::sync::oneshot::channel().0),
+            urgent: false,
         }
     }
 

@@ -65,15 +65,16 @@ impl Queued for Pending {
     }
     fn lingers(&self) -> bool {
         // A charge's caller awaits nothing but its landing: it can wait for the next admission's
-        // call (`group::serve`).
-        matches!(self, Pending::Charge(_))
+        // call (`group::serve`). Not a reservation, which the admission waits for.
+        matches!(self, Pending::Charge(p) if !p.urgent)
     }
     fn abandoned(&self) -> bool {
-        // A charge is never left out: the response it charges for was served.
+        // A charge is never left out: the response it charges for was served. A reservation
+        // whose caller has gone is: nothing would hold it.
         match self {
             Pending::Admit(p) => p.reply.is_closed(),
             Pending::Read(p) => p.reply.is_closed(),
-            Pending::Charge(_) => false,
+            Pending::Charge(p) => p.abandoned(),
         }
     }
 }
@@ -133,9 +134,11 @@ impl RedisStore {
             match p {
                 // A caller that gave up while it waited (a client that disconnected) is left
                 // out: nothing is charged for a request never served, nobody reads a read. A
-                // charge still goes: the response it charges for was served.
+                // charge still goes: the response it charges for was served. A reservation
+                // does not: its request was never admitted.
                 Pending::Admit(p) if p.reply.is_closed() => {}
                 Pending::Read(p) if p.reply.is_closed() => {}
+                Pending::Charge(p) if p.abandoned() => {}
                 Pending::Admit(p) => admits.push(p),
                 Pending::Read(p) => reads.push(p),
                 Pending::Charge(p) => charges.push(p),
@@ -159,9 +162,12 @@ impl RedisStore {
         let nw = windows.list.len();
         let nc = counters.list.len();
         // A call is replayed by the connection (once) only if it carries no charge and no
-        // admission sent before: an admission put back after a charging call was lost has had
+        // admission or read sent before: one put back after a charging call was lost has had
         // its one replay, and must not be sent a third time (docs/design.md §5).
-        let op = if charges.is_empty() && !admits.iter().any(|a| a.replayed) {
+        let op = if charges.is_empty()
+            && !admits.iter().any(|a| a.replayed)
+            && !reads.iter().any(|r| r.replayed)
+        {
             &ADMIT
         } else {
             &ADMIT_CHARGING
@@ -339,6 +345,39 @@ mod tests {
     use super::*;
     use crate::store::redis::batch::GroupCost;
     use crate::window::MAX_COUNT;
+
+    /// A charge of one unit to a day counter, `urgent` (a reservation) or not, and its answer.
+    fn charge(
+        urgent: bool,
+    ) -> (
+        Pending,
+        tokio::sync::oneshot::Receiver<Result<charges::Charged, Failure>>,
+    ) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let counter = crate::PeriodCounter::new("{org:a}:budget:x", crate::Period::Day);
+        let call = Pending::Charge(PendingCharge {
+            work: charges::Work::periods(vec![counter], 1),
+            time: None,
+            reply: charges::Reply::Waiting(tx),
+            urgent,
+        });
+        (call, rx)
+    }
+
+    #[test]
+    fn a_reservation_goes_at_once_and_not_once_its_caller_has_gone() {
+        // A charge waits for the next admission's call; a reservation, which its admission
+        // waits for, does not (`group::serve` lingers only while everything queued lingers).
+        let (spend, spend_answer) = charge(false);
+        let (reservation, reservation_answer) = charge(true);
+        assert!(spend.lingers());
+        assert!(!reservation.lingers());
+        // Its caller gone, a reservation is left out (nothing would hold or give it back); a
+        // charge never is: the response it charges for was served.
+        drop((spend_answer, reservation_answer));
+        assert!(!spend.abandoned());
+        assert!(reservation.abandoned());
+    }
 
     /// A reply as admit.lua packs it.
     fn packed(values: &[f64]) -> ::redis::Value {
