@@ -2234,6 +2234,57 @@ async fn one_key_under_two_limits_in_a_batch_is_decided_with_each_requests_own()
     }
 }
 
+/// A batch cut where a key's limit changes puts back the admission that did not fit and every
+/// call queued after it, charges and reads too: none of them overtakes it. Here a charge of 100
+/// tokens queued after the cut admission must land after it is decided, as on the memory store,
+/// so its token window is still empty when it is.
+#[tokio::test]
+async fn a_charge_queued_after_an_admission_put_back_lands_after_it() {
+    let Some(url) = redis_url("a_charge_queued_after_an_admission_put_back_lands_after_it") else {
+        return;
+    };
+    let tokens = ChainLimit::new(
+        "org:acme",
+        ScopeKind::Key,
+        "cut",
+        Charge::Reactive,
+        WindowLimit::per_minute(50),
+    );
+    // One storage key under two maxes (a chain rebuilt while the old one is in use).
+    let old = Arc::new(vec![req("cut", ScopeKind::Key, 1)]);
+    let new = Arc::new(vec![req("cut", ScopeKind::Key, 100), tokens]);
+    let now = Some(pinned(23));
+    let memory = MemoryStore::new();
+    assert!(memory.admit(&old, 1.into(), now).await.unwrap().admitted);
+    let expected = memory.admit(&new, 1.into(), now).await.unwrap();
+    memory.record(&new, 100, now).await.unwrap();
+    assert!(
+        expected.admitted,
+        "the token window is empty when it is decided"
+    );
+    let redis = store(&url).await;
+    // Queued in this order before the sender first runs: one batch, cut after the first.
+    let first = tokio::spawn({
+        let (redis, old) = (redis.clone(), Arc::clone(&old));
+        async move { redis.admit(&old, 1.into(), now).await.unwrap() }
+    });
+    let second = tokio::spawn({
+        let (redis, new) = (redis.clone(), Arc::clone(&new));
+        async move { redis.admit(&new, 1.into(), now).await.unwrap() }
+    });
+    let charge = tokio::spawn({
+        let (redis, new) = (redis.clone(), Arc::clone(&new));
+        async move { redis.record(&new, 100, now).await.unwrap() }
+    });
+    assert!(first.await.unwrap().admitted);
+    assert_eq!(second.await.unwrap(), expected);
+    charge.await.unwrap();
+    // And the charge did land: the window is full for the next request.
+    let after = redis.admit(&new, 1.into(), now).await.unwrap();
+    assert_eq!(after, memory.admit(&new, 1.into(), now).await.unwrap());
+    assert!(!after.admitted);
+}
+
 #[test]
 fn the_breaker_closes_again_after_the_runtime_of_its_probe_shuts_down() {
     let Some(mut server) =

@@ -127,10 +127,10 @@ impl RedisStore {
     async fn send_step(&self, lane: &Mutex<StepQueue>, batch: Vec<Pending>) {
         // One call shares one time argument (`group::serve` batched them so).
         let time = batch.first().and_then(Queued::time);
-        let mut admits = Vec::new();
-        let mut reads = Vec::new();
-        let mut charges = Vec::new();
-        for p in batch {
+        let (mut admits, mut reads, mut charges) = (Vec::new(), Vec::new(), Vec::new());
+        // Where each came in the queue, for those put back (below).
+        let (mut admit_seq, mut read_seq, mut charge_seq) = (Vec::new(), Vec::new(), Vec::new());
+        for (seq, p) in batch.into_iter().enumerate() {
             match p {
                 // A caller that gave up while it waited (a client that disconnected) is left
                 // out: nothing is charged for a request never served, nobody reads a read. A
@@ -139,9 +139,18 @@ impl RedisStore {
                 Pending::Admit(p) if p.reply.is_closed() => {}
                 Pending::Read(p) if p.reply.is_closed() => {}
                 Pending::Charge(p) if p.abandoned() => {}
-                Pending::Admit(p) => admits.push(p),
-                Pending::Read(p) => reads.push(p),
-                Pending::Charge(p) => charges.push(p),
+                Pending::Admit(p) => {
+                    admits.push(p);
+                    admit_seq.push(seq);
+                }
+                Pending::Read(p) => {
+                    reads.push(p);
+                    read_seq.push(seq);
+                }
+                Pending::Charge(p) => {
+                    charges.push(p);
+                    charge_seq.push(seq);
+                }
             }
         }
         if admits.is_empty() && reads.is_empty() && charges.is_empty() {
@@ -151,6 +160,17 @@ impl RedisStore {
         let mut windows = Windows::default();
         let mut counters = Counters::default();
         let (groups, taken) = batch::group(&mut windows, &mut counters, &admits);
+        // An admission that does not fit waits for the next call, and so does every call queued
+        // after it: a charge or a read never overtakes an admission that came before it.
+        let mut later: Vec<(usize, Pending)> = Vec::new();
+        if let Some(&cut) = admit_seq.get(taken) {
+            let r = read_seq.partition_point(|&s| s < cut);
+            let c = charge_seq.partition_point(|&s| s < cut);
+            let reads_after = read_seq[r..].iter().copied().zip(reads.split_off(r));
+            let charges_after = charge_seq[c..].iter().copied().zip(charges.split_off(c));
+            later.extend(reads_after.map(|(s, p)| (s, Pending::Read(p))));
+            later.extend(charges_after.map(|(s, p)| (s, Pending::Charge(p))));
+        }
         // The windows the admissions charge, before the charges add theirs.
         let charged: Vec<bool> = windows
             .list
@@ -201,7 +221,7 @@ impl RedisStore {
         drop((windows, counters));
         // Admissions that did not fit go first in the next call: they came before anything
         // queued since.
-        let admits = self.put_back_rest(lane, admits, taken);
+        let admits = self.put_back_rest(lane, admits, &admit_seq, taken, later);
         if !groups.is_empty() {
             bump(&self.inner.counters.admit_batches);
         }
@@ -256,16 +276,28 @@ impl RedisStore {
         charges::answer(charges, &packed, totals, now);
     }
 
-    /// Puts admissions `admits[taken..]` back at the front of `lane`'s queue; returns the rest.
+    /// Puts admissions `admits[taken..]` back at the front of `lane`'s queue, with `later` (the
+    /// reads and charges queued after the first of them), all in the order they were queued
+    /// (`admit_seq`: each admission's place); returns the rest.
     fn put_back_rest(
         &self,
         lane: &Mutex<StepQueue>,
         mut admits: Vec<PendingAdmit>,
+        admit_seq: &[usize],
         taken: usize,
+        mut later: Vec<(usize, Pending)>,
     ) -> Vec<PendingAdmit> {
         if taken < admits.len() {
             let rest = admits.split_off(taken);
-            group::put_back(lane, rest.into_iter().map(Pending::Admit).collect());
+            later.extend(
+                admit_seq[taken..]
+                    .iter()
+                    .copied()
+                    .zip(rest.into_iter().map(Pending::Admit)),
+            );
+            // In the order they were queued (each list was in that order already).
+            later.sort_by_key(|&(seq, _)| seq);
+            group::put_back(lane, later.into_iter().map(|(_, p)| p).collect());
         }
         admits
     }
