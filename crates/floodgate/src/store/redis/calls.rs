@@ -115,15 +115,27 @@ impl RedisStore {
                 .await
                 .map(drop);
         }
+        // Every part queued is awaited, whichever fails: the caller (a response's charge) is
+        // told the charge is done only once no part of it is still on its way, so a process
+        // that waits for its charges before it exits waits for all of them.
         let mut waits = Vec::new();
+        let mut failed = None;
         for (slot, part) in self.by_slot(&reactive, |l| l.key()) {
             let part = part.iter().map(|&i| reactive[i].clone()).collect();
-            waits.push(self.charge(slot, Work::record(part, units), now, false)?);
+            match self.charge(slot, Work::record(part, units), now, false) {
+                Ok(wait) => waits.push(wait),
+                Err(f) => {
+                    failed = Some(f);
+                    break;
+                }
+            }
         }
         for wait in waits {
-            landed(wait).await?;
+            if let Err(f) = landed(wait).await {
+                failed.get_or_insert(f);
+            }
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Adds `amount` to every counter of `counters` (not empty), through a charge batch (on a
