@@ -209,27 +209,72 @@ fn seen(path: &Path) -> Option<Seen> {
     })
 }
 
+/// Decides, look by look, when the watched file is read: once a change has held still for a
+/// whole look. A file written in place (`cp`, `cat > file`, an editor saving through a
+/// symlink) is truncated and then written in pieces, and a first part of a TOML file is often
+/// valid TOML (a number cut short, the keys after the cut missing): read mid-write, it would be
+/// applied until the next look.
+#[derive(Debug, Default)]
+struct Settle {
+    /// The file as it was when last read.
+    read: Option<Seen>,
+    /// A change seen at the last look, not read yet.
+    changed: Option<Seen>,
+}
+
+impl Settle {
+    /// Whether the file, seen as `now` (`None`: missing, mid-rename), is to be read now: it
+    /// differs from what was last read and is as it was at the look before.
+    fn look(&mut self, now: Option<&Seen>) -> bool {
+        let Some(now) = now else {
+            self.changed = None;
+            return false;
+        };
+        if self.read.as_ref() == Some(now) {
+            self.changed = None;
+            return false;
+        }
+        if self.changed.as_ref() != Some(now) {
+            self.changed = Some(now.clone());
+            return false;
+        }
+        true
+    }
+
+    /// The file was read as `seen`.
+    fn was_read(&mut self, seen: Seen) {
+        self.read = Some(seen);
+        self.changed = None;
+    }
+}
+
 /// Watches `reloader`'s file and reloads it when it changes, until the process stops. A file
-/// gone for a moment (mid-rename) is waited for, not reloaded.
+/// gone for a moment (mid-rename) is waited for, not reloaded; a file being written is read
+/// once it has not changed for a whole look ([`Settle`]), and not used if it changed while it
+/// was read.
 ///
-/// The first look, and every look that finds the file's time, length or inode changed, reads
-/// the file and reloads only if its text differs from what the running config was read from:
-/// an edit made between the start's read and the watcher's first look is not missed, and a
-/// touch that changes nothing reloads nothing.
+/// The first look that finds the file settled, and every one after a change that has settled,
+/// reads the file and reloads only if its text differs from what the running config was read
+/// from: an edit made between the start's read and the watcher's first looks is not missed,
+/// and a touch that changes nothing reloads nothing.
 pub async fn watch(reloader: &Reloader) {
-    let mut last = None;
+    let mut settle = Settle::default();
     let mut tick = tokio::time::interval(WATCH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = seen(reloader.path());
-        if now.is_none() || now == last {
+        if !settle.look(now.as_ref()) {
             continue;
         }
         let Ok(text) = std::fs::read(reloader.path()) else {
             continue;
         };
-        last = now;
+        // Changed while it was read: the next looks see it settle.
+        let Some(read) = now.filter(|n| seen(reloader.path()).as_ref() == Some(n)) else {
+            continue;
+        };
+        settle.was_read(read);
         if text_digest(&text) != reloader.running_digest() {
             let _ = reloader.reload();
         }
@@ -239,6 +284,44 @@ pub async fn watch(reloader: &Reloader) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn file(len: u64, inode: u64) -> Seen {
+        #[cfg(not(unix))]
+        let _ = inode;
+        Seen {
+            modified: None,
+            len,
+            #[cfg(unix)]
+            inode: (1, inode),
+        }
+    }
+
+    #[test]
+    fn a_file_is_read_once_a_change_has_held_still_for_a_look() {
+        let mut settle = Settle::default();
+        // The first looks: read once the file looks the same twice.
+        assert!(!settle.look(Some(&file(10, 1))));
+        assert!(settle.look(Some(&file(10, 1))));
+        settle.was_read(file(10, 1));
+        assert!(!settle.look(Some(&file(10, 1))), "unchanged: not read again");
+        // Written in place: truncated, then growing look after look. Read when it stops.
+        for len in [0, 4, 9, 15] {
+            assert!(!settle.look(Some(&file(len, 1))), "mid-write at {len} bytes");
+        }
+        assert!(settle.look(Some(&file(15, 1))));
+        settle.was_read(file(15, 1));
+        // Renamed over (a new inode): the same rule; missing for a look (mid-rename) restarts
+        // the wait.
+        assert!(!settle.look(Some(&file(15, 2))));
+        assert!(!settle.look(None));
+        assert!(!settle.look(Some(&file(15, 2))));
+        assert!(settle.look(Some(&file(15, 2))));
+        // Changed back to what was read before settling: nothing to read.
+        settle.was_read(file(15, 2));
+        assert!(!settle.look(Some(&file(20, 2))));
+        assert!(!settle.look(Some(&file(15, 2))));
+        assert!(!settle.look(Some(&file(15, 2))));
+    }
 
     fn config(keys: &str) -> Config {
         let text = format!("[upstream]\ndemo = true\n{keys}");
