@@ -303,10 +303,16 @@ mod tests {
         assert!(!settle.look(Some(&file(10, 1))));
         assert!(settle.look(Some(&file(10, 1))));
         settle.was_read(file(10, 1));
-        assert!(!settle.look(Some(&file(10, 1))), "unchanged: not read again");
+        assert!(
+            !settle.look(Some(&file(10, 1))),
+            "unchanged: not read again"
+        );
         // Written in place: truncated, then growing look after look. Read when it stops.
         for len in [0, 4, 9, 15] {
-            assert!(!settle.look(Some(&file(len, 1))), "mid-write at {len} bytes");
+            assert!(
+                !settle.look(Some(&file(len, 1))),
+                "mid-write at {len} bytes"
+            );
         }
         assert!(settle.look(Some(&file(15, 1))));
         settle.was_read(file(15, 1));

@@ -108,7 +108,7 @@ async fn a_spent_daily_budget_refuses_until_midnight_utc_and_charges_no_rate_lim
         up.seen.last_body()["stream_options"]["include_usage"],
         Value::Bool(true)
     );
-    assert!(up.seen.last_headers().get("accept-encoding").is_none());
+    assert_eq!(up.seen.last_headers()["accept-encoding"], "identity");
     let events = events(&r.body);
     assert!(
         events.iter().all(|e| !e.contains("usage")),

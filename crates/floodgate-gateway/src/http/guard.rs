@@ -114,8 +114,12 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
     let generating = metered && is_generating_request(req.method(), req.uri().path());
     let (mut parts, body) = req.into_parts();
     if metered {
-        // Usage is read from the response as it passes: it must come uncompressed.
-        parts.headers.remove(ACCEPT_ENCODING);
+        // Usage is read from the response as it passes: it must come uncompressed. Said, not
+        // just left unsaid: a request without `Accept-Encoding` accepts any coding (RFC 9110
+        // §12.5.3).
+        parts
+            .headers
+            .insert(ACCEPT_ENCODING, HeaderValue::from_static("identity"));
     }
     // Read only for a metered POST: every other request passes without looking at its path.
     let read = metered && parts.method == Method::POST;
