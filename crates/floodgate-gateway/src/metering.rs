@@ -99,7 +99,7 @@ pub struct MeteredBody {
     /// What the request reserved on the chain's reserving token limits, reconciled with the
     /// usage; kept whole if no usage comes.
     reservation: Option<Reservation>,
-    /// Whether `tokens` is a cut stream's count of chunks rather than the response's usage.
+    /// Whether `tokens` is a count of a stream's chunks (it gave no usage) rather than its usage.
     counted: bool,
     /// Whether the upstream's body ended in an error: whatever it says after (hyper's body
     /// reads as ended once its sender is gone), it was cut, and no usage will come.
@@ -301,9 +301,6 @@ impl Drop for MeteredBody {
             runtime.spawn(linger(self.take_rest()));
             return;
         }
-        // Cut before the upstream's end (the caller left mid-answer, the linger's bounds ran
-        // out, the upstream broke off).
-        let cut = self.broken || (!self.finished && !http_body::Body::is_end_stream(&self.inner));
         // A caller that leaves early is charged the usage seen so far: a JSON body read whole
         // (only its end still to come) parses; one cut short does not, and charges nothing.
         self.finish();
@@ -311,10 +308,13 @@ impl Drop for MeteredBody {
             self.tokens = f.tokens.or(self.tokens);
             self.usage = f.usage.or(self.usage);
             self.model = f.model.take().or(self.model.take());
-            if cut && self.tokens.is_none() && f.events > 0 {
-                // A stream cut before its usage: charged a token a chunk seen (about what the
+            if self.tokens.is_none() && f.events > 0 {
+                // A stream without its usage, cut before it or ended without one (an upstream
+                // that ignores `include_usage`, an error event mid-answer, an Assistants run
+                // stopped at `requires_action`): charged a token a chunk seen (about what the
                 // upstream generated; the prompt, which it bills too, is not known), rather
-                // than nothing, which a caller could have by hanging up just before the end.
+                // than nothing, which a caller could have by hanging up just before the end,
+                // and every stream of such an upstream would have.
                 self.tokens = Some(f.events);
                 self.counted = true;
                 self.usage = Some(TokenUsage {

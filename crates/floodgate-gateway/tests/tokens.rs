@@ -450,6 +450,23 @@ async fn a_stream_the_upstream_breaks_off_before_its_usage_charges_the_chunks_it
     assert_eq!(left.as_deref(), Some("97"));
 }
 
+#[tokio::test]
+async fn a_stream_that_ends_without_usage_charges_the_chunks_it_passed() {
+    let up = fake_upstream().await;
+    let gw = gateway(CONFIG, &up.url()).await;
+    // An upstream that ignores `include_usage`: three chunks and `[DONE]`, no usage. Charged
+    // nothing, every stream of such an upstream would pass its token limit; charged a token a
+    // chunk, as a stream cut before its usage is.
+    let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), CHAT_STREAM);
+    req.headers_mut()
+        .insert("x-test-ignore-include-usage", "1".parse().unwrap());
+    let r = gw.send(req).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(events(&r.body).len(), 4, "3 chunks and [DONE]");
+    let left = tokens_left(&gw).await;
+    assert_eq!(left.as_deref(), Some("97"));
+}
+
 /// Only the answer to a request that made the upstream generate is charged: a stored response
 /// fetched or cancelled carries the usage of work done (and charged) before, and charging it
 /// at every fetch would fill the window with tokens used once.

@@ -145,7 +145,9 @@ async fn chat(State(seen): State<Seen>, headers: HeaderMap, body: Bytes) -> Resp
             .body(Body::from_stream(stream))
             .unwrap();
     }
-    let include_usage = req["stream_options"]["include_usage"] == json!(true);
+    // `x-test-ignore-include-usage`: an upstream that does not implement `include_usage`.
+    let include_usage = req["stream_options"]["include_usage"] == json!(true)
+        && !headers.contains_key("x-test-ignore-include-usage");
     let delay = Duration::from_millis(header_u64(&headers, "x-test-last-delay-ms", 0));
     let usage_delay = headers
         .contains_key("x-test-usage-delay-ms")
