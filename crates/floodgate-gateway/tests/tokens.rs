@@ -564,6 +564,59 @@ async fn a_background_response_is_refused_and_charges_nothing() {
     );
 }
 
+/// Work whose tokens come later, where the gateway never sees them, is refused to a key with a
+/// token limit, uncharged: an ephemeral Realtime key or a WebRTC call (the session runs at the
+/// upstream, outside the gateway), a batch, a fine-tuning job, an eval run. A key without token
+/// limits passes them on.
+#[tokio::test]
+async fn work_metered_nowhere_is_refused_to_a_key_with_a_token_limit() {
+    let up = fake_upstream().await;
+    let config = format!(
+        "{LIMITED}[[keys]]\nid = \"plain\"\nsecret = \"sk-plain\"\nrate_limit = {{ requests = 100 }}\n"
+    );
+    let gw = gateway(&config, &up.url()).await;
+    let paths = [
+        "/v1/realtime/client_secrets",
+        "/v1/realtime/sessions",
+        "/v1/realtime/transcription_sessions",
+        "/v1/realtime/calls",
+        "/v1/realtime?model=gpt-realtime",
+        "/v1/batches",
+        "/v1/fine_tuning/jobs",
+        "/v1/evals/eval_1/runs",
+        "/v1/Realtime/Client_Secrets/",
+        "/v1/batche%73",
+    ];
+    for path in paths {
+        let r = gw
+            .send(gw.request("POST", path, Some("sk-k"), r#"{"model":"m"}"#))
+            .await;
+        assert_eq!(r.status, 400, "{path}: {}", r.text());
+        assert!(
+            r.text().contains("tokens come later"),
+            "{path}: {}",
+            r.text()
+        );
+    }
+    assert_eq!(up.seen.hits(), 0, "nothing went upstream");
+    // Nothing was charged: the key's five requests are all there.
+    let r = gw.chat("sk-k", CHAT).await;
+    assert_eq!(r.header("x-ratelimit-remaining-requests"), Some("4"));
+    // Fetching, cancelling or listing them is not refused; nor is anything for a key without
+    // token limits.
+    for (key, method, path) in [
+        ("sk-k", "GET", "/v1/batches/batch_1"),
+        ("sk-k", "POST", "/v1/batches/batch_1/cancel"),
+        ("sk-plain", "POST", "/v1/batches"),
+        ("sk-plain", "POST", "/v1/realtime/client_secrets"),
+    ] {
+        let r = gw
+            .send(gw.request(method, path, Some(key), r#"{"model":"m"}"#))
+            .await;
+        assert_ne!(r.status, 400, "{key} {method} {path}: {}", r.text());
+    }
+}
+
 /// A completion body over `[server] max_body_mib` is refused with 413 and charges nothing,
 /// whether its length is announced (refused unread) or it comes chunked.
 #[tokio::test]

@@ -19,7 +19,8 @@ use crate::access_log::Decision;
 use crate::buffers::{Buffers, HeldBody, Room};
 use crate::error::AppError;
 use crate::openai::paths::{
-    has_dot_segment, is_completion_path, is_generating_request, is_responses_path,
+    defers_generation, has_dot_segment, is_completion_path, is_generating_request,
+    is_responses_path,
 };
 use crate::openai::request::{
     Estimate, StreamRequest, check_responses_request, estimate, prepare_request,
@@ -110,6 +111,13 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
         return Err((err, Decision::BadRequest));
     }
     let metered = rules.metered;
+    if metered && req.method() == Method::POST && defers_generation(req.uri().path()) {
+        // Its answer comes at once and carries no usage: the work (and its tokens) comes later,
+        // where the gateway never sees it. As a background response is, it is refused to a key
+        // whose tokens or spend are limited.
+        let err = AppError::BadRequest(DEFERRED.into());
+        return Err((err, Decision::BadRequest));
+    }
     // Only the answer to a request that made the upstream generate is charged its usage.
     let generating = metered && is_generating_request(req.method(), req.uri().path());
     let (mut parts, body) = req.into_parts();
@@ -176,6 +184,13 @@ pub(super) async fn check(req: Request, rules: &Rules<'_>) -> Result<Checked, Re
     checked.body = Body::new(HeldBody::new(prepared.body, room));
     Ok(checked)
 }
+
+/// Why a `POST` that starts work metered nowhere ([`defers_generation`]) is refused to a key
+/// with a token limit or a budget.
+const DEFERRED: &str = "This request starts work whose tokens come later, outside any answer \
+    through the gateway (a Realtime session held elsewhere, a batch, a fine-tuning job or an \
+    eval run), so they could not be counted: a key with a token limit or a budget cannot make \
+    it.";
 
 /// Bodies from this size up are parsed on the blocking pool: a large one (a base64 image, say)
 /// would otherwise hold the worker's event loop, and every request on it, for the parse.

@@ -52,6 +52,33 @@ pub fn is_generating_request(method: &Method, path: &str) -> bool {
         && known(path).map_or_else(|| reads_as_generating(path), |k| k.generating)
 }
 
+/// Whether a `POST` to `path` starts work whose tokens no answer through the gateway will carry:
+/// a Realtime session held outside the gateway (an ephemeral key minted for a client,
+/// `.../realtime/client_secrets`, `.../realtime/sessions`, `.../realtime/transcription_sessions`;
+/// a WebRTC call, `.../realtime/calls` or a `POST` of an SDP offer to `.../realtime`), a batch
+/// (`.../batches`), a fine-tuning job (`.../fine_tuning/jobs`) or an eval run
+/// (`.../evals/{id}/runs`). Their answers come at once and the work is done, and billed, later.
+/// Read as [`is_completion_path`] reads a path: any reading of it that names one counts.
+pub fn defers_generation(path: &str) -> bool {
+    with_segments(path, |s| {
+        let is = |segment: Option<&[u8]>, name: &[u8]| {
+            segment.is_some_and(|g| g.eq_ignore_ascii_case(name))
+        };
+        let (last, before) = (s.next_back(), s.next_back());
+        const REALTIME: [&[u8]; 4] = [
+            b"client_secrets",
+            b"sessions",
+            b"transcription_sessions",
+            b"calls",
+        ];
+        is(last, b"realtime")
+            || (is(before, b"realtime") && REALTIME.iter().any(|n| is(last, n)))
+            || is(last, b"batches")
+            || (is(last, b"jobs") && is(before, b"fine_tuning"))
+            || (is(last, b"runs") && is(s.next_back(), b"evals"))
+    })
+}
+
 /// Whether a `POST` to `path` makes the upstream generate ([`is_generating_request`]), for a
 /// path [`KNOWN`] does not list: segment by segment.
 fn reads_as_generating(path: &str) -> bool {
@@ -211,6 +238,39 @@ pub fn has_dot_segment(path: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn work_done_later_is_told_from_work_answered_now() {
+        for path in [
+            "/v1/realtime",
+            "/v1/realtime/client_secrets",
+            "/v1/realtime/sessions",
+            "/v1/realtime/transcription_sessions",
+            "/v1/realtime/calls",
+            "/v1/batches",
+            "/v1/batches/",
+            "/openai/v1/batches",
+            "/v1/fine_tuning/jobs",
+            "/v1/evals/eval_1/runs",
+            "/v1/REALTIME/Calls;x=1",
+            "/v1/realtime%2Fsessions",
+        ] {
+            assert!(defers_generation(path), "{path}");
+        }
+        for path in [
+            "/v1/chat/completions",
+            "/v1/responses",
+            "/v1/threads/t/runs",
+            "/v1/batches/b/cancel",
+            "/v1/realtime/calls/c/hangup",
+            "/v1/fine_tuning/jobs/j/cancel",
+            "/v1/evals/eval_1",
+            "/v1/sessions",
+            "/v1/jobs",
+        ] {
+            assert!(!defers_generation(path), "{path}");
+        }
+    }
 
     #[test]
     fn only_creating_posts_are_charged_their_usage() {
