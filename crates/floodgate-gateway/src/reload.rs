@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::config::{Config, text_digest};
+use crate::config::{Config, default_workers, text_digest};
 use crate::http::{AppState, Process};
 
 /// How often the config file is looked at for a change.
@@ -155,14 +155,19 @@ pub fn needs_restart(old: &Config, new: &Config) -> Vec<&'static str> {
         }
     };
     check(old.listen == new.listen, "server.listen");
-    check(old.workers == new.workers, "server.workers");
+    // A value written out as what runs by default is no change, nor is the default read again.
+    let workers = |c: &Config| c.workers.unwrap_or_else(default_workers);
+    check(workers(old) == workers(new), "server.workers");
     check(
         old.header_timeout == new.header_timeout,
         "server.header_timeout_sec",
     );
     check(old.max_body_mib == new.max_body_mib, "server.max_body_mib");
+    // Left out of both, it asks for nothing: its default follows the machine's memory, which
+    // may read otherwise now than at the start.
     check(
-        old.max_buffered_mib == new.max_buffered_mib,
+        (!old.max_buffered_mib_written && !new.max_buffered_mib_written)
+            || old.max_buffered_mib == new.max_buffered_mib,
         "server.max_buffered_mib",
     );
     check(
@@ -294,6 +299,27 @@ mod tests {
             #[cfg(unix)]
             inode: (1, inode),
         }
+    }
+
+    #[test]
+    fn defaults_written_out_or_read_again_are_no_change() {
+        let old = config("");
+        // `workers` written out as the number that runs by default.
+        let n = default_workers();
+        let new = config(&format!("[server]\nworkers = {n}\n"));
+        assert!(needs_restart(&old, &new).is_empty());
+        let new = config(&format!("[server]\nworkers = {}\n", n + 1));
+        assert_eq!(needs_restart(&old, &new), ["server.workers"]);
+        // `max_buffered_mib` left out of both: its default, read again after the machine's
+        // memory changed, asks for nothing. Written out, a change of it does.
+        let mut new = config("");
+        new.max_buffered_mib = old.max_buffered_mib + 1024;
+        assert!(needs_restart(&old, &new).is_empty());
+        let new = config(&format!(
+            "[server]\nmax_buffered_mib = {}\n",
+            old.max_buffered_mib + 1024
+        ));
+        assert_eq!(needs_restart(&old, &new), ["server.max_buffered_mib"]);
     }
 
     #[test]

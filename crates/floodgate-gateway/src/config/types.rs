@@ -188,6 +188,9 @@ pub struct Config {
     /// The most the process holds of request bodies read before admission, all callers
     /// together, in MiB (`[server] max_buffered_mib`); one key holds at most half of it.
     pub max_buffered_mib: u64,
+    /// Whether the file writes `max_buffered_mib` (else it is the machine's default, read at
+    /// load: a reload that leaves it out asks for no change, whatever the memory reads then).
+    pub max_buffered_mib_written: bool,
     /// The most client connections the process keeps open at once (`[server]
     /// max_connections`); past it, new ones wait in the listen backlog.
     pub max_connections: usize,

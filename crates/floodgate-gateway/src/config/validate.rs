@@ -42,6 +42,7 @@ struct ServerSettings {
     header_timeout: Duration,
     max_body_mib: u64,
     max_buffered_mib: u64,
+    max_buffered_mib_written: bool,
     max_connections: usize,
 }
 
@@ -249,6 +250,7 @@ impl Validator<'_> {
             header_timeout: server.header_timeout,
             max_body_mib: server.max_body_mib,
             max_buffered_mib: server.max_buffered_mib,
+            max_buffered_mib_written: server.max_buffered_mib_written,
             max_connections: server.max_connections,
             store,
             upstream,
@@ -299,6 +301,7 @@ impl Validator<'_> {
         // A key holds at most half of the bound, and a chunked body counts twice while it is
         // read: a key's half must hold one largest body twice over.
         let least = 4 * max_body_mib;
+        let max_buffered_mib_written = max_buffered_mib.is_some();
         let max_buffered_mib = match max_buffered_mib {
             Some(m) if *m.get_ref() < least || *m.get_ref() > 1 << 20 => {
                 return Err(self.error(
@@ -346,6 +349,7 @@ impl Validator<'_> {
             header_timeout,
             max_body_mib,
             max_buffered_mib,
+            max_buffered_mib_written,
             max_connections,
         })
     }
