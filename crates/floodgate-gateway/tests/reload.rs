@@ -129,7 +129,9 @@ async fn reload_on(store: &str) {
     let up = fake_upstream().await;
     let (port, admin) = (free_port(), free_port());
     let text = |keys: &str| config(port, admin, store, &up.url(), keys);
-    let r = start("one", text(ALICE), port, admin).await;
+    // A file of its own per store: the two run at once, in one process.
+    let name = if store.contains("redis") { "one-redis" } else { "one-memory" };
+    let r = start(name, text(ALICE), port, admin).await;
     assert_eq!(chat(&r, "sk-alice", "", CHAT).await.0, 200);
     assert_eq!(chat(&r, "sk-alice", "", CHAT).await.1, Some(1));
     assert_eq!(chat(&r, "sk-bob", "", CHAT).await.0, 401);
