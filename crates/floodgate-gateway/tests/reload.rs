@@ -28,6 +28,7 @@ impl Drop for Replica {
         let _ = self.child.kill();
         let _ = self.child.wait();
         let _ = std::fs::remove_file(&self.file);
+        let _ = std::fs::remove_file(self.file.with_extension("log"));
     }
 }
 
@@ -51,8 +52,18 @@ async fn start(name: &str, text: String, port: u16, admin: u16) -> Replica {
         std::process::id()
     ));
     std::fs::write(&file, &text).unwrap();
-    let child = serve_binary(&file);
-    let r = Replica {
+    // Its log kept beside the file, to say why, should it not start.
+    let log = file.with_extension("log");
+    let child = Command::new(env!("CARGO_BIN_EXE_floodgate"))
+        .args(["serve", "--config"])
+        .arg(&file)
+        .env_remove("FLOODGATE_REDIS_URL")
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut r = Replica {
         child,
         file,
         addr: format!("127.0.0.1:{port}"),
@@ -61,7 +72,14 @@ async fn start(name: &str, text: String, port: u16, admin: u16) -> Replica {
     let deadline = Instant::now() + Duration::from_secs(20);
     while TcpStream::connect(&r.addr).await.is_err() || TcpStream::connect(&r.admin).await.is_err()
     {
-        assert!(Instant::now() < deadline, "the gateway did not start");
+        let exited = r.child.try_wait().unwrap();
+        if exited.is_some() || Instant::now() >= deadline {
+            panic!(
+                "the gateway did not start ({}): {}",
+                exited.map_or("still running".to_owned(), |s| s.to_string()),
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     r
@@ -130,7 +148,11 @@ async fn reload_on(store: &str) {
     let (port, admin) = (free_port(), free_port());
     let text = |keys: &str| config(port, admin, store, &up.url(), keys);
     // A file of its own per store: the two run at once, in one process.
-    let name = if store.contains("redis") { "one-redis" } else { "one-memory" };
+    let name = if store.contains("redis") {
+        "one-redis"
+    } else {
+        "one-memory"
+    };
     let r = start(name, text(ALICE), port, admin).await;
     assert_eq!(chat(&r, "sk-alice", "", CHAT).await.0, 200);
     assert_eq!(chat(&r, "sk-alice", "", CHAT).await.1, Some(1));
