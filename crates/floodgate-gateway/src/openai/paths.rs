@@ -60,6 +60,11 @@ pub fn is_generating_request(method: &Method, path: &str) -> bool {
 /// (`.../evals/{id}/runs`). Their answers come at once and the work is done, and billed, later.
 /// Read as [`is_completion_path`] reads a path: any reading of it that names one counts.
 pub fn defers_generation(path: &str) -> bool {
+    known(path).map_or_else(|| reads_as_deferred(path), |k| k.deferred)
+}
+
+/// [`defers_generation`] for a path [`KNOWN`] does not list: segment by segment.
+fn reads_as_deferred(path: &str) -> bool {
     with_segments(path, |s| {
         let is = |segment: Option<&[u8]>, name: &[u8]| {
             segment.is_some_and(|g| g.eq_ignore_ascii_case(name))
@@ -122,6 +127,7 @@ struct Reading {
     completion: bool,
     responses: bool,
     generating: bool,
+    deferred: bool,
 }
 
 /// The paths nearly every metered request names, spelled as the API documents them, with how
@@ -135,6 +141,7 @@ const KNOWN: [(&str, Reading); 4] = [
             completion: true,
             responses: false,
             generating: true,
+            deferred: false,
         },
     ),
     (
@@ -143,6 +150,7 @@ const KNOWN: [(&str, Reading); 4] = [
             completion: false,
             responses: true,
             generating: true,
+            deferred: false,
         },
     ),
     (
@@ -151,6 +159,7 @@ const KNOWN: [(&str, Reading); 4] = [
             completion: true,
             responses: false,
             generating: true,
+            deferred: false,
         },
     ),
     (
@@ -159,6 +168,7 @@ const KNOWN: [(&str, Reading); 4] = [
             completion: false,
             responses: false,
             generating: true,
+            deferred: false,
         },
     ),
 ];
@@ -320,6 +330,7 @@ mod tests {
                 completion: reads_as_completion(path),
                 responses: reads_as_responses(path),
                 generating: reads_as_generating(path),
+                deferred: reads_as_deferred(path),
             };
             assert_eq!(reading, segments, "{path}");
             assert_eq!(known(path), Some(reading));
