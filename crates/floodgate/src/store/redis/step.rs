@@ -128,9 +128,10 @@ impl RedisStore {
         // One call shares one time argument (`group::serve` batched them so).
         let time = batch.first().and_then(Queued::time);
         let (mut admits, mut reads, mut charges) = (Vec::new(), Vec::new(), Vec::new());
-        // Where each came in the queue, for those put back (below).
-        let (mut admit_seq, mut read_seq, mut charge_seq) = (Vec::new(), Vec::new(), Vec::new());
-        for (seq, p) in batch.into_iter().enumerate() {
+        // How many admissions came before each read and charge in the queue, for those put back
+        // (below): nothing more is kept for a batch of admissions alone, the common one.
+        let (mut read_after, mut charge_after) = (Vec::new(), Vec::new());
+        for p in batch {
             match p {
                 // A caller that gave up while it waited (a client that disconnected) is left
                 // out: nothing is charged for a request never served, nobody reads a read. A
@@ -139,17 +140,14 @@ impl RedisStore {
                 Pending::Admit(p) if p.reply.is_closed() => {}
                 Pending::Read(p) if p.reply.is_closed() => {}
                 Pending::Charge(p) if p.abandoned() => {}
-                Pending::Admit(p) => {
-                    admits.push(p);
-                    admit_seq.push(seq);
-                }
+                Pending::Admit(p) => admits.push(p),
                 Pending::Read(p) => {
+                    read_after.push(admits.len());
                     reads.push(p);
-                    read_seq.push(seq);
                 }
                 Pending::Charge(p) => {
+                    charge_after.push(admits.len());
                     charges.push(p);
-                    charge_seq.push(seq);
                 }
             }
         }
@@ -162,14 +160,15 @@ impl RedisStore {
         let (groups, taken) = batch::group(&mut windows, &mut counters, &admits);
         // An admission that does not fit waits for the next call, and so does every call queued
         // after it: a charge or a read never overtakes an admission that came before it.
+        // (One with more than `taken` admissions before it came after the first put back.)
         let mut later: Vec<(usize, Pending)> = Vec::new();
-        if let Some(&cut) = admit_seq.get(taken) {
-            let r = read_seq.partition_point(|&s| s < cut);
-            let c = charge_seq.partition_point(|&s| s < cut);
-            let reads_after = read_seq[r..].iter().copied().zip(reads.split_off(r));
-            let charges_after = charge_seq[c..].iter().copied().zip(charges.split_off(c));
-            later.extend(reads_after.map(|(s, p)| (s, Pending::Read(p))));
-            later.extend(charges_after.map(|(s, p)| (s, Pending::Charge(p))));
+        if taken < admits.len() {
+            let r = read_after.partition_point(|&n| n <= taken);
+            let c = charge_after.partition_point(|&n| n <= taken);
+            let reads_after = read_after[r..].iter().copied().zip(reads.split_off(r));
+            let charges_after = charge_after[c..].iter().copied().zip(charges.split_off(c));
+            later.extend(reads_after.map(|(n, p)| (n, Pending::Read(p))));
+            later.extend(charges_after.map(|(n, p)| (n, Pending::Charge(p))));
         }
         // The windows the admissions charge, before the charges add theirs.
         let charged: Vec<bool> = windows
@@ -221,7 +220,7 @@ impl RedisStore {
         drop((windows, counters));
         // Admissions that did not fit go first in the next call: they came before anything
         // queued since.
-        let admits = self.put_back_rest(lane, admits, &admit_seq, taken, later);
+        let admits = self.put_back_rest(lane, admits, taken, later);
         if !groups.is_empty() {
             bump(&self.inner.counters.admit_batches);
         }
@@ -277,27 +276,27 @@ impl RedisStore {
     }
 
     /// Puts admissions `admits[taken..]` back at the front of `lane`'s queue, with `later` (the
-    /// reads and charges queued after the first of them), all in the order they were queued
-    /// (`admit_seq`: each admission's place); returns the rest.
+    /// reads and charges queued after the first of them, each with how many admissions came
+    /// before it), all in the order they were queued; returns the rest.
     fn put_back_rest(
         &self,
         lane: &Mutex<StepQueue>,
         mut admits: Vec<PendingAdmit>,
-        admit_seq: &[usize],
         taken: usize,
-        mut later: Vec<(usize, Pending)>,
+        later: Vec<(usize, Pending)>,
     ) -> Vec<PendingAdmit> {
         if taken < admits.len() {
             let rest = admits.split_off(taken);
-            later.extend(
-                admit_seq[taken..]
-                    .iter()
-                    .copied()
-                    .zip(rest.into_iter().map(Pending::Admit)),
+            // Admission `i` goes after what had `i` admissions before it, and before the rest.
+            let mut back: Vec<((usize, bool), Pending)> =
+                later.into_iter().map(|(n, p)| ((n, false), p)).collect();
+            back.extend(
+                (taken..)
+                    .zip(rest)
+                    .map(|(i, p)| ((i, true), Pending::Admit(p))),
             );
-            // In the order they were queued (each list was in that order already).
-            later.sort_by_key(|&(seq, _)| seq);
-            group::put_back(lane, later.into_iter().map(|(_, p)| p).collect());
+            back.sort_by_key(|&(at, _)| at);
+            group::put_back(lane, back.into_iter().map(|(_, p)| p).collect());
         }
         admits
     }
