@@ -326,8 +326,11 @@ impl Drop for MeteredBody {
         }
         if let (Some(chain), Some(t)) = (self.chain.take(), self.tokens) {
             let spend = self.spend.take().zip(self.usage).map(|(spend, usage)| {
-                let model = self.model.as_deref().or(spend.request_model.as_deref());
-                let micro_usd = spend.prices.spend(model, &usage);
+                let micro_usd = spend.prices.spend(
+                    self.model.as_deref(),
+                    spend.request_model.as_deref(),
+                    &usage,
+                );
                 let reserved = spend.reserved.map(|r| {
                     let delta = r.delta(micro_usd, !self.counted);
                     (r, delta)

@@ -80,9 +80,24 @@ impl Prices {
         }
     }
 
-    /// The price of `model`: its own, else that of the longest priced name that prefixes it at
-    /// a `-` (`gpt-4o-mini-2024-07-18` is priced as `gpt-4o-mini`), else the `*` price.
+    /// The price of `model`: its own (see [`Prices::specific`]), else the `*` price.
     pub fn lookup(&self, model: &str) -> Option<Price> {
+        self.specific(model).or(self.fallback)
+    }
+
+    /// The price `model` has by name, not by `*`: its own entry, else that of the longest priced
+    /// name that prefixes it at a `-` (`gpt-4o-mini-2024-07-18` is priced as `gpt-4o-mini`);
+    /// a model named under a provider (`openai/gpt-4o`, as routers name them) and priced by
+    /// neither rule is then looked up by what follows its last `/`.
+    pub fn specific(&self, model: &str) -> Option<Price> {
+        self.by_name(model).or_else(|| {
+            let (_, name) = model.rsplit_once('/')?;
+            self.by_name(name)
+        })
+    }
+
+    /// `model`'s own entry, else the longest priced name that prefixes it at a `-`.
+    fn by_name(&self, model: &str) -> Option<Price> {
         if let Some(p) = self.by_model.get(model) {
             return Some(*p);
         }
@@ -98,20 +113,23 @@ impl Prices {
             }
             end = dash;
         }
-        self.fallback
+        None
     }
 
-    /// The spend of a response of `model` (unknown: `None`) with `usage`, in micro-USD. A model
-    /// the table does not price spends nothing, with a warning logged once per model.
-    pub fn spend(&self, model: Option<&str>, usage: &TokenUsage) -> u64 {
-        let price = match model {
-            Some(m) => self.lookup(m),
-            None => self.fallback,
-        };
+    /// The spend of a response with `usage`, in micro-USD: priced as the model the response
+    /// names (`None`: it names none), else as the model the request named (`request`; an
+    /// upstream may answer with a name of its own, `gpt-4o` asked and a name the table does not
+    /// know answered), else by `*`. Nothing priced: it spends nothing, with a warning logged
+    /// once per model.
+    pub fn spend(&self, response: Option<&str>, request: Option<&str>, usage: &TokenUsage) -> u64 {
+        let price = response
+            .and_then(|m| self.specific(m))
+            .or_else(|| request.and_then(|m| self.specific(m)))
+            .or(self.fallback);
         match price {
             Some(p) => p.cost(usage),
             None => {
-                let name = model.unwrap_or("(no model named)");
+                let name = response.or(request).unwrap_or("(no model named)");
                 let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
                 if warned.len() < MAX_WARNED && !warned.contains(name) {
                     warned.insert(name.to_owned());
@@ -188,12 +206,52 @@ mod tests {
         assert_eq!(p.lookup("é-gpt-4o").unwrap().input_pico, 1);
         let no_star = Prices::new(&[price("gpt-4o", 1, 1)]);
         assert_eq!(no_star.lookup("o1"), None);
-        assert_eq!(no_star.spend(Some("o1"), &usage(Some(5), Some(5), 10)), 0);
-        assert_eq!(no_star.spend(None, &usage(Some(5), Some(5), 10)), 0);
+        assert_eq!(
+            no_star.spend(Some("o1"), None, &usage(Some(5), Some(5), 10)),
+            0
+        );
+        assert_eq!(no_star.spend(None, None, &usage(Some(5), Some(5), 10)), 0);
         for i in 0..1_000 {
-            no_star.spend(Some(&format!("m{i}")), &usage(None, None, 1));
+            no_star.spend(Some(&format!("m{i}")), None, &usage(None, None, 1));
         }
         assert_eq!(no_star.warned.lock().unwrap().len(), MAX_WARNED);
+    }
+
+    #[test]
+    fn a_provider_named_model_is_priced_by_its_name_after_the_last_slash() {
+        let p = Prices::new(&[
+            price("gpt-4o", 2_500_000, 10_000_000),
+            price("gpt-4o-mini", 150_000, 600_000),
+            price("*", 1, 2),
+        ]);
+        assert_eq!(p.lookup("openai/gpt-4o").unwrap().input_pico, 2_500_000);
+        assert_eq!(
+            p.lookup("azure/openai/gpt-4o-mini-2024-07-18")
+                .unwrap()
+                .input_pico,
+            150_000
+        );
+        // An entry that names the provider wins over the name after it.
+        let named = Prices::new(&[price("gpt-4o", 2, 2), price("openai/gpt-4o", 3, 3)]);
+        assert_eq!(named.lookup("openai/gpt-4o").unwrap().input_pico, 3);
+        assert_eq!(named.lookup("other/gpt-4o").unwrap().input_pico, 2);
+        assert_eq!(p.lookup("openai/").unwrap().input_pico, 1);
+    }
+
+    #[test]
+    fn an_answer_naming_an_unpriced_model_is_priced_as_the_request_named() {
+        let p = Prices::new(&[price("gpt-4o", 1_000_000, 1_000_000), price("*", 1, 1)]);
+        let u = usage(Some(10), Some(10), 20);
+        // The response's own name first, by `*` last: the request's model sits between.
+        assert_eq!(p.spend(Some("gpt-4o-2024-08-06"), Some("x"), &u), 20);
+        assert_eq!(p.spend(Some("deployment-7"), Some("gpt-4o"), &u), 20);
+        assert_eq!(p.spend(None, Some("gpt-4o"), &u), 20);
+        assert_eq!(p.spend(Some("deployment-7"), Some("other"), &u), 1);
+        let no_star = Prices::new(&[price("gpt-4o", 1_000_000, 1_000_000)]);
+        assert_eq!(no_star.spend(Some("deployment-7"), Some("gpt-4o"), &u), 20);
+        assert_eq!(no_star.spend(Some("deployment-7"), Some("o1"), &u), 0);
+        // The warning names what the response called it.
+        assert!(no_star.warned.lock().unwrap().contains("deployment-7"));
     }
 
     #[test]

@@ -850,7 +850,7 @@ impl Meter<'_> {
                     add(pending, usage.total);
                     charger.count_usage(&usage);
                     if let Some(prices) = prices {
-                        add(pending_spend, prices.spend(model.as_deref(), &usage));
+                        add(pending_spend, prices.spend(model.as_deref(), None, &usage));
                     }
                 }
             }

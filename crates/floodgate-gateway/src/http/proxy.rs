@@ -99,7 +99,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
             output: Some(estimate.output),
             total: estimate.total(),
         };
-        ctx.live.prices.spend(model.as_deref(), &usage)
+        ctx.live.prices.spend(None, model.as_deref(), &usage)
     });
     let mut admitted = match ctx.admit(estimate, price).await {
         Ok(admitted) => admitted,
