@@ -269,9 +269,7 @@ impl SseFilter {
                     k.fields_in(&events, start, end)
                         .any(|(_, v)| event.get(v) == Some(&b'"'))
                 }),
-                AnswerEnd::DoneEvent => {
-                    !self.answered && DONE_EVENTS.iter().any(|k| k.find(event).is_some())
-                }
+                AnswerEnd::DoneEvent => !self.answered && closes_answer(event),
             };
             let usage: Vec<UsageField> = usage_keys
                 .fields_in(&events, start, end)
@@ -388,11 +386,27 @@ type Key = LazyLock<Finder<'static>>;
 static USAGE_KEY: Key = LazyLock::new(|| Finder::new(b"\"usage\""));
 static FINISH_REASON_KEY: Key = LazyLock::new(|| Finder::new(b"\"finish_reason\""));
 static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
+static TYPE_KEY: Key = LazyLock::new(|| Finder::new(b"\"type\""));
 /// The events that close an output item or a message ([`AnswerEnd::DoneEvent`]).
-static DONE_EVENTS: [Key; 2] = [
-    LazyLock::new(|| Finder::new(b"response.output_item.done")),
-    LazyLock::new(|| Finder::new(b"thread.message.completed")),
-];
+const DONE_EVENTS: [&[u8]; 2] = [b"response.output_item.done", b"thread.message.completed"];
+
+/// Whether `event` closes an output item or a message: its `event:` line names one of
+/// [`DONE_EVENTS`], or a `"type"` field of its data has one as its value. Only there: model
+/// text that spells such a name sits inside a string value, where it is neither a line of its
+/// own nor a field (its quotes escaped).
+fn closes_answer(event: &[u8]) -> bool {
+    let is_done = |name: &[u8]| DONE_EVENTS.contains(&name);
+    lines(event)
+        .filter_map(|line| line.strip_prefix(b"event:"))
+        .any(|name| is_done(name.trim_ascii()))
+        || fields(event, &TYPE_KEY).any(|(_, value)| {
+            event.get(value) == Some(&b'"')
+                && event[value + 1..]
+                    .iter()
+                    .position(|&b| b == b'"')
+                    .is_some_and(|len| is_done(&event[value + 1..value + 1 + len]))
+        })
+}
 
 /// Each `key` in `event` that a colon follows (any spacing, any nesting), as the positions of
 /// the key and of its value (`event.len()` if the event ends there). (A key inside a string
@@ -603,6 +617,22 @@ mod tests {
         ]));
         assert!(!has_done_event(&[
             b"event: thread.message.delta\ndata: {\"object\":\"thread.message.delta\"}"
+        ]));
+        // Model text that spells a closing event's name closes nothing: it is a string's
+        // content, neither an `event:` line nor a `"type"` field.
+        assert!(!has_done_event(&[
+            br#"event: response.output_text.delta
+data: {"type":"response.output_text.delta","delta":"response.output_item.done"}"#
+        ]));
+        assert!(!has_done_event(&[
+            br#"data: {"type":"response.output_text.delta","delta":"{\"type\":\"response.output_item.done\"}\nevent: thread.message.completed"}"#
+        ]));
+        assert!(!has_done_event(&[
+            b"event: thread.message.delta\ndata: {\"delta\":\"event: thread.message.completed\"}"
+        ]));
+        // Spaced as some servers write it.
+        assert!(has_done_event(&[
+            br#"data: {"type" : "response.output_item.done"}"#
         ]));
         // A chat completion's finish_reason is not how these streams end, and the other way
         // round.
