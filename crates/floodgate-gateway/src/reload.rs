@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
-use crate::config::{Config, default_workers, text_digest};
+use crate::config::{Config, UpstreamTarget, default_workers, text_digest};
 use crate::http::{AppState, Process};
 
 /// How often the config file is looked at for a change.
@@ -80,6 +80,19 @@ impl Reloader {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .text_digest
+    }
+
+    /// The running config's upstream CA file, if it has one, and the digest of what it held
+    /// when that config was read.
+    fn running_ca_file(&self) -> Option<(PathBuf, Option<u64>)> {
+        let running = self.running.lock().unwrap_or_else(PoisonError::into_inner);
+        match &running.upstream.target {
+            UpstreamTarget::Http {
+                ca_file: Some(path),
+                ..
+            } => Some((path.clone(), running.ca_file_digest)),
+            _ => None,
+        }
     }
 
     /// Reads the file again and, if it is valid and changes only what can change, puts it in
@@ -251,36 +264,51 @@ impl Settle {
         self.read = Some(seen);
         self.changed = None;
     }
+
+    /// Looks at the file at `path` and, if [`Settle::look`] says so, reads it: what it holds,
+    /// unless it could not be read or changed while it was read (the next looks see it
+    /// settle).
+    fn read_settled(&mut self, path: &Path) -> Option<Vec<u8>> {
+        let now = seen(path);
+        if !self.look(now.as_ref()) {
+            return None;
+        }
+        let bytes = std::fs::read(path).ok()?;
+        let read = now.filter(|n| seen(path).as_ref() == Some(n))?;
+        self.was_read(read);
+        Some(bytes)
+    }
 }
 
-/// Watches `reloader`'s file and reloads it when it changes, until the process stops. A file
-/// gone for a moment (mid-rename) is waited for, not reloaded; a file being written is read
-/// once it has not changed for a whole look ([`Settle`]), and not used if it changed while it
-/// was read.
+/// Watches `reloader`'s file, and the upstream's CA file the running config names, and reloads
+/// when either changes, until the process stops. A file gone for a moment (mid-rename) is waited
+/// for, not reloaded; a file being written is read once it has not changed for a whole look
+/// ([`Settle`]), and not used if it changed while it was read.
 ///
-/// The first look that finds the file settled, and every one after a change that has settled,
-/// reads the file and reloads only if its text differs from what the running config was read
+/// The first look that finds a file settled, and every one after a change that has settled,
+/// reads it and reloads only if what it holds differs from what the running config was read
 /// from: an edit made between the start's read and the watcher's first looks is not missed,
-/// and a touch that changes nothing reloads nothing.
+/// and a touch that changes nothing reloads nothing. A CA file is told apart by the digest of
+/// its bytes, so a rotated CA (a new file renamed over the old, as Kubernetes mounts do) is
+/// put in force without an edit of the config; a reload that fails on it keeps what runs, and
+/// the file's next change is tried again.
 pub async fn watch(reloader: &Reloader) {
-    let mut settle = Settle::default();
+    let mut config = Settle::default();
+    let mut ca = Settle::default();
     let mut tick = tokio::time::interval(WATCH_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let now = seen(reloader.path());
-        if !settle.look(now.as_ref()) {
+        if let Some(text) = config.read_settled(reloader.path())
+            && text_digest(&text) != reloader.running_digest()
+        {
+            let _ = reloader.reload();
             continue;
         }
-        let Ok(text) = std::fs::read(reloader.path()) else {
-            continue;
-        };
-        // Changed while it was read: the next looks see it settle.
-        let Some(read) = now.filter(|n| seen(reloader.path()).as_ref() == Some(n)) else {
-            continue;
-        };
-        settle.was_read(read);
-        if text_digest(&text) != reloader.running_digest() {
+        if let Some((path, digest)) = reloader.running_ca_file()
+            && let Some(bytes) = ca.read_settled(&path)
+            && Some(text_digest(&bytes)) != digest
+        {
             let _ = reloader.reload();
         }
     }

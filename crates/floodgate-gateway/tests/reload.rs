@@ -387,3 +387,39 @@ async fn three_replicas_on_one_redis_each_reload_on_their_own() {
     };
     assert_eq!(left, [Some(2), Some(1), Some(0)]);
 }
+
+/// A CA file replaced under a running gateway (a rotated CA: a new file renamed over the old,
+/// as a Kubernetes secret's mount does) is put in force with the config unchanged; a broken
+/// one is refused and changes nothing.
+#[tokio::test]
+async fn a_rotated_upstream_ca_file_reloads_without_a_config_edit() {
+    let up = fake_upstream_tls(&tls_fixture("server.pem"), &tls_fixture("server.key")).await;
+    let (port, admin) = (free_port(), free_port());
+    let ca = std::env::temp_dir().join(format!("floodgate-reload-ca-{}.pem", std::process::id()));
+    // Trusting the server's own certificate, not the CA that signed it: the upstream is
+    // untrusted.
+    std::fs::copy(tls_fixture("server.pem"), &ca).unwrap();
+    let text = config(
+        port,
+        admin,
+        "",
+        &up.https_url(),
+        &format!("ca_file = \"{}\"\n{ALICE}", ca.display()),
+    );
+    let r = start("ca-file", text, port, admin).await;
+    assert_eq!(chat(&r, "sk-alice", "", CHAT).await.0, 502);
+
+    replace(
+        &ca,
+        &std::fs::read_to_string(tls_fixture("ca.pem")).unwrap(),
+    );
+    reloaded(&r, "ok", 1).await;
+    assert_eq!(chat(&r, "sk-alice", "", CHAT).await.0, 200);
+    assert_eq!(up.seen.hits(), 1);
+
+    // Not a certificate: the reload is refused, the CA in force stays.
+    replace(&ca, "not a certificate\n");
+    reloaded(&r, "error", 1).await;
+    assert_eq!(chat(&r, "sk-alice", "", CHAT).await.0, 200);
+    let _ = std::fs::remove_file(&ca);
+}

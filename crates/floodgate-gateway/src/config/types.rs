@@ -174,6 +174,10 @@ pub struct Config {
     /// A digest of the text it was read from, so that the reload watcher can tell whether the
     /// file still holds what runs (docs/design.md §7).
     pub text_digest: u64,
+    /// A digest of the upstream's CA file (`upstream.ca_file`) as it was when the config was
+    /// read, so that the watcher reloads when the file is replaced (a rotated CA) while the
+    /// config stays (docs/design.md §7). `None` without a CA file.
+    pub ca_file_digest: Option<u64>,
     /// Where to listen.
     pub listen: SocketAddr,
     /// Worker threads, each with its own event loop and listening socket (`None`: the default,

@@ -242,9 +242,19 @@ impl Validator<'_> {
             budgets.values_mut().flatten().for_each(|b| b.shadow = true);
         }
 
+        // The file was read and checked with the upstream's settings above; what it held is
+        // what a later change is told from.
+        let ca_file_digest = match &upstream.target {
+            UpstreamTarget::Http {
+                ca_file: Some(path),
+                ..
+            } => std::fs::read(path).ok().map(|bytes| text_digest(&bytes)),
+            _ => None,
+        };
         Ok(Config {
             path: self.file.to_path_buf(),
             text_digest: text_digest(self.text.as_bytes()),
+            ca_file_digest,
             listen: server.listen,
             workers: server.workers,
             header_timeout: server.header_timeout,
