@@ -95,6 +95,13 @@ impl Reloader {
         }
     }
 
+    /// [`Reloader::reload`] from a task of a multi-threaded runtime: the runtime's other tasks
+    /// (the admin listener, the tally's flushes) move to another thread while the file is read
+    /// and every worker's state built, which for a large config takes a while.
+    pub fn reload_in_place(&self) -> Result<(), ReloadError> {
+        tokio::task::block_in_place(|| self.reload())
+    }
+
     /// Reads the file again and, if it is valid and changes only what can change, puts it in
     /// force in every worker. Counted in the metrics, logged either way.
     pub fn reload(&self) -> Result<(), ReloadError> {
@@ -291,7 +298,8 @@ impl Settle {
 /// and a touch that changes nothing reloads nothing. A CA file is told apart by the digest of
 /// its bytes, so a rotated CA (a new file renamed over the old, as Kubernetes mounts do) is
 /// put in force without an edit of the config; a reload that fails on it keeps what runs, and
-/// the file's next change is tried again.
+/// the file's next change is tried again. Runs on a multi-threaded runtime
+/// ([`Reloader::reload_in_place`]).
 pub async fn watch(reloader: &Reloader) {
     let mut config = Settle::default();
     let mut ca = Settle::default();
@@ -302,14 +310,14 @@ pub async fn watch(reloader: &Reloader) {
         if let Some(text) = config.read_settled(reloader.path())
             && text_digest(&text) != reloader.running_digest()
         {
-            let _ = reloader.reload();
+            let _ = reloader.reload_in_place();
             continue;
         }
         if let Some((path, digest)) = reloader.running_ca_file()
             && let Some(bytes) = ca.read_settled(&path)
             && Some(text_digest(&bytes)) != digest
         {
-            let _ = reloader.reload();
+            let _ = reloader.reload_in_place();
         }
     }
 }

@@ -259,7 +259,8 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             config = %config.path.display(),
             "floodgate gateway listening"
         );
-        // Reloads, from SIGHUP and from changes of the file, one at a time.
+        // Reloads, from SIGHUP and from changes of the file, one at a time, each off the
+        // background runtime's one thread while it runs (the admin listener stays served).
         let reloader = Reloader::new(config.clone(), states, process.clone());
         let mut stopping = stop_rx.clone();
         background.spawn(async move {
@@ -269,7 +270,7 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
                 tokio::select! {
                     hup = hangups.recv() => match hup {
                         Some(()) => {
-                            let _ = reloader.reload();
+                            let _ = reloader.reload_in_place();
                         }
                         None => std::future::pending::<()>().await,
                     },
