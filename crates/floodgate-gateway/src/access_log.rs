@@ -12,6 +12,9 @@ use std::time::Instant;
 use axum::http::{Method, StatusCode, Uri};
 use floodgate::ScopeKind;
 
+/// The target of the request line (`crate::logs` writes it).
+pub(crate) const TARGET: &str = module_path!();
+
 /// What the gateway decided for a request, as its log line names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Decision {

@@ -39,6 +39,7 @@ pub mod demo;
 pub mod error;
 pub mod headers;
 pub mod http;
+pub mod logs;
 mod metering;
 pub mod metrics;
 mod openai;

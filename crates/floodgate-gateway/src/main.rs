@@ -7,6 +7,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 use floodgate_gateway::config::Config;
+use floodgate_gateway::logs::writer::Buffered;
 use tracing_subscriber::EnvFilter;
 
 /// mimalloc instead of the system allocator: a proxied request makes some 30 small, short-lived
@@ -126,7 +127,7 @@ fn rls(args: RlsArgs) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    init_logs();
+    let logs = init_logs();
     let redis_url = args.redis_url.or_else(|| {
         std::env::var("FLOODGATE_REDIS_URL")
             .ok()
@@ -145,7 +146,9 @@ fn rls(args: RlsArgs) -> ExitCode {
         admin_listen: args.admin_listen,
         shadow,
     };
-    match floodgate_gateway::rls::serve(&options) {
+    let served = floodgate_gateway::rls::serve(&options);
+    drop(logs);
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Printed, not logged: a start that fails says why whatever `RUST_LOG` lets through.
@@ -155,14 +158,35 @@ fn rls(args: RlsArgs) -> ExitCode {
     }
 }
 
-fn init_logs() {
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_env_filter(
-            EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
-        )
-        .init();
+/// Sets up the log: `RUST_LOG`'s level (default `info`) to stderr, through a writer thread
+/// (`logs::writer`). The guard writes what is buffered when dropped: hold it until the end,
+/// and drop it before printing anything to stderr after the log, to keep the order.
+fn init_logs() -> Option<Buffered> {
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let format = floodgate_gateway::logs::Lines::default();
+    match Buffered::start_for_process(std::io::stderr()) {
+        Ok((guard, lines)) => {
+            tracing_subscriber::fmt()
+                .with_writer(lines)
+                .with_ansi(ansi)
+                .event_format(format)
+                .with_env_filter(filter)
+                .init();
+            Some(guard)
+        }
+        // No thread to spare: each line written by the thread that logs it.
+        Err(e) => {
+            tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .with_ansi(ansi)
+                .event_format(format)
+                .with_env_filter(filter)
+                .init();
+            tracing::warn!(error = %e, "no log writer thread: lines are written as they come");
+            None
+        }
+    }
 }
 
 fn check_config(file: &PathBuf) -> ExitCode {
@@ -185,15 +209,18 @@ fn check_config(file: &PathBuf) -> ExitCode {
 }
 
 fn serve(path: &PathBuf) -> ExitCode {
-    init_logs();
+    let logs = init_logs();
     let config = match Config::load(path) {
         Ok(c) => c,
         Err(e) => {
+            drop(logs);
             eprintln!("error: {e}");
             return ExitCode::FAILURE;
         }
     };
-    match floodgate_gateway::server::serve(&config) {
+    let served = floodgate_gateway::server::serve(&config);
+    drop(logs);
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             // Printed, not logged, as a config error is: a start that fails says why whatever

@@ -254,7 +254,7 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
         &format!(
             "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = \"http://{upstream}\"\ntimeout_sec = 60\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
         ),
-        false,
+        true,
     );
     let addr = format!("127.0.0.1:{port}");
     gw.listening(&addr).await;
@@ -265,12 +265,73 @@ async fn a_second_sigterm_during_the_drain_exits_at_once_and_says_so() {
         "the first SIGTERM drains"
     );
     gw.sigterm();
-    let status = gw.exited(Duration::from_secs(5)).await;
+    let status = gw.exited(Duration::from_secs(10)).await;
     let status = status.expect("a second SIGTERM did not end the drain");
     assert!(
         !status.success(),
         "requests were cut: not a clean exit ({status:?})"
     );
+    // The log's buffered lines are written before the exit.
+    let err = gw.stderr();
+    assert!(
+        err.contains("second signal: exiting without waiting for the drain"),
+        "{err}"
+    );
+}
+
+/// A log that nobody reads (a full pipe to a stalled collector) holds no request up: its lines
+/// wait in the log writer's buffer, and are all written once the pipe is read.
+#[cfg(unix)]
+#[tokio::test]
+async fn a_log_nobody_reads_holds_no_request_up() {
+    let port = free_port();
+    let mut gw = Binary::start(
+        "unread-log",
+        &format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n[upstream]\ndemo = true\n[[keys]]\nid = \"k\"\nsecret = \"sk-k\"\n"
+        ),
+        true,
+    );
+    let addr = format!("127.0.0.1:{port}");
+    gw.listening(&addr).await;
+    // About 200 bytes a request line: ten times what a pipe holds (64 KiB) before its writer
+    // blocks.
+    let n = 3_000;
+    let client = hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+        .build_http::<axum::body::Body>();
+    let answered = async {
+        for _ in 0..n {
+            let req = axum::http::Request::post(format!("http://{addr}/v1/chat/completions"))
+                .header("authorization", "Bearer sk-k")
+                .body(axum::body::Body::from(CHAT))
+                .unwrap();
+            let resp = client.request(req).await.unwrap();
+            assert_eq!(resp.status(), 200);
+            http_body_util::BodyExt::collect(resp.into_body())
+                .await
+                .unwrap();
+        }
+    };
+    // Bounded far past what the requests take: a gateway stalled on its log never finishes.
+    tokio::time::timeout(Duration::from_secs(120), answered)
+        .await
+        .expect("requests stalled while nobody read the log");
+    gw.sigterm();
+    let err = tokio::task::spawn_blocking(move || {
+        let err = gw.stderr();
+        (gw, err)
+    });
+    let (mut gw, err) = err.await.unwrap();
+    assert!(
+        gw.exited(Duration::from_secs(10))
+            .await
+            .is_some_and(|s| s.success())
+    );
+    let lines = err
+        .lines()
+        .filter(|l| l.contains("access_log: request"))
+        .count();
+    assert_eq!(lines, n, "every request line written once read");
 }
 
 #[cfg(unix)]

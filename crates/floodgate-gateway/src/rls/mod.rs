@@ -201,6 +201,7 @@ pub fn serve(options: &RlsOptions) -> Result<(), RlsError> {
             let _ = stop_tx.send(true);
             signals.recv().await;
             tracing::warn!("second signal: exiting now");
+            crate::logs::writer::close();
             std::process::exit(1);
         });
         tracing::info!(

@@ -103,6 +103,7 @@ pub fn serve(config: &Config) -> Result<(), StartError> {
             signals.recv().await;
             tracing::warn!("second signal: exiting without waiting for the drain");
             tally.flush().await;
+            crate::logs::writer::close();
             std::process::exit(1);
         }
     });
