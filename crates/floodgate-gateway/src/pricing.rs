@@ -85,22 +85,24 @@ impl Prices {
         self.specific(model).or(self.fallback)
     }
 
-    /// The price `model` has by name, not by `*`: its own entry, else that of the longest priced
-    /// name that prefixes it at a `-` (`gpt-4o-mini-2024-07-18` is priced as `gpt-4o-mini`);
-    /// a model named under a provider (`openai/gpt-4o`, as routers name them) and priced by
-    /// neither rule is then looked up by what follows its last `/`.
+    /// The price `model` has by name, not by `*`: its own entry; else, named under a provider
+    /// (`openai/gpt-4o`, as routers name models), the entry of what follows its last `/`; else
+    /// that of the longest priced name that prefixes it at a `-` (`gpt-4o-mini-2024-07-18` is
+    /// priced as `gpt-4o-mini`), the whole name's first, then what follows its last `/`. An
+    /// exact name thus beats a prefix: `openai/gpt-4o-mini` is a `gpt-4o-mini`, not an
+    /// `openai/gpt-4o`.
     pub fn specific(&self, model: &str) -> Option<Price> {
-        self.by_name(model).or_else(|| {
-            let (_, name) = model.rsplit_once('/')?;
-            self.by_name(name)
-        })
+        let bare = model.rsplit_once('/').map(|(_, name)| name);
+        self.by_model
+            .get(model)
+            .or_else(|| bare.and_then(|name| self.by_model.get(name)))
+            .copied()
+            .or_else(|| self.by_prefix(model))
+            .or_else(|| bare.and_then(|name| self.by_prefix(name)))
     }
 
-    /// `model`'s own entry, else the longest priced name that prefixes it at a `-`.
-    fn by_name(&self, model: &str) -> Option<Price> {
-        if let Some(p) = self.by_model.get(model) {
-            return Some(*p);
-        }
+    /// The price of the longest priced name that prefixes `model` at a `-`.
+    fn by_prefix(&self, model: &str) -> Option<Price> {
         // Longest first: cut at the last `-` that could end a priced name, then the one before,
         // ... Only dashes within the longest priced name's length can (the model is the
         // caller's text when the response names none: a long one must not cost a lookup per
@@ -116,18 +118,27 @@ impl Prices {
         None
     }
 
-    /// The spend of a response with `usage`, in micro-USD: priced as the model the response
-    /// names (`None`: it names none), else as the model the request named (`request`; an
-    /// upstream may answer with a name of its own, `gpt-4o` asked and a name the table does not
-    /// know answered), else by `*`. Nothing priced: it spends nothing, with a warning logged
-    /// once per model.
+    /// The spend of a response with `usage`, in micro-USD, priced as the model the response
+    /// names (`response`) by its own price. A response that names a model the table does not
+    /// price by name (an upstream answering with a deployment's name) is priced as the model
+    /// the request named or by `*`, whichever costs more: the request's model is the caller's
+    /// text, and the upstream may not have run it, so it can raise a spend, never lower it. A
+    /// response that names no model is priced as the request's, else by `*`. Nothing priced:
+    /// it spends nothing, with a warning logged once per model.
     pub fn spend(&self, response: Option<&str>, request: Option<&str>, usage: &TokenUsage) -> u64 {
-        let price = response
-            .and_then(|m| self.specific(m))
-            .or_else(|| request.and_then(|m| self.specific(m)))
-            .or(self.fallback);
+        let requested = request.and_then(|m| self.specific(m));
+        let price = match response {
+            Some(m) => self.specific(m).map(|p| p.cost(usage)).or_else(|| {
+                [requested, self.fallback]
+                    .into_iter()
+                    .flatten()
+                    .map(|p| p.cost(usage))
+                    .max()
+            }),
+            None => requested.or(self.fallback).map(|p| p.cost(usage)),
+        };
         match price {
-            Some(p) => p.cost(usage),
+            Some(micro_usd) => micro_usd,
             None => {
                 let name = response.or(request).unwrap_or("(no model named)");
                 let mut warned = self.warned.lock().unwrap_or_else(PoisonError::into_inner);
@@ -235,18 +246,41 @@ mod tests {
         let named = Prices::new(&[price("gpt-4o", 2, 2), price("openai/gpt-4o", 3, 3)]);
         assert_eq!(named.lookup("openai/gpt-4o").unwrap().input_pico, 3);
         assert_eq!(named.lookup("other/gpt-4o").unwrap().input_pico, 2);
+        // An exact name beats a prefix: the provider's `gpt-4o` is no `gpt-4o-mini`.
+        let both = Prices::new(&[price("openai/gpt-4o", 3, 3), price("gpt-4o-mini", 4, 4)]);
+        assert_eq!(both.lookup("openai/gpt-4o-mini").unwrap().input_pico, 4);
+        assert_eq!(
+            both.lookup("openai/gpt-4o-2024-08-06").unwrap().input_pico,
+            3
+        );
+        assert_eq!(
+            both.lookup("azure/gpt-4o-mini-2024-07-18")
+                .unwrap()
+                .input_pico,
+            4
+        );
         assert_eq!(p.lookup("openai/").unwrap().input_pico, 1);
     }
 
     #[test]
-    fn an_answer_naming_an_unpriced_model_is_priced_as_the_request_named() {
-        let p = Prices::new(&[price("gpt-4o", 1_000_000, 1_000_000), price("*", 1, 1)]);
+    fn an_answer_naming_an_unpriced_model_is_priced_as_the_request_named_or_by_star_if_dearer() {
+        let p = Prices::new(&[
+            price("gpt-4o", 1_000_000, 1_000_000),
+            price("gpt-4o-mini", 1, 1),
+            price("*", 100_000, 100_000),
+        ]);
         let u = usage(Some(10), Some(10), 20);
-        // The response's own name first, by `*` last: the request's model sits between.
+        // Priced by name: the response's own price, whatever the request asked.
         assert_eq!(p.spend(Some("gpt-4o-2024-08-06"), Some("x"), &u), 20);
+        assert_eq!(p.spend(Some("gpt-4o-mini"), Some("gpt-4o"), &u), 1);
+        // Unpriced by name: the request's model when it costs more than `*`...
         assert_eq!(p.spend(Some("deployment-7"), Some("gpt-4o"), &u), 20);
-        assert_eq!(p.spend(None, Some("gpt-4o"), &u), 20);
-        assert_eq!(p.spend(Some("deployment-7"), Some("other"), &u), 1);
+        // ... but never less: a cheap model asked cannot lower what an unknown one spends.
+        assert_eq!(p.spend(Some("o1-2024-12-17"), Some("gpt-4o-mini"), &u), 2);
+        assert_eq!(p.spend(Some("deployment-7"), Some("other"), &u), 2);
+        // No model in the response: the request's, then `*`.
+        assert_eq!(p.spend(None, Some("gpt-4o-mini"), &u), 1);
+        assert_eq!(p.spend(None, Some("other"), &u), 2);
         let no_star = Prices::new(&[price("gpt-4o", 1_000_000, 1_000_000)]);
         assert_eq!(no_star.spend(Some("deployment-7"), Some("gpt-4o"), &u), 20);
         assert_eq!(no_star.spend(Some("deployment-7"), Some("o1"), &u), 0);
