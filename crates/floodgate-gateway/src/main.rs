@@ -165,7 +165,7 @@ fn init_logs() -> Option<Buffered> {
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr());
     let format = floodgate_gateway::logs::Lines::default();
-    match Buffered::start_for_process(std::io::stderr()) {
+    match Buffered::start_for_process(floodgate_gateway::logs::writer::stderr()) {
         Ok((guard, lines)) => {
             tracing_subscriber::fmt()
                 .with_writer(lines)
@@ -173,6 +173,12 @@ fn init_logs() -> Option<Buffered> {
                 .event_format(format)
                 .with_env_filter(filter)
                 .init();
+            // A panic's message, printed straight to stderr, comes after the lines before it.
+            let report = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                floodgate_gateway::logs::writer::flush();
+                report(info);
+            }));
             Some(guard)
         }
         // No thread to spare: each line written by the thread that logs it.

@@ -95,11 +95,16 @@ impl Reloader {
         }
     }
 
-    /// [`Reloader::reload`] from a task of a multi-threaded runtime: the runtime's other tasks
-    /// (the admin listener, the tally's flushes) move to another thread while the file is read
-    /// and every worker's state built, which for a large config takes a while.
+    /// [`Reloader::reload`] from a task: on a multi-threaded runtime, its other tasks (the
+    /// admin listener, the tally's flushes) move to another thread while the file is read and
+    /// every worker's state built, which for a large config takes a while.
     pub fn reload_in_place(&self) -> Result<(), ReloadError> {
-        tokio::task::block_in_place(|| self.reload())
+        use tokio::runtime::{Handle, RuntimeFlavor};
+        // `block_in_place` is for a multi-threaded runtime; on another (or none), in place.
+        match Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| self.reload()),
+            _ => self.reload(),
+        }
     }
 
     /// Reads the file again and, if it is valid and changes only what can change, puts it in
@@ -298,8 +303,8 @@ impl Settle {
 /// and a touch that changes nothing reloads nothing. A CA file is told apart by the digest of
 /// its bytes, so a rotated CA (a new file renamed over the old, as Kubernetes mounts do) is
 /// put in force without an edit of the config; a reload that fails on it keeps what runs, and
-/// the file's next change is tried again. Runs on a multi-threaded runtime
-/// ([`Reloader::reload_in_place`]).
+/// the file's next change is tried again. A reload runs off the runtime's thread where the
+/// runtime has others ([`Reloader::reload_in_place`]).
 pub async fn watch(reloader: &Reloader) {
     let mut config = Settle::default();
     let mut ca = Settle::default();
@@ -313,7 +318,9 @@ pub async fn watch(reloader: &Reloader) {
             let _ = reloader.reload_in_place();
             continue;
         }
-        if let Some((path, digest)) = reloader.running_ca_file()
+        // Not while the config itself is changing: the reload would read it half-written.
+        if config.changed.is_none()
+            && let Some((path, digest)) = reloader.running_ca_file()
             && let Some(bytes) = ca.read_settled(&path)
             && Some(text_digest(&bytes)) != digest
         {

@@ -273,9 +273,7 @@ async fn a_stream_in_flight_finishes_across_a_reload() {
 
 /// An edit made after the gateway read its config and before its watcher's first look is put
 /// in force: the watcher starts from the text that runs, not from the file as it first finds it.
-// Multi-threaded, as the gateway's background runtime is: a reload moves the runtime's other
-// tasks off the thread it runs on.
-#[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+#[tokio::test]
 async fn an_edit_before_the_watchers_first_look_is_not_missed() {
     use floodgate_gateway::config::Config;
     use floodgate_gateway::reload::{Reloader, watch};

@@ -10,13 +10,14 @@
 //! to that), and leaves every other line, and every line on a terminal (in colour), to the
 //! default.
 
+use std::any::TypeId;
 use std::cell::Cell;
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tracing::field::{Field, Visit};
-use tracing::{Event, Level, Subscriber};
-use tracing_subscriber::fmt::format::{Format, Full, Writer};
+use tracing::{Event, Level, Metadata, Subscriber};
+use tracing_subscriber::fmt::format::{DefaultFields, Format, Full, Writer};
 use tracing_subscriber::fmt::time::SystemTime as DefaultTimer;
 use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields};
 use tracing_subscriber::registry::LookupSpan;
@@ -63,16 +64,16 @@ where
         event: &Event<'_>,
     ) -> fmt::Result {
         let meta = event.metadata();
-        // Colours, spans around the line (the gateway opens none) and a clock before 1970 are
-        // the default's.
-        if meta.target() != access_log::TARGET
-            || writer.has_ansi_escapes()
-            || ctx.event_scope().is_some()
-        {
-            return self.full.format_event(ctx, writer, event);
-        }
-        let Ok(since) = (self.now)().duration_since(UNIX_EPOCH) else {
-            return self.full.format_event(ctx, writer, event);
+        // Any other line, colours, another way of formatting fields, spans around the line (the
+        // gateway opens none) and a clock outside years 1970 to 9999 are the default's.
+        let since = (self.now)().duration_since(UNIX_EPOCH);
+        let ours = is_request_line(meta)
+            && !writer.has_ansi_escapes()
+            && TypeId::of::<N>() == TypeId::of::<DefaultFields>()
+            && ctx.event_scope().is_none();
+        let since = match since {
+            Ok(since) if ours && since.as_secs() < YEAR_10000 => since,
+            _ => return self.full.format_event(ctx, writer, event),
         };
         write_timestamp(&mut writer, since)?;
         writer.write_str(level(*meta.level()))?;
@@ -80,6 +81,7 @@ where
         writer.write_str(meta.target())?;
         writer.write_str(": ")?;
         let mut fields = Fields {
+            sanitize: writer.sanitizes_ansi_escapes(),
             writer: &mut writer,
             first: true,
             result: Ok(()),
@@ -88,6 +90,30 @@ where
         fields.result?;
         writer.write_char('\n')
     }
+}
+
+/// The first second of the year 10000, which the default timer writes as `+10000`.
+const YEAR_10000: u64 = 253_402_300_800;
+
+/// The fields of the request line (`access_log::write`), whose types [`Fields`] writes as the
+/// default format does (a test holds it to that).
+const REQUEST_LINE: [&str; 8] = [
+    "key",
+    "method",
+    "path",
+    "status",
+    "latency_ms",
+    "decision",
+    "tokens",
+    "message",
+];
+
+/// Whether `meta` is the request line's: its target and its fields, none other.
+fn is_request_line(meta: &Metadata<'_>) -> bool {
+    let fields = meta.fields();
+    meta.target() == access_log::TARGET
+        && fields.len() == REQUEST_LINE.len()
+        && fields.iter().all(|f| REQUEST_LINE.contains(&f.name()))
 }
 
 /// A level as the default format writes it: five characters wide.
@@ -105,6 +131,9 @@ fn level(level: Level) -> &'static str {
 /// spaces, the message bare, a string quoted and escaped as `{:?}` does, a number in decimal.
 struct Fields<'a, 'w> {
     writer: &'a mut Writer<'w>,
+    /// Whether the message's terminal control characters are escaped, as the default format
+    /// escapes them when the writer says so.
+    sanitize: bool,
     first: bool,
     result: fmt::Result,
 }
@@ -136,7 +165,11 @@ impl Fields<'_, '_> {
 impl Visit for Fields<'_, '_> {
     fn record_str(&mut self, field: &Field, value: &str) {
         if field.name() == "message" {
-            return self.record(field, |w| w.write_str(value));
+            let sanitize = self.sanitize;
+            return self.record(field, |w| match sanitize {
+                true => Escaping(w).write_str(value),
+                false => w.write_str(value),
+            });
         }
         // `{:?}` leaves printable ASCII but the quote and the backslash as it is.
         let plain = value
@@ -173,7 +206,41 @@ impl Visit for Fields<'_, '_> {
     }
 
     fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
-        self.record(field, |w| write!(w, "{value:?}"));
+        let sanitize = self.sanitize && field.name() == "message";
+        self.record(field, |w| match sanitize {
+            true => write!(Escaping(w), "{value:?}"),
+            false => write!(w, "{value:?}"),
+        });
+    }
+}
+
+/// Writes through to a writer with the terminal's control characters escaped, as the default
+/// format escapes a message's: ESC, BEL, BS, FF and DEL as `\x1b` and so on, C1 controls as
+/// `\u{80}` to `\u{9f}`.
+struct Escaping<'a, 'w>(&'a mut Writer<'w>);
+
+impl fmt::Write for Escaping<'_, '_> {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let mut plain = 0;
+        for (at, c) in s.char_indices() {
+            let escaped = match c {
+                '\x1b' => "\\x1b",
+                '\x07' => "\\x07",
+                '\x08' => "\\x08",
+                '\x0c' => "\\x0c",
+                '\x7f' => "\\x7f",
+                '\u{80}'..='\u{9f}' => "",
+                _ => continue,
+            };
+            self.0.write_str(&s[plain..at])?;
+            if escaped.is_empty() {
+                write!(self.0, "\\u{{{:x}}}", c as u32)?;
+            } else {
+                self.0.write_str(escaped)?;
+            }
+            plain = at + c.len_utf8();
+        }
+        self.0.write_str(&s[plain..])
     }
 }
 
@@ -184,7 +251,7 @@ fn thousandths(value: f64) -> Option<u64> {
     // Fifteen digits of thousandths: exact as a float, and no shorter decimal is the same
     // float (31 years as milliseconds).
     const BELOW: f64 = 1e12;
-    if !(0.0..BELOW).contains(&value) {
+    if !(0.0..BELOW).contains(&value) || value.is_sign_negative() {
         return None;
     }
     // In range and not negative: the cast neither wraps nor saturates.
@@ -391,20 +458,76 @@ mod tests {
         }
     }
 
-    /// What [`Fields`] writes of a float, through a subscriber.
+    /// A request line (the request line's fields, whatever their values) with `latency_ms` at
+    /// `value` and the message `message`.
+    macro_rules! request_line {
+        ($latency:expr, $($message:tt)+) => {
+            tracing::info!(
+                target: "floodgate_gateway::access_log",
+                key = %"k",
+                method = %"GET",
+                path = "/",
+                status = 200u16,
+                latency_ms = $latency,
+                decision = "admitted",
+                tokens = Some(1u64),
+                $($message)+
+            )
+        };
+    }
+
+    /// What [`Lines`] writes of a request line's float.
     fn float_text(value: f64) -> String {
         let out = Captured::default();
         let writer = out.clone();
         let subscriber = tracing_subscriber::fmt()
             .with_ansi(false)
             .with_writer(move || writer.clone())
-            .event_format(Lines::default())
+            .event_format(Lines::with_clock(|| UNIX_EPOCH))
             .finish();
-        tracing::subscriber::with_default(subscriber, || {
-            tracing::info!(target: "floodgate_gateway::access_log", v = value);
-        });
+        tracing::subscriber::with_default(subscriber, || request_line!(value, "request"));
         let line = out.lines().remove(0);
-        line.split_once("v=").unwrap().1.to_owned()
+        assert!(
+            line.starts_with("1970-01-01T00:00:00.000000Z"),
+            "not ours: {line}"
+        );
+        let after = line.split_once("latency_ms=").unwrap().1;
+        after.split_once(' ').unwrap().0.to_owned()
+    }
+
+    #[test]
+    fn other_lines_of_the_target_and_odd_messages_are_the_defaults() {
+        let (default, ours) = both(|| {
+            // The request line's fields with messages that need escaping, a `-0.0`.
+            request_line!(1.5, "a\x1bb\x07c\u{9b}d\x7fé");
+            request_line!(-0.0, "{} and {:?}", "x\x1b", "y\x08");
+            // The target, other fields.
+            tracing::info!(target: "floodgate_gateway::access_log", key = "k", "request");
+            tracing::info!(target: "floodgate_gateway::access_log", r#type = 3, "r#");
+        });
+        assert_eq!(default.len(), 4);
+        for (d, o) in default.iter().zip(&ours) {
+            assert_eq!(o.split_once(' ').unwrap().1, d.split_once(' ').unwrap().1);
+        }
+        assert!(ours[0].starts_with("2026-12-07T14:50:00.012345Z"), "ours");
+        assert!(ours[0].contains(r"a\x1bb\x07c\u{9b}d\x7fé"), "{}", ours[0]);
+        assert!(
+            !ours[2].starts_with("2026-12-07T14:50:00.012345Z"),
+            "the default's"
+        );
+        // Past year 9999, the default's own timestamp.
+        let far = Captured::default();
+        let writer = far.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_ansi(false)
+            .with_writer(move || writer.clone())
+            .event_format(Lines::with_clock(|| {
+                UNIX_EPOCH + Duration::from_secs(YEAR_10000)
+            }))
+            .finish();
+        tracing::subscriber::with_default(subscriber, || request_line!(1.0, "request"));
+        // (The default reads the real clock; ours would have written the year as `0000`.)
+        assert!(far.lines()[0].starts_with("20"), "{}", far.lines()[0]);
     }
 
     #[test]

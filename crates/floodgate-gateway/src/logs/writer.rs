@@ -13,7 +13,7 @@
 //! before the drop returns.
 
 use std::io::{self, Write};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -31,19 +31,30 @@ struct Pending {
     lines: Vec<u8>,
     /// Lines dropped since the last write, the buffer full.
     dropped: u64,
+    /// The writer is writing a batch it took (outside the lock).
+    writing: bool,
+    /// Someone waits for what is buffered to be written ([`flush`]).
+    urgent: bool,
     /// No more lines: the writer writes what is left and ends.
     closed: bool,
     /// The writer has written everything and ended.
     done: bool,
 }
 
+impl Pending {
+    /// Whether everything buffered so far is written.
+    fn written(&self) -> bool {
+        self.lines.is_empty() && self.dropped == 0 && !self.writing
+    }
+}
+
 #[derive(Debug, Default)]
 struct Shared {
     pending: Mutex<Pending>,
-    /// Wakes the writer: the buffer reached [`WAKE_AT`], or the log is closing.
+    /// Wakes the writer: the buffer reached [`WAKE_AT`], someone flushes, or the log closes.
     wake: Condvar,
-    /// Wakes those waiting for the writer's end.
-    ended: Condvar,
+    /// Wakes those waiting for a batch to be written, or for the writer's end.
+    wrote: Condvar,
 }
 
 impl Shared {
@@ -51,26 +62,49 @@ impl Shared {
         self.pending.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Closes the log and waits until what it buffered is written, for at most
-    /// [`CLOSE_WITHIN`] (a destination that never reads must not hold the process's exit).
-    /// Whether it was.
-    fn close(&self) -> bool {
-        let deadline = Instant::now() + CLOSE_WITHIN;
-        let mut pending = self.lock();
-        pending.closed = true;
-        self.wake.notify_one();
-        while !pending.done {
+    /// Waits on `pending` until `until` holds or `within` has passed; whether it holds.
+    fn wait_until(
+        &self,
+        mut pending: MutexGuard<'_, Pending>,
+        within: Duration,
+        until: impl Fn(&Pending) -> bool,
+    ) -> bool {
+        let deadline = Instant::now() + within;
+        while !until(&pending) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 return false;
             }
             pending = self
-                .ended
+                .wrote
                 .wait_timeout(pending, left)
                 .unwrap_or_else(PoisonError::into_inner)
                 .0;
         }
         true
+    }
+
+    /// Has the writer write what is buffered now, and waits for it, for at most
+    /// [`FLUSH_WITHIN`]; nothing if this thread holds the buffer.
+    fn flush(&self) {
+        let mut pending = match self.pending.try_lock() {
+            Ok(pending) => pending,
+            Err(TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(TryLockError::WouldBlock) => return,
+        };
+        pending.urgent = true;
+        self.wake.notify_one();
+        self.wait_until(pending, FLUSH_WITHIN, |p| p.written() || p.done);
+    }
+
+    /// Closes the log and waits until what it buffered is written, for at most
+    /// [`CLOSE_WITHIN`] (a destination that never reads must not hold the process's exit).
+    /// Whether it was.
+    fn close(&self) -> bool {
+        let mut pending = self.lock();
+        pending.closed = true;
+        self.wake.notify_one();
+        self.wait_until(pending, CLOSE_WITHIN, |p| p.done)
     }
 }
 
@@ -88,6 +122,41 @@ pub fn close() {
     if let Some(shared) = PROCESS_LOG.get() {
         shared.close();
     }
+}
+
+/// How long [`flush`] waits.
+pub const FLUSH_WITHIN: Duration = Duration::from_secs(1);
+
+/// Writes what the process's log has buffered now, waiting at most [`FLUSH_WITHIN`]: for a
+/// panic's message, printed straight to stderr, to come after the lines that led to it. Does
+/// nothing on the writer's own thread, on a thread that holds the buffer (a panic in the middle
+/// of logging), or if no log writer was started.
+pub fn flush() {
+    let Some(shared) = PROCESS_LOG.get() else {
+        return;
+    };
+    if std::thread::current().name() == Some(THREAD_NAME) {
+        return;
+    }
+    shared.flush();
+}
+
+/// The writer thread's name.
+const THREAD_NAME: &str = "floodgate-log";
+
+/// The process's stderr as a file of its own (a duplicate of its descriptor), so that the
+/// writer thread, blocked on a destination that does not read, does not hold the standard
+/// library's lock on stderr: a message printed with `eprintln!` (a start that fails, a panic)
+/// is not held up by it. Where the descriptor cannot be duplicated, stderr itself.
+pub fn stderr() -> Box<dyn Write + Send> {
+    #[cfg(unix)]
+    {
+        use std::os::fd::AsFd;
+        if let Ok(fd) = io::stderr().as_fd().try_clone_to_owned() {
+            return Box::new(std::fs::File::from(fd));
+        }
+    }
+    Box::new(io::stderr())
 }
 
 /// Where `tracing`'s lines go ([`MakeWriter`]): into the buffer of a [`Buffered`].
@@ -116,7 +185,7 @@ impl Buffered {
     pub fn start<W: Write + Send + 'static>(out: W) -> io::Result<(Buffered, Lines)> {
         let shared = Arc::new(Shared::default());
         let thread = std::thread::Builder::new()
-            .name("floodgate-log".to_owned())
+            .name(THREAD_NAME.to_owned())
             .spawn({
                 let shared = Arc::clone(&shared);
                 move || write_until_closed(&shared, out)
@@ -148,9 +217,9 @@ impl Drop for Buffered {
 /// The writer thread's loop: takes the buffer whole and writes it, until closed and empty.
 fn write_until_closed(shared: &Shared, mut out: impl Write) {
     let mut spare = Vec::new();
+    let mut pending = shared.lock();
     loop {
-        let mut pending = shared.lock();
-        if pending.lines.len() < WAKE_AT && !pending.closed {
+        if pending.lines.len() < WAKE_AT && !pending.closed && !pending.urgent {
             pending = shared
                 .wake
                 .wait_timeout(pending, FLUSH_EVERY)
@@ -159,7 +228,8 @@ fn write_until_closed(shared: &Shared, mut out: impl Write) {
         }
         std::mem::swap(&mut pending.lines, &mut spare);
         let dropped = std::mem::take(&mut pending.dropped);
-        let closed = pending.closed;
+        pending.urgent = false;
+        pending.writing = true;
         drop(pending);
         // Failures are not reported: the log is where they would go.
         if !spare.is_empty() {
@@ -177,13 +247,14 @@ fn write_until_closed(shared: &Shared, mut out: impl Write) {
         if spare.capacity() > WAKE_AT * 4 {
             spare = Vec::new();
         }
-        if closed {
-            let mut pending = shared.lock();
-            if pending.lines.is_empty() {
-                pending.done = true;
-                shared.ended.notify_all();
-                return;
-            }
+        pending = shared.lock();
+        pending.writing = false;
+        if pending.closed && pending.written() {
+            pending.done = true;
+        }
+        shared.wrote.notify_all();
+        if pending.done {
+            return;
         }
     }
 }
@@ -281,6 +352,17 @@ mod tests {
     }
 
     #[test]
+    fn a_flush_returns_once_what_was_logged_is_written() {
+        let (buffered, lines, rx, _gate) = start();
+        for i in 0..10 {
+            log(&lines, &format!("line {i}\n"));
+            buffered.shared.flush();
+            let written: Vec<u8> = rx.try_iter().flatten().collect();
+            assert_eq!(written, format!("line {i}\n").into_bytes());
+        }
+    }
+
+    #[test]
     fn a_line_waits_at_most_a_flush_interval() {
         let (_buffered, lines, rx, _gate) = start();
         log(&lines, "one\n");
@@ -307,13 +389,16 @@ mod tests {
         let kept = text.matches(&line).count();
         assert!(kept < n, "{kept} of {n} kept");
         assert!(kept * line.len() >= MAX_HELD / 2, "{kept} kept");
-        let report = text.lines().find(|l| l.contains("dropped")).unwrap();
-        assert_eq!(
-            report,
-            format!(
-                "floodgate: {} log lines dropped: the log's destination did not keep up",
-                n - kept
-            )
-        );
+        // One report a batch that followed drops (the writer may have taken a batch after
+        // the first drops and before the destination shut it out).
+        let reported: usize = text
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("floodgate: ")?
+                    .strip_suffix(" log lines dropped: the log's destination did not keep up")
+            })
+            .map(|n| n.parse::<usize>().unwrap())
+            .sum();
+        assert_eq!(reported, n - kept);
     }
 }
