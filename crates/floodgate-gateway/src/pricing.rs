@@ -126,16 +126,16 @@ impl Prices {
     /// response that names no model is priced as the request's, else by `*`. Nothing priced:
     /// it spends nothing, with a warning logged once per model.
     pub fn spend(&self, response: Option<&str>, request: Option<&str>, usage: &TokenUsage) -> u64 {
-        let requested = request.and_then(|m| self.specific(m));
+        let requested = || request.and_then(|m| self.specific(m));
         let price = match response {
             Some(m) => self.specific(m).map(|p| p.cost(usage)).or_else(|| {
-                [requested, self.fallback]
+                [requested(), self.fallback]
                     .into_iter()
                     .flatten()
                     .map(|p| p.cost(usage))
                     .max()
             }),
-            None => requested.or(self.fallback).map(|p| p.cost(usage)),
+            None => requested().or(self.fallback).map(|p| p.cost(usage)),
         };
         match price {
             Some(micro_usd) => micro_usd,
