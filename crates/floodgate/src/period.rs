@@ -221,6 +221,31 @@ impl PeriodState {
 mod tests {
     use super::*;
 
+    #[test]
+    fn dates_are_those_of_the_calendar() {
+        // Day by day from the epoch, against a count of the calendar's own rules.
+        let (mut y, mut m, mut d) = (1970, 1, 1);
+        for days in 0..200 * 366 {
+            assert_eq!(civil_from_days(days), (y, m, d), "day {days}");
+            let leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+            let len = match m {
+                2 if leap => 29,
+                2 => 28,
+                4 | 6 | 9 | 11 => 30,
+                _ => 31,
+            };
+            d += 1;
+            if d > len {
+                d = 1;
+                m += 1;
+                if m > 12 {
+                    m = 1;
+                    y += 1;
+                }
+            }
+        }
+    }
+
     fn secs(s: u64) -> Timestamp {
         Timestamp::from_secs(s)
     }
