@@ -201,14 +201,6 @@ async fn held_by_upstream(
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[cfg(unix)]
 #[tokio::test]
 async fn sigterm_drains_and_exits_cleanly() {

@@ -55,14 +55,6 @@ fn unique() -> String {
     format!("{}-{nanos}", std::process::id())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// A `floodgate serve` process, killed on drop.
 struct Process {
     child: Child,

@@ -594,12 +594,33 @@ pub async fn read_until_it(
 }
 
 /// A loopback port nothing listens on now.
+///
+/// Taken from 30000-32767, and never the same twice in one test process: a port the kernel
+/// handed out for `127.0.0.1:0` and that was let go could be handed out again, to a listener of
+/// another test running at the same time, before the process this port is for binds it (and a
+/// test would then talk to the other test's server). The kernel hands out ports from 32768 up
+/// (`ip_local_port_range`), and `scripts/redis-cluster` takes its nodes and their bus ports
+/// from 10000-29999.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 30_000;
+    const COUNT: u32 = 2_768;
+    // Test binaries run one after another; spread by pid all the same, so that a port a
+    // process left in TIME_WAIT is not the next one's first.
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    let _ = NEXT.compare_exchange(
+        u32::MAX,
+        std::process::id().wrapping_mul(97) % COUNT,
+        Ordering::SeqCst,
+        Ordering::SeqCst,
+    );
+    for _ in 0..COUNT {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::SeqCst) % COUNT) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {FIRST}-{}", FIRST + COUNT - 1)
 }
 
 /// A config file for the binary, in `<target>/tmp/<name>/floodgate.toml`: the callers' and the
