@@ -11,7 +11,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Waker};
 
 use floodgate::store::Spent;
@@ -143,6 +143,9 @@ pub struct Charger {
 struct Tracked {
     live: AtomicUsize,
     idle: Notify,
+    /// Charges lost to a store that could not take them (logged at `debug` each, and counted
+    /// for the line a worker writes at its end).
+    lost: AtomicU64,
 }
 
 /// A charge (or a response that will charge) in flight; [`Charger::settled`] waits for it to be
@@ -192,6 +195,12 @@ impl Charger {
     pub fn hold(&self) -> Held {
         self.tracked.live.fetch_add(1, Ordering::SeqCst);
         Held(Arc::clone(&self.tracked))
+    }
+
+    /// How many charges (token records, spend, reconciliations) were lost so far to a store
+    /// that could not take them.
+    pub fn lost(&self) -> u64 {
+        self.tracked.lost.load(Ordering::Relaxed)
     }
 
     /// Resolves once no charge is in flight and no metered response is still to charge.
@@ -306,6 +315,7 @@ impl Charger {
                 // The store logs an outage (or a dropped connection) once; a line for every
                 // metered response would flood the log for as long as it lasts.
                 Err(e @ floodgate::Error::Unavailable(_)) => {
+                    held.0.lost.fetch_add(1, Ordering::Relaxed);
                     tracing::debug!(error = %e, tokens, micro_usd, "could not charge");
                 }
                 Err(e) => tracing::warn!(error = %e, tokens, micro_usd, "could not charge"),
@@ -352,6 +362,7 @@ impl Charger {
             // The store logs an outage (or a dropped connection) once; a line for every
             // metered response would flood the log for as long as it lasts.
             Err(e @ floodgate::Error::Unavailable(_)) => {
+                self.tracked.lost.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %e, tokens, "could not record tokens");
             }
             Err(e) => tracing::warn!(error = %e, tokens, "could not record tokens"),
@@ -381,6 +392,7 @@ impl Charger {
             Ok(()) => {}
             // The store logs an outage once. The reservation stays charged: stricter.
             Err(e @ floodgate::Error::Unavailable(_)) => {
+                self.tracked.lost.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %e, delta, "could not reconcile a reservation");
             }
             Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a reservation"),
@@ -402,6 +414,7 @@ impl Charger {
             Ok(()) => {}
             // The store logs an outage once; a line a request would flood the log.
             Err(e @ floodgate::Error::Unavailable(_)) => {
+                self.tracked.lost.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %e, delta, "could not reconcile a budget reservation");
             }
             Err(e) => tracing::warn!(error = %e, delta, "could not reconcile a budget reservation"),
@@ -424,6 +437,7 @@ impl Charger {
             Ok(()) => {}
             // The store logs an outage (or a dropped connection) once.
             Err(e @ floodgate::Error::Unavailable(_)) => {
+                self.tracked.lost.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(error = %e, micro_usd, "could not record spend");
             }
             Err(e) => tracing::warn!(error = %e, micro_usd, "could not record spend"),

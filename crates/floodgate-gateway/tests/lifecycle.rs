@@ -413,11 +413,27 @@ async fn a_redis_outage_is_logged_once_not_once_per_request() {
         let err = gw.stderr();
         let unreachable = err.matches("Redis unreachable").count();
         assert!((1..=2).contains(&unreachable), "the outage, once: {err}");
+        // Failing open, each of the ten answers' token records was lost: said once, at the
+        // end, with the count; failing closed, nothing was admitted to charge.
+        let lost: Vec<&str> = err
+            .lines()
+            .filter(|l| l.contains("charges lost this run"))
+            .collect();
+        if on_error == "open" {
+            assert_eq!(lost.len(), 1, "{err}");
+            assert!(lost[0].contains("lost=10"), "{}", lost[0]);
+        } else {
+            assert!(lost.is_empty(), "{err}");
+        }
         // Nothing else at warn or above, per response or otherwise (but the demo's notice).
         let loud = err
             .lines()
             .filter(|l| (l.contains(" WARN ") || l.contains(" ERROR ")) && !l.contains("DEMO"));
-        assert_eq!(loud.count(), unreachable, "fail {on_error}: {err}");
+        assert_eq!(
+            loud.count(),
+            unreachable + lost.len(),
+            "fail {on_error}: {err}"
+        );
     }
 }
 

@@ -416,6 +416,14 @@ impl Worker {
             {
                 tracing::warn!("exiting with charges still in flight");
             }
+            // Each was logged at `debug` only, beside the store's one line for its outage.
+            let lost = charges.lost();
+            if lost > 0 {
+                tracing::warn!(
+                    lost,
+                    "charges lost this run to the store being unavailable: their tokens and spend were not counted"
+                );
+            }
             result
         });
         let _ = done.send(result);
