@@ -296,6 +296,14 @@ impl Session {
             Ok(both) => both,
             Err(e) => {
                 tracing::warn!(key = %self.key, error = %e, "realtime session could not start");
+                // Its request line (101) is written: its end line is too.
+                tracing::info!(
+                    key = %self.key,
+                    duration_ms = latency_ms(start),
+                    end = "not_started",
+                    error = %e,
+                    "realtime session ended"
+                );
                 return;
             }
         };
@@ -403,7 +411,9 @@ impl Session {
         if let Some(until) = upstream_until.filter(|_| metered) {
             // The caller is gone, the upstream may be amid a turn: it is told as by a
             // half-close, and what it still sends (that turn's `response.done`) is metered and
-            // dropped, until it closes or its time is up.
+            // dropped, until it closes or its time is up. Nobody is told of the limits' state
+            // after a turn any more: no store read for it.
+            to_caller.relay = None;
             let drain = async {
                 if !caller_done {
                     let _ =
@@ -423,8 +433,9 @@ impl Session {
             going_away(&mut caller_out, &to_caller, false).await;
             going_away(&mut upstream_out, &to_upstream, true).await;
         }
-        // Both connections are closed before the last tokens are charged.
-        drop((caller_out, upstream_out));
+        // Both connections are closed before the last tokens are charged (each socket closes
+        // when both of its halves are gone).
+        drop((caller_in, caller_out, upstream_in, upstream_out));
         let tokens = to_caller.meter.as_ref().map(|m| m.total);
         if let Some(chain) = &self.chain {
             let tokens = pending.swap(0, Ordering::SeqCst);
