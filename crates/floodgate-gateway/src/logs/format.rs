@@ -66,13 +66,13 @@ where
         let meta = event.metadata();
         // Any other line, colours, another way of formatting fields, spans around the line (the
         // gateway opens none) and a clock outside years 1970 to 9999 are the default's.
-        let since = (self.now)().duration_since(UNIX_EPOCH);
         let ours = is_request_line(meta)
             && !writer.has_ansi_escapes()
             && TypeId::of::<N>() == TypeId::of::<DefaultFields>()
             && ctx.event_scope().is_none();
-        let since = match since {
-            Ok(since) if ours && since.as_secs() < YEAR_10000 => since,
+        // The clock is read for our lines only: the default reads its own.
+        let since = match ours.then(|| (self.now)().duration_since(UNIX_EPOCH)) {
+            Some(Ok(since)) if since.as_secs() < YEAR_10000 => since,
             _ => return self.full.format_event(ctx, writer, event),
         };
         write_timestamp(&mut writer, since)?;
