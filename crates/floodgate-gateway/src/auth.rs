@@ -61,6 +61,11 @@ pub struct ResolvedChain {
     pub shadow_budgets: Option<Arc<Budgets>>,
     /// Every budget, shadow ones included: what a response's spend is added to.
     pub spend_budgets: Option<Arc<Budgets>>,
+    /// The chain with its reserving token limits as reactive ones
+    /// ([`Chain::reserving_as_reactive`]): what a request that reserves nothing (a realtime
+    /// session, a request whose body is not read) is admitted and charged on. `None` for a
+    /// chain without reserving limits.
+    pub reactive: Option<Arc<Chain>>,
 }
 
 impl ResolvedChain {
@@ -77,6 +82,9 @@ impl ResolvedChain {
         let shadow_budgets = of(Some(true));
         ResolvedChain {
             headers: Arc::new(ChainHeaders::new(&chain)),
+            reactive: chain
+                .has_reserved()
+                .then(|| Arc::new(chain.reserving_as_reactive())),
             chain: Arc::new(chain),
             budgets: of(Some(false)),
             // Spend goes to every budget; only a chain with shadow ones needs a second set.
@@ -250,6 +258,9 @@ impl Keys {
     pub fn forget_refusals(&self) {
         for entry in self.by_hash.values() {
             entry.chain.chain.forget_refusals();
+            if let Some(reactive) = &entry.chain.reactive {
+                reactive.forget_refusals();
+            }
         }
     }
 

@@ -962,6 +962,29 @@ async fn response_done_tokens_are_charged_at_the_flush_and_a_full_window_keeps_t
     assert_eq!(gw.state.live_sessions().count(), 1);
 }
 
+/// A session reserves nothing, so a full token window refuses the next upgrade whether its limit
+/// reserves or not. (Before, a reserving limit admitted it: a reservation of 0 fits a full
+/// window exactly.) The first session's tokens reach the reserving limit too.
+#[tokio::test]
+async fn a_full_token_window_refuses_the_next_upgrade_reserving_or_not() {
+    let up = ws_upstream().await;
+    for mode in ["reactive", "reserve"] {
+        early_in_a_minute().await;
+        let config = METERED.replace("tpm = 100", &format!("tpm = 100\ntokens = \"{mode}\""));
+        let gw = gateway(&config, &up.url()).await;
+        let mut first = open(&gw, Some("sk-k"), &[]).await;
+        assert_eq!(first.status, 101, "{mode}");
+        first.ws().send(TEXT, b"usage:100").await;
+        first.ws().message().await.unwrap();
+        tokens_left_become(&gw, "0").await;
+        let second = open(&gw, Some("sk-k"), &[]).await;
+        assert_eq!(second.status, 429, "{mode}: {}", second.body);
+        assert_eq!(second.header("x-ratelimit-remaining-tokens"), Some("0"));
+        assert!(second.header("retry-after").is_some(), "{mode}");
+        assert_eq!(gw.state.live_sessions().count(), 1, "{mode}");
+    }
+}
+
 #[tokio::test]
 async fn tokens_left_at_the_end_are_charged_once_and_large_messages_pass_unmetered() {
     early_in_a_minute().await;

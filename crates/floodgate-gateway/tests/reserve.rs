@@ -513,6 +513,48 @@ async fn a_reserving_token_limit_of_zero_refuses_every_request() {
     assert_eq!(up.seen.hits(), 0);
 }
 
+/// A request that reserves nothing (an embeddings request: its body is not read) needs room in a
+/// reserving window, as in a reactive one: a window exactly full refuses it. (Before, it was
+/// admitted with a reservation of 0, which fits a full window exactly.) On both stores.
+#[tokio::test]
+async fn a_full_reserving_window_refuses_a_request_that_reserves_nothing() {
+    let up = fake_upstream().await;
+    let url = test_redis_url("a_full_reserving_window_refuses_a_request_that_reserves_nothing");
+    for redis in std::iter::once(None).chain(url.as_deref().map(Some)) {
+        for mode in ["reactive", "reserve"] {
+            // Each its own state: on Redis, a prefix of its own.
+            let store = match redis {
+                Some(url) => redis_store(url),
+                None => String::new(),
+            };
+            early_in_a_minute().await;
+            let gw = gateway(&on(&store, mode), &up.url()).await;
+            // One completion that uses the whole window: 1000 of 1000 tokens.
+            let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), ASK);
+            req.headers_mut()
+                .insert("x-test-tokens", "1000".parse().unwrap());
+            assert_eq!(gw.send(req).await.status, 200, "{mode}");
+            gw.settled().await;
+            let hits = up.seen.hits();
+            let body = r#"{"model":"m","input":"hi"}"#;
+            let r = gw
+                .send(gw.request("POST", "/v1/embeddings", Some("sk-k"), body))
+                .await;
+            assert_eq!(r.status, 429, "{mode} {store}: {}", r.text());
+            assert_eq!(
+                r.header("x-ratelimit-remaining-tokens"),
+                Some("0"),
+                "{mode}"
+            );
+            assert!(
+                r.header("retry-after").is_some(),
+                "{mode}: a wait that cures it"
+            );
+            assert_eq!(up.seen.hits(), hits, "{mode}: not forwarded");
+        }
+    }
+}
+
 /// A Responses API create reserves the price of its estimate by the model its body names, as a
 /// completion does: here `m`, the only priced model, at 1 µUSD a token, so that 2000 output
 /// tokens can never fit the budget of 1000 µUSD (before, the model was not read from a

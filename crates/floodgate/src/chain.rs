@@ -184,6 +184,14 @@ impl ChainLimit {
         self.with_shadow(true)
     }
 
+    /// This limit charged another way, on the same state: a token limit's storage key names
+    /// its units, not how they are charged, so a reserved and a reactive one share it. (Only
+    /// for a charge that counts the same units: requests and tokens have keys of their own.)
+    pub(crate) fn with_charge(self, charge: Charge) -> Self {
+        debug_assert_eq!(charge.counts_tokens(), self.charge.counts_tokens());
+        ChainLimit { charge, ..self }
+    }
+
     /// This limit, a shadow one or not ([`shadow`](Self::shadow)): for a flag read from a config.
     pub fn with_shadow(self, shadow: bool) -> Self {
         ChainLimit { shadow, ..self }

@@ -227,6 +227,47 @@ impl Chain {
         self.limits.iter().any(|l| l.charge() == Charge::Reserved)
     }
 
+    /// This chain with its reserving token limits ([`Charge::Reserved`]) taken as reactive ones
+    /// ([`Charge::Reactive`]), on the same state (a reserved and a reactive token limit of one
+    /// scope share it), with the same concurrency limits, and a refusal cache of its own if this
+    /// chain has one: for a request that has no estimate to reserve and is charged its tokens
+    /// as they come. Admitted with a reservation of 0, a reserving limit would pass a window
+    /// that is exactly full; a reactive one needs room left in it.
+    ///
+    /// ```
+    /// use floodgate::{Chain, ChainLimit, Charge, ScopeKind, WindowLimit};
+    /// use floodgate::store::MemoryStore;
+    ///
+    /// # async fn demo() -> Result<(), floodgate::Error> {
+    /// let chain = Chain::new(vec![
+    ///     ChainLimit::new("org:a", ScopeKind::Org, "a", Charge::Admission, WindowLimit::per_minute(100)),
+    ///     ChainLimit::new("org:a", ScopeKind::Org, "a", Charge::Reserved, WindowLimit::per_minute(1000)),
+    /// ]);
+    /// let store = MemoryStore::new();
+    /// let now = floodgate::Timestamp::from_secs(0);
+    /// assert!(chain.admit_costs_at(&store, &[1, 1000], now).await?.admitted);
+    /// // The token window is exactly full: nothing more to reserve passes, and nothing to
+    /// // reserve passes there only as a reservation.
+    /// assert!(chain.admit_costs_at(&store, &[1, 0], now).await?.admitted);
+    /// assert!(!chain.reserving_as_reactive().admit_at(&store, 1, now).await?.admitted);
+    /// # Ok(()) }
+    /// # tokio::runtime::Builder::new_current_thread().build().unwrap().block_on(demo()).unwrap();
+    /// ```
+    pub fn reserving_as_reactive(&self) -> Chain {
+        let limits = self
+            .limits
+            .iter()
+            .map(|l| match l.charge() {
+                Charge::Reserved => l.clone().with_charge(Charge::Reactive),
+                Charge::Admission | Charge::Reactive => l.clone(),
+            })
+            .collect();
+        Chain {
+            refusals: self.refusals.as_ref().map(|_| Arc::default()),
+            ..Chain::new(limits).with_in_flight(self.in_flight.clone())
+        }
+    }
+
     /// Admits a request of `cost` units on the store's clock. See [`admit_at`](Self::admit_at).
     pub fn admit<S: Store>(
         &self,

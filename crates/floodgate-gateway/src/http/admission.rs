@@ -41,6 +41,9 @@ pub(super) struct Ctx {
     pub(super) live: Arc<Live>,
     pub(super) key: Arc<KeyEntry>,
     pub(super) chain: Arc<Chain>,
+    /// The chain's reactive view, for a request that reserves nothing
+    /// ([`ResolvedChain::reactive`]).
+    reactive: Option<Arc<Chain>>,
     fixed: Arc<ChainHeaders>,
     pub(super) budgets: Option<Arc<Budgets>>,
     /// The shadow budgets: read, never refusing.
@@ -85,12 +88,14 @@ impl Ctx {
             budgets,
             shadow_budgets,
             spend_budgets,
+            reactive,
         } = live.keys.chain_for_request(&key, headers);
         Ctx {
             state,
             live,
             key,
             chain,
+            reactive,
             fixed,
             budgets,
             shadow_budgets,
@@ -98,6 +103,17 @@ impl Ctx {
             method: method.clone(),
             uri: uri.clone(),
             start,
+        }
+    }
+
+    /// This request reserves no tokens (a realtime session; a request whose body is not read):
+    /// from here it is admitted and charged on its chain's reserving token limits as reactive
+    /// ones (docs/gateway.md, "Token reservation"). Its admission then needs room in each token
+    /// window, as a reactive one does, where a reservation of 0 would pass a full one; its
+    /// tokens are charged when they come.
+    pub(super) fn reserves_nothing(&mut self) {
+        if let Some(reactive) = self.reactive.take() {
+            self.chain = reactive;
         }
     }
 

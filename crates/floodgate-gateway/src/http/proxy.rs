@@ -46,7 +46,7 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         super::admission::count(&state, Decision::Unauthenticated);
         return AppError::Unauthorized.into_response();
     };
-    let ctx = Ctx::new(
+    let mut ctx = Ctx::new(
         state,
         live,
         key,
@@ -101,6 +101,10 @@ pub(super) async fn proxy(state: AppState, req: Request) -> Response {
         };
         ctx.live.prices.spend(None, model.as_deref(), &usage)
     });
+    if estimate.total() == 0 {
+        // A body not read (not a completion or a Responses create): nothing to reserve.
+        ctx.reserves_nothing();
+    }
     let mut admitted = match ctx.admit(estimate, price).await {
         Ok(admitted) => admitted,
         Err(refused) => return refused,

@@ -118,11 +118,13 @@ fn forwardable(headers: &mut HeaderMap, metered: bool) {
 
 /// Answers a WebSocket upgrade of `/v1/realtime` by an authenticated caller: see the module
 /// docs.
-pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
+pub(super) async fn open(mut ctx: Ctx, mut req: Request) -> Response {
     if let Some(why) = malformed(&req) {
         let err = AppError::BadRequest(why.into());
         return ctx.reject(err, Decision::BadRequest).await;
     }
+    // A session has no size up front to reserve.
+    ctx.reserves_nothing();
     let sessions = ctx.state.sessions();
     // The cap first: a refusal for a full process charges nothing.
     let Some(slot) = sessions.take_slot() else {
@@ -145,9 +147,7 @@ pub(super) async fn open(ctx: Ctx, mut req: Request) -> Response {
         prices: Arc::clone(&ctx.live.prices),
         model: query_model(req.uri()),
     });
-    // A session stays reactive on every token limit, a reserving one too: it has no size up
-    // front to reserve (docs/gateway.md, "Token reservation").
-    let counts_tokens = ctx.chain.has_reactive() || ctx.chain.has_reserved();
+    let counts_tokens = ctx.chain.has_reactive();
     let metered = counts_tokens || spend.is_some();
 
     let caller_upgrade = hyper::upgrade::on(&mut req);
