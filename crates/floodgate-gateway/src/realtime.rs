@@ -8,7 +8,9 @@
 //! is then closed too), or the caller closes its own and the upstream follows (within 10 s), or
 //! either side fails. When the caller's side fails, the upstream is told as by a half-close and
 //! read on (its bytes dropped) until it closes, within 10 s, so that a turn under way is
-//! metered.
+//! metered. When a write to the upstream fails, what the upstream sent before it failed is still
+//! read and passed to the caller (its last `response.done`, metered), until its connection ends,
+//! or for `[server] header_timeout_sec` if it stays open.
 //!
 //! **Metering.** For a chain with token limits or budgets the frames from the upstream are read
 //! as they pass ([`FrameReader`]): each text message whose JSON `type` is `response.done` adds
@@ -290,7 +292,7 @@ impl End {
 }
 
 impl Session {
-    async fn run(mut self, caller: OnUpgrade, upstream: OnUpgrade) {
+    async fn run(self, caller: OnUpgrade, upstream: OnUpgrade) {
         let start = Instant::now();
         let (caller, upstream) = match tokio::try_join!(caller, upstream) {
             Ok(both) => both,
@@ -307,12 +309,23 @@ impl Session {
                 return;
             }
         };
-        let (mut caller_in, mut caller_out) = tokio::io::split(TokioIo::new(caller));
+        self.splice(TokioIo::new(caller), TokioIo::new(upstream), start)
+            .await;
+    }
+
+    /// The session once both connections are upgraded, from its start at `start`: see the
+    /// module docs.
+    async fn splice<C, U>(mut self, caller: C, upstream: U, start: Instant)
+    where
+        C: AsyncRead + AsyncWrite + Unpin,
+        U: AsyncRead + AsyncWrite + Unpin,
+    {
+        let (mut caller_in, mut caller_out) = tokio::io::split(caller);
         // An upstream that takes nothing (hung) would hold the session, and its slots, for good:
         // the caller's frames would wait for it, and the gateway would read no more of the
         // caller, not even its leaving. Its writes are timed as the caller's socket's are.
         let upstream = SendTimed::saying(
-            TokioIo::new(upstream),
+            upstream,
             self.stall,
             "the upstream took nothing for header_timeout_sec",
         );
@@ -344,6 +357,11 @@ impl Session {
         let mut caller_done = false;
         // Set when the caller's side failed: the upstream is read until then.
         let mut upstream_until = None;
+        // Set when a write to the upstream failed: what the upstream sent before it failed is
+        // still read and passed to the caller (a last `response.done`, metered), until its
+        // connection ends or, for one still open but taking nothing (hung), for
+        // `header_timeout_sec` more; then the session ends as failed by it.
+        let mut upstream_write_failed = None;
         let end = {
             let mut up = pin!(pump(&mut caller_in, &mut upstream_out, &mut to_upstream));
             let mut down = pin!(pump(&mut upstream_in, &mut caller_out, &mut to_caller));
@@ -371,13 +389,20 @@ impl Session {
                                 Some(tokio::time::Instant::now() + HALF_CLOSED_LINGER);
                             break End::Failed(Side::Caller, e);
                         }
-                        Err(Failure::Write(e)) => break End::Failed(Side::Upstream, e),
+                        Err(Failure::Write(e)) => {
+                            // The caller is no longer read; the upstream is, for a while.
+                            caller_done = true;
+                            upstream_write_failed = Some(e);
+                            linger.as_mut().reset(tokio::time::Instant::now() + self.stall);
+                        }
                     },
                     // Everything the upstream sent has gone to the caller, then a half-close.
-                    r = &mut down => match r {
-                        Ok(()) if caller_done => break End::CallerClosed,
-                        Ok(()) => break End::UpstreamClosed,
-                        Err(Failure::Write(e)) => {
+                    r = &mut down => match (r, upstream_write_failed.take()) {
+                        // The upstream's failed write ends it, however its read ended.
+                        (_, Some(e)) => break End::Failed(Side::Upstream, e),
+                        (Ok(()), None) if caller_done => break End::CallerClosed,
+                        (Ok(()), None) => break End::UpstreamClosed,
+                        (Err(Failure::Write(e)), None) => {
                             upstream_until = Some(if caller_done {
                                 linger.deadline()
                             } else {
@@ -385,11 +410,14 @@ impl Session {
                             });
                             break End::Failed(Side::Caller, e);
                         }
-                        Err(Failure::Read(e)) => break End::Failed(Side::Upstream, e),
+                        (Err(Failure::Read(e)), None) => break End::Failed(Side::Upstream, e),
                     },
                     () = &mut flusher => {}
                     () = &mut closing => break End::Shutdown,
-                    () = &mut linger, if caller_done => break End::HalfClosed,
+                    () = &mut linger, if caller_done => match upstream_write_failed.take() {
+                        Some(e) => break End::Failed(Side::Upstream, e),
+                        None => break End::HalfClosed,
+                    },
                 }
             }
         };
@@ -957,6 +985,114 @@ mod tests {
         assert!(matches!(r, Err(Failure::Write(_))), "{r:?}");
         assert_eq!(pending.load(Ordering::SeqCst), 9);
         assert!(!dir.between_frames(), "the caller may have part of a frame");
+    }
+
+    /// An upstream whose connection was reset with a turn's end unread: nothing to read until
+    /// a write has failed, then `unread`, then the reset.
+    struct Reset {
+        unread: Option<Vec<u8>>,
+        write_failed: bool,
+        reader: Option<std::task::Waker>,
+    }
+
+    impl AsyncRead for Reset {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            if !self.write_failed {
+                self.reader = Some(cx.waker().clone());
+                return std::task::Poll::Pending;
+            }
+            match self.unread.take() {
+                Some(bytes) => {
+                    buf.put_slice(&bytes);
+                    std::task::Poll::Ready(Ok(()))
+                }
+                None => std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into())),
+            }
+        }
+    }
+
+    impl AsyncWrite for Reset {
+        fn poll_write(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            _: &[u8],
+        ) -> std::task::Poll<std::io::Result<usize>> {
+            self.write_failed = true;
+            if let Some(reader) = self.reader.take() {
+                reader.wake();
+            }
+            std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
+        }
+        fn poll_flush(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(
+            self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    /// A write to the upstream fails before the gateway has read the turn's end the upstream
+    /// sent: the turn still reaches the caller and is charged. (Before, the failed write ended
+    /// the session at once, and the turn went unread and uncharged.)
+    #[tokio::test]
+    async fn a_turn_unread_when_a_write_to_the_upstream_fails_is_passed_on_and_charged() {
+        use floodgate::{ChainLimit, Charge, ScopeKind, WindowLimit};
+        use tokio::io::AsyncReadExt;
+
+        let store = floodgate::store::AnyStore::Memory(floodgate::store::MemoryStore::new());
+        let charger = Charger::new(store.clone(), crate::metrics::Metrics::new());
+        let tpm = WindowLimit::per_minute(100);
+        let chain = Arc::new(Chain::new(vec![ChainLimit::new(
+            "k",
+            ScopeKind::Key,
+            "k",
+            Charge::Reactive,
+            tpm,
+        )]));
+        let live = LiveSessions::new();
+        let (_close, close) = watch::channel(false);
+        let session = Session {
+            key: "k".into(),
+            charger: charger.clone(),
+            chain: Some(Arc::clone(&chain)),
+            spend: None,
+            rates: None,
+            flush: Duration::from_secs(3600),
+            stall: Duration::from_secs(3600),
+            close,
+            _slot: live.take(1).unwrap(),
+            slots: None,
+        };
+        let done = br#"{"type":"response.done","response":{"usage":{"total_tokens":9}}}"#;
+        let turn = frame(true, 1, done, None);
+        let upstream = Reset {
+            unread: Some(turn.clone()),
+            write_failed: false,
+            reader: None,
+        };
+        let (gateway_side, mut caller) = tokio::io::duplex(64 * 1024);
+        caller
+            .write_all(&frame(true, 1, b"hi", Some([1, 2, 3, 4])))
+            .await
+            .unwrap();
+        session.splice(gateway_side, upstream, Instant::now()).await;
+        let mut got = Vec::new();
+        caller.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, turn, "the turn's end passed on, then the end");
+        charger.settled().await;
+        let read = chain.admit(&store, 0).await.unwrap();
+        assert_eq!(read.statuses[0].remaining, 100 - 9, "the turn charged");
+        assert_eq!(live.count(), 0);
     }
 
     #[tokio::test]

@@ -310,7 +310,32 @@ fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
         .headers()
         .get("sec-websocket-protocol")
         .is_some_and(|p| p.to_str().unwrap().contains("realtime"));
+    let resets = req.uri().query().is_some_and(|q| q.contains("model=reset"));
     let on_upgrade = hyper::upgrade::on(&mut req);
+    if resets {
+        tokio::spawn(async move {
+            let upgraded = on_upgrade.await.unwrap();
+            let parts = upgraded.downcast::<TokioIo<TcpStream>>().unwrap();
+            assert!(parts.read_buf.is_empty());
+            resetting_session(parts.io.into_inner(), seen).await;
+        });
+    } else {
+        spawn_session(on_upgrade, seen);
+    }
+    let mut resp = Response::builder()
+        .status(StatusCode::SWITCHING_PROTOCOLS)
+        .header("connection", "upgrade")
+        .header("upgrade", "websocket")
+        .header("sec-websocket-accept", WS_ACCEPT)
+        .header("x-upstream-session", "sess_1");
+    if protocol_offered {
+        resp = resp.header("sec-websocket-protocol", "realtime");
+    }
+    resp.body(Body::empty()).unwrap()
+}
+
+/// A session on the upstream: [`upstream_session`].
+fn spawn_session(on_upgrade: hyper::upgrade::OnUpgrade, seen: Seen) {
     tokio::spawn(async move {
         let io = TokioIo::new(on_upgrade.await.unwrap());
         upstream_session(
@@ -323,16 +348,27 @@ fn upstream_answer(seen: Seen, mut req: Request<Incoming>) -> Response<Body> {
         )
         .await;
     });
-    let mut resp = Response::builder()
-        .status(StatusCode::SWITCHING_PROTOCOLS)
-        .header("connection", "upgrade")
-        .header("upgrade", "websocket")
-        .header("sec-websocket-accept", WS_ACCEPT)
-        .header("x-upstream-session", "sess_1");
-    if protocol_offered {
-        resp = resp.header("sec-websocket-protocol", "realtime");
-    }
-    resp.body(Body::empty()).unwrap()
+}
+
+/// The session of `?model=reset`: at its first message `done-and-reset:N` it sends a
+/// `response.done` of `N` tokens and resets its connection (a zero linger), reading nothing more.
+async fn resetting_session(tcp: TcpStream, seen: Seen) {
+    let mut ws = Ws {
+        io: tcp,
+        masked: false,
+        rate_limits: Vec::new(),
+    };
+    let Some((_, data, _)) = ws.message().await else {
+        return;
+    };
+    seen.2.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    let text = String::from_utf8_lossy(&data).into_owned();
+    let n: u64 = text
+        .strip_prefix("done-and-reset:")
+        .and_then(|n| n.parse().ok())
+        .expect("done-and-reset:N");
+    ws.send(TEXT, response_done(n, 0).as_bytes()).await;
+    ws.io.set_zero_linger().unwrap();
 }
 
 async fn upstream_session<S: AsyncRead + AsyncWrite + Unpin>(mut ws: Ws<S>, seen: Seen) {
@@ -982,6 +1018,42 @@ async fn a_full_token_window_refuses_the_next_upgrade_reserving_or_not() {
         assert_eq!(second.header("x-ratelimit-remaining-tokens"), Some("0"));
         assert!(second.header("retry-after").is_some(), "{mode}");
         assert_eq!(gw.state.live_sessions().count(), 1, "{mode}");
+    }
+}
+
+/// The upstream sends a turn's `response.done` and resets its connection while the caller is
+/// sending: however the gateway learns of the reset first (its read of the upstream, or its
+/// write of the caller's next frame failing), the turn reaches the caller and is charged, and
+/// the session ends as failed by the upstream. (The order in which the gateway learns of it is
+/// the kernel's: the unit test `a_turn_unread_when_a_write_to_the_upstream_fails_...` in
+/// `src/realtime.rs` fixes the order in which a failed write comes first.)
+#[tokio::test]
+async fn a_turn_the_upstream_sent_before_it_reset_is_passed_on_and_charged() {
+    const ROUNDS: u64 = 12;
+    early_in_a_minute().await;
+    let up = ws_upstream().await;
+    let config = METERED.replace("tpm = 100", "tpm = 100000");
+    let gw = gateway(&config, &up.url()).await;
+    for round in 0..ROUNDS {
+        let mut a = open_path(&gw, "/v1/realtime?model=reset", Some("sk-k"), &[]).await;
+        assert_eq!(a.status, 101);
+        let ws = a.ws();
+        ws.send(TEXT, b"done-and-reset:10").await;
+        // Frames the upstream never reads, sent while it resets: the gateway's write of one
+        // of them may fail before its read of the upstream sees the reset.
+        for _ in 0..64 {
+            ws.send(BINARY, &[0u8; 1024]).await;
+        }
+        let (_, text, _) = ws.message().await.expect("the turn's end, passed on");
+        assert_eq!(
+            String::from_utf8(text).unwrap(),
+            response_done(10, 0),
+            "round {round}"
+        );
+        assert!(ws.message().await.is_none(), "round {round}: then the end");
+        live_sessions_reach(&gw, 0).await;
+        let left = (100000 - 10 * (round + 1)).to_string();
+        tokens_left_become(&gw, &left).await;
     }
 }
 
