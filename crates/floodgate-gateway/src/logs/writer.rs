@@ -9,8 +9,10 @@
 //! [`FLUSH_EVERY`], or sooner once it holds [`WAKE_AT`], and writes it in one call. A
 //! destination that does not keep up makes the buffer grow to [`MAX_HELD`]; the lines that do
 //! not fit are dropped and counted, and the count written as a line of its own when the writer
-//! can write again. What is buffered when the guard is dropped (the process's end) is written
-//! before the drop returns.
+//! can write again. A buffer that fills while the writer is blocked is set aside whole and a new
+//! one started, never grown by copying what it holds under the lock. What is buffered when the
+//! guard is dropped (the process's end) is written before the drop returns; a line logged after
+//! that is written at once, by the thread that logs it.
 
 use std::io::{self, Write};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
@@ -28,7 +30,13 @@ pub const MAX_HELD: usize = 8 * 1024 * 1024;
 
 #[derive(Debug, Default)]
 struct Pending {
+    /// The lines, in the buffer being filled.
     lines: Vec<u8>,
+    /// Earlier buffers that filled while the writer was blocked, oldest first: written before
+    /// `lines`.
+    full: Vec<Vec<u8>>,
+    /// The bytes `full` holds.
+    full_len: usize,
     /// Lines dropped since the last write, the buffer full.
     dropped: u64,
     /// The writer is writing a batch it took (outside the lock).
@@ -44,17 +52,33 @@ struct Pending {
 impl Pending {
     /// Whether everything buffered so far is written.
     fn written(&self) -> bool {
-        self.lines.is_empty() && self.dropped == 0 && !self.writing
+        self.lines.is_empty() && self.full.is_empty() && self.dropped == 0 && !self.writing
+    }
+
+    /// The bytes held, not yet taken by the writer.
+    fn held(&self) -> usize {
+        self.full_len + self.lines.len()
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 struct Shared {
     pending: Mutex<Pending>,
+    /// The destination, once the writer has ended: a line logged after is written to it at
+    /// once.
+    after: Mutex<Option<Box<dyn Write + Send>>>,
     /// Wakes the writer: the buffer reached [`WAKE_AT`], someone flushes, or the log closes.
     wake: Condvar,
     /// Wakes those waiting for a batch to be written, or for the writer's end.
     wrote: Condvar,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Shared")
+            .field("pending", &self.pending)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Shared {
@@ -215,11 +239,11 @@ impl Drop for Buffered {
 }
 
 /// The writer thread's loop: takes the buffer whole and writes it, until closed and empty.
-fn write_until_closed(shared: &Shared, mut out: impl Write) {
+fn write_until_closed<W: Write + Send + 'static>(shared: &Shared, mut out: W) {
     let mut spare = Vec::new();
     let mut pending = shared.lock();
     loop {
-        if pending.lines.len() < WAKE_AT && !pending.closed && !pending.urgent {
+        if pending.held() < WAKE_AT && !pending.closed && !pending.urgent {
             pending = shared
                 .wake
                 .wait_timeout(pending, FLUSH_EVERY)
@@ -227,14 +251,17 @@ fn write_until_closed(shared: &Shared, mut out: impl Write) {
                 .0;
         }
         std::mem::swap(&mut pending.lines, &mut spare);
+        let full = std::mem::take(&mut pending.full);
+        pending.full_len = 0;
         let dropped = std::mem::take(&mut pending.dropped);
         pending.urgent = false;
         pending.writing = true;
         drop(pending);
         // Failures are not reported: the log is where they would go.
-        if !spare.is_empty() {
-            let _ = out.write_all(&spare);
+        for lines in full.iter().chain([&spare]).filter(|l| !l.is_empty()) {
+            let _ = out.write_all(lines);
         }
+        drop(full);
         if dropped > 0 {
             let _ = writeln!(
                 out,
@@ -250,12 +277,14 @@ fn write_until_closed(shared: &Shared, mut out: impl Write) {
         pending = shared.lock();
         pending.writing = false;
         if pending.closed && pending.written() {
+            // Lines logged from here are written by their threads (under `pending`'s lock
+            // until `done` is seen, so none of them comes before what was buffered).
+            *shared.after.lock().unwrap_or_else(PoisonError::into_inner) = Some(Box::new(out));
             pending.done = true;
-        }
-        shared.wrote.notify_all();
-        if pending.done {
+            shared.wrote.notify_all();
             return;
         }
+        shared.wrote.notify_all();
     }
 }
 
@@ -269,16 +298,37 @@ impl Write for Line<'_> {
     fn write(&mut self, line: &[u8]) -> io::Result<usize> {
         let mut pending = self.shared.lock();
         if pending.done {
-            // The process is ending: no writer left.
+            // The process is ending, its writer gone: written here and now.
+            drop(pending);
+            let mut after = self
+                .shared
+                .after
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            if let Some(out) = after.as_mut() {
+                let _ = out.write_all(line);
+                let _ = out.flush();
+            }
             return Ok(line.len());
         }
-        if pending.lines.len() + line.len() > MAX_HELD {
+        let held = pending.held();
+        if held + line.len() > MAX_HELD {
             pending.dropped += 1;
             return Ok(line.len());
         }
-        let was_below = pending.lines.len() < WAKE_AT;
+        if pending.lines.len() >= WAKE_AT
+            && pending.lines.len() + line.len() > pending.lines.capacity()
+        {
+            // Full while the writer is away: set aside, and a new buffer begun, rather than
+            // this one grown (a copy of all it holds, with every worker's next line waiting).
+            let next = Vec::with_capacity((2 * pending.lines.len()).min(MAX_HELD / 8));
+            let full = std::mem::replace(&mut pending.lines, next);
+            pending.full_len += full.len();
+            pending.full.push(full);
+        }
+        let was_below = held < WAKE_AT;
         pending.lines.extend_from_slice(line);
-        let wake = was_below && pending.lines.len() >= WAKE_AT;
+        let wake = was_below && pending.held() >= WAKE_AT;
         drop(pending);
         if wake {
             self.shared.wake.notify_one();
@@ -352,6 +402,16 @@ mod tests {
     }
 
     #[test]
+    fn a_line_logged_after_the_end_is_written_at_once() {
+        let (buffered, lines, rx, _gate) = start();
+        log(&lines, "before\n");
+        drop(buffered);
+        log(&lines, "after\n");
+        let written: Vec<u8> = rx.try_iter().flatten().collect();
+        assert_eq!(written, b"before\nafter\n");
+    }
+
+    #[test]
     fn a_flush_returns_once_what_was_logged_is_written() {
         let (buffered, lines, rx, _gate) = start();
         for i in 0..10 {
@@ -369,6 +429,36 @@ mod tests {
         // Bounded far past FLUSH_EVERY: only a line never written fails.
         let got = rx.recv_timeout(Duration::from_secs(30)).unwrap();
         assert_eq!(got, b"one\n");
+    }
+
+    #[test]
+    fn a_buffer_filled_while_the_writer_is_blocked_is_set_aside_not_grown() {
+        let (buffered, lines, rx, gate) = start();
+        let shut = gate.lock().unwrap();
+        // The first line goes to the writer, which blocks on it; 4 MiB more wait.
+        log(&lines, "first\n");
+        while !buffered.shared.lock().writing {
+            buffered.shared.wake.notify_one();
+            std::thread::yield_now();
+        }
+        let n = 4 * 1024 * 1024 / 16;
+        for i in 0..n {
+            log(&lines, &format!("{i:015}\n"));
+        }
+        {
+            let pending = buffered.shared.lock();
+            assert!(pending.full.len() > 1, "{} set aside", pending.full.len());
+            assert!(pending.lines.capacity() <= MAX_HELD / 8);
+            assert!(pending.full.iter().all(|l| l.capacity() <= MAX_HELD / 8));
+        }
+        drop(shut);
+        drop(buffered);
+        let written: Vec<u8> = rx.try_iter().flatten().collect();
+        let text = String::from_utf8(written).unwrap();
+        let expected: String = std::iter::once("first\n".to_owned())
+            .chain((0..n).map(|i| format!("{i:015}\n")))
+            .collect();
+        assert!(text == expected, "every line written once, in order");
     }
 
     #[test]
