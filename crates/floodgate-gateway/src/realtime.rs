@@ -936,6 +936,24 @@ mod tests {
         }
     }
 
+    /// `poll_flush` and `poll_shutdown` of a test writer that holds nothing back.
+    macro_rules! nothing_to_flush {
+        () => {
+            fn poll_flush(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+            fn poll_shutdown(
+                self: std::pin::Pin<&mut Self>,
+                _: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<std::io::Result<()>> {
+                std::task::Poll::Ready(Ok(()))
+            }
+        };
+    }
+
     /// A writer that keeps each write apart, or whose peer is gone (every write fails).
     #[derive(Default)]
     struct Writes {
@@ -955,18 +973,7 @@ mod tests {
             self.each.push(bytes.to_vec());
             std::task::Poll::Ready(Ok(bytes.len()))
         }
-        fn poll_flush(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-        fn poll_shutdown(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
+        nothing_to_flush!();
     }
 
     #[tokio::test]
@@ -1027,18 +1034,7 @@ mod tests {
             }
             std::task::Poll::Ready(Err(std::io::ErrorKind::ConnectionReset.into()))
         }
-        fn poll_flush(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
-        fn poll_shutdown(
-            self: std::pin::Pin<&mut Self>,
-            _: &mut std::task::Context<'_>,
-        ) -> std::task::Poll<std::io::Result<()>> {
-            std::task::Poll::Ready(Ok(()))
-        }
+        nothing_to_flush!();
     }
 
     /// A write to the upstream fails before the gateway has read the turn's end the upstream
