@@ -63,8 +63,10 @@ pub struct ResolvedChain {
     pub spend_budgets: Option<Arc<Budgets>>,
     /// The chain with its reserving token limits as reactive ones
     /// ([`Chain::reserving_as_reactive`]): what a request that reserves nothing (a realtime
-    /// session, a request whose body is not read) is admitted and charged on. `None` for a
-    /// chain without reserving limits.
+    /// session, a request whose body is not read) is admitted and charged on. Built with a
+    /// key's chain, which lives as long as the config; `None` for a chain without reserving
+    /// limits, and for a customer's chain, built per request (its view is built only by a
+    /// request that needs it).
     pub reactive: Option<Arc<Chain>>,
 }
 
@@ -82,9 +84,7 @@ impl ResolvedChain {
         let shadow_budgets = of(Some(true));
         ResolvedChain {
             headers: Arc::new(ChainHeaders::new(&chain)),
-            reactive: chain
-                .has_reserved()
-                .then(|| Arc::new(chain.reserving_as_reactive())),
+            reactive: None,
             chain: Arc::new(chain),
             budgets: of(Some(false)),
             // Spend goes to every budget; only a chain with shadow ones needs a second set.
@@ -93,6 +93,17 @@ impl ResolvedChain {
                 None => of(Some(false)),
             },
             shadow_budgets,
+        }
+    }
+
+    /// This chain with its reactive view built, if it has reserving limits.
+    fn with_reactive_view(self) -> ResolvedChain {
+        ResolvedChain {
+            reactive: self
+                .chain
+                .has_reserved()
+                .then(|| Arc::new(self.chain.reserving_as_reactive())),
+            ..self
         }
     }
 }
@@ -240,7 +251,7 @@ impl Keys {
                     own,
                     own_budgets,
                     own_in_flight,
-                    chain: ResolvedChain::new(chain, budgets),
+                    chain: ResolvedChain::new(chain, budgets).with_reactive_view(),
                 };
                 (k.secret_sha256, Arc::new(entry))
             })

@@ -515,32 +515,45 @@ async fn a_reserving_token_limit_of_zero_refuses_every_request() {
 
 /// A request that reserves nothing (an embeddings request: its body is not read) needs room in a
 /// reserving window, as in a reactive one: a window exactly full refuses it. (Before, it was
-/// admitted with a reservation of 0, which fits a full window exactly.) On both stores.
+/// admitted with a reservation of 0, which fits a full window exactly.) On both stores, for a
+/// key's chain and for a chain built per request for a customer.
 #[tokio::test]
 async fn a_full_reserving_window_refuses_a_request_that_reserves_nothing() {
     let up = fake_upstream().await;
     let url = test_redis_url("a_full_reserving_window_refuses_a_request_that_reserves_nothing");
     for redis in std::iter::once(None).chain(url.as_deref().map(Some)) {
-        for mode in ["reactive", "reserve"] {
+        for (mode, customer) in [
+            ("reactive", None),
+            ("reserve", None),
+            ("reserve", Some("c1")),
+        ] {
             // Each its own state: on Redis, a prefix of its own.
             let store = match redis {
                 Some(url) => redis_store(url),
                 None => String::new(),
             };
             early_in_a_minute().await;
-            let gw = gateway(&on(&store, mode), &up.url()).await;
+            let config = on(&store, mode)
+                + "[[rate_limits]]\nscope = \"customer\"\nid = \"c1\"\nrpm = 1000\n";
+            let gw = gateway(&config, &up.url()).await;
+            let request = |path: &str, body: &str| {
+                let mut req = gw.request("POST", path, Some("sk-k"), body);
+                if let Some(c) = customer {
+                    req.headers_mut()
+                        .insert("x-floodgate-customer", c.parse().unwrap());
+                }
+                req
+            };
             // One completion that uses the whole window: 1000 of 1000 tokens.
-            let mut req = gw.request("POST", "/v1/chat/completions", Some("sk-k"), ASK);
+            let mut req = request("/v1/chat/completions", ASK);
             req.headers_mut()
                 .insert("x-test-tokens", "1000".parse().unwrap());
             assert_eq!(gw.send(req).await.status, 200, "{mode}");
             gw.settled().await;
             let hits = up.seen.hits();
             let body = r#"{"model":"m","input":"hi"}"#;
-            let r = gw
-                .send(gw.request("POST", "/v1/embeddings", Some("sk-k"), body))
-                .await;
-            assert_eq!(r.status, 429, "{mode} {store}: {}", r.text());
+            let r = gw.send(request("/v1/embeddings", body)).await;
+            assert_eq!(r.status, 429, "{mode} {customer:?} {store}: {}", r.text());
             assert_eq!(
                 r.header("x-ratelimit-remaining-tokens"),
                 Some("0"),

@@ -114,6 +114,9 @@ impl Ctx {
     pub(super) fn reserves_nothing(&mut self) {
         if let Some(reactive) = self.reactive.take() {
             self.chain = reactive;
+        } else if self.chain.has_reserved() {
+            // A customer's chain, built for this request: its view too.
+            self.chain = Arc::new(self.chain.reserving_as_reactive());
         }
     }
 
