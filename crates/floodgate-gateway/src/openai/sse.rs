@@ -37,7 +37,8 @@ pub(crate) struct SseFilter {
     /// What tells that the answer is complete ([`AnswerEnd`]).
     pub(crate) ends: AnswerEnd,
     /// Whether an event has told that the answer is complete ([`AnswerEnd`]), so that only
-    /// its usage (and the stream's end) may follow.
+    /// its usage (and the stream's end) may follow. Asked only while no usage has been read:
+    /// a chat stream's frames are not searched for it once one has.
     pub(crate) answered: bool,
     /// Data events seen, `[DONE]` aside: what a stream cut before its usage is charged, as
     /// tokens (a chunk carries about one).
@@ -255,8 +256,6 @@ impl SseFilter {
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
         let mut usage_keys = Hits::new(&USAGE_KEY, &events);
-        let mut finish_keys = (!self.answered && self.ends == AnswerEnd::FinishReason)
-            .then(|| Hits::new(&FINISH_REASON_KEY, &events));
         while start < events.len() {
             let end = match event_end(&events[start..]) {
                 Some(e) => start + e,
@@ -264,22 +263,15 @@ impl SseFilter {
                 None => break,
             };
             let event = &events[start..end];
-            let finished = match self.ends {
-                AnswerEnd::FinishReason => finish_keys.as_mut().is_some_and(|k| {
-                    k.fields_in(&events, start, end)
-                        .any(|(_, v)| event.get(v) == Some(&b'"'))
-                }),
-                AnswerEnd::DoneEvent => !self.answered && closes_answer(event),
-            };
+            // A finish reason is looked for once over the run, after it (below).
+            let finished =
+                self.ends == AnswerEnd::DoneEvent && !self.answered && closes_answer(event);
             let usage: Vec<UsageField> = usage_keys
                 .fields_in(&events, start, end)
                 .filter(|&(_, value)| value < event.len())
                 .map(|(key, value)| UsageField { key, value })
                 .collect();
             let action = self.inspect(event, finished, usage);
-            if self.answered {
-                finish_keys = None;
-            }
             if out.is_none() && !matches!(action, Action::Keep) {
                 // The first change: copy what came before, then build the rest.
                 let mut b = BytesMut::with_capacity(events.len());
@@ -294,6 +286,12 @@ impl SseFilter {
                 }
             }
             start = end;
+        }
+        // Whether the answer is complete is asked only while its usage has not come
+        // (`MeteredBody`'s drop): a run that gave the usage (a stream whose tail, or whole,
+        // came in one frame) is not searched for it.
+        if self.ends == AnswerEnd::FinishReason && !self.answered && self.usage.is_none() {
+            self.answered = gives_finish_reason(&events[..start]);
         }
         let out = out.map_or_else(|| events.slice(..start), BytesMut::freeze);
         (out, start)
@@ -389,6 +387,14 @@ static MODEL_KEY: Key = LazyLock::new(|| Finder::new(b"\"model\""));
 static TYPE_KEY: Key = LazyLock::new(|| Finder::new(b"\"type\""));
 /// The events that close an output item or a message ([`AnswerEnd::DoneEvent`]).
 const DONE_EVENTS: [&[u8]; 2] = [b"response.output_item.done", b"thread.message.completed"];
+
+/// Whether an event of `events` (whole events) gives a choice its `finish_reason`: a string,
+/// not `null`, as the field's value within the key's own event (no blank line between them).
+fn gives_finish_reason(events: &[u8]) -> bool {
+    fields(events, &FINISH_REASON_KEY).any(|(key, value)| {
+        events.get(value) == Some(&b'"') && event_end(&events[key..=value]).is_none()
+    })
+}
 
 /// Whether `event` closes an output item or a message: its `event:` line names one of
 /// [`DONE_EVENTS`], or a `"type"` field of its data has one as its value. Only there: model
@@ -585,6 +591,23 @@ mod tests {
         assert!(has_finish_reason(&[
             br#"data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#,
             br#"data: {"choices":[{"index":1,"delta":{"content":"x"},"finish_reason":null}]}"#,
+        ]));
+        // A value in the next event is not the key's.
+        assert!(!has_finish_reason(&[
+            br#"data: {"finish_reason":"#,
+            br#""stop"}"#
+        ]));
+        assert!(!has_finish_reason(&[
+            br#"data: {"finish_reason""#,
+            br#":"stop"}"#
+        ]));
+        assert!(!has_finish_reason(&[
+            b"data: {\"finish_reason\":\r\n",
+            br#""stop"}"#
+        ]));
+        // Within its event, a value may follow on the next line.
+        assert!(has_finish_reason(&[
+            b"data: {\"finish_reason\":\n\"stop\"}"
         ]));
     }
 
