@@ -256,6 +256,9 @@ impl SseFilter {
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
         let mut usage_keys = Hits::new(&USAGE_KEY, &events);
+        // One list for the run's events, refilled for each: a chunk with a `"usage": null` (every
+        // chunk of a stream asked for usage) then costs no allocation of its own.
+        let mut usage: Vec<UsageField> = Vec::new();
         while start < events.len() {
             let end = match event_end(&events[start..]) {
                 Some(e) => start + e,
@@ -266,12 +269,14 @@ impl SseFilter {
             // A finish reason is looked for once over the run, after it (below).
             let finished =
                 self.ends == AnswerEnd::DoneEvent && !self.answered && closes_answer(event);
-            let usage: Vec<UsageField> = usage_keys
-                .fields_in(&events, start, end)
-                .filter(|&(_, value)| value < event.len())
-                .map(|(key, value)| UsageField { key, value })
-                .collect();
-            let action = self.inspect(event, finished, usage);
+            usage.clear();
+            usage.extend(
+                usage_keys
+                    .fields_in(&events, start, end)
+                    .filter(|&(_, value)| value < event.len())
+                    .map(|(key, value)| UsageField { key, value }),
+            );
+            let action = self.inspect(event, finished, &usage);
             if out.is_none() && !matches!(action, Action::Keep) {
                 // The first change: copy what came before, then build the rest.
                 let mut b = BytesMut::with_capacity(events.len());
@@ -282,7 +287,7 @@ impl SseFilter {
                 match action {
                     Action::Keep => b.extend_from_slice(event),
                     Action::Drop => {}
-                    Action::StripNullUsage(fields) => strip_null_usage(event, &fields, b),
+                    Action::StripNullUsage => strip_null_usage(event, &usage, b),
                 }
             }
             start = end;
@@ -300,7 +305,7 @@ impl SseFilter {
     /// Reads an event's usage; says what to forward. `finished`: the event tells that the
     /// answer is complete ([`AnswerEnd`]). `fields`: its `"usage"` fields, each followed by a
     /// value.
-    fn inspect(&mut self, event: &[u8], finished: bool, fields: Vec<UsageField>) -> Action {
+    fn inspect(&mut self, event: &[u8], finished: bool, fields: &[UsageField]) -> Action {
         // A byte-order mark may start the stream (the format's decoder drops it): the first
         // event's fields are read past it. (Its bytes go on as they came.)
         let lines_of = if self.started {
@@ -325,7 +330,7 @@ impl SseFilter {
         // value seen as anything else is parsed: in data over several `data:` lines, what
         // follows a key that ends its line is the next line's prefix, not the usage object.
         if self.strip_usage && fields.iter().all(|f| f.is_null(event)) {
-            return Action::StripNullUsage(fields);
+            return Action::StripNullUsage;
         }
         let mut data: Vec<u8> = Vec::new();
         for line in lines(lines_of) {
@@ -360,8 +365,9 @@ impl SseFilter {
 enum Action {
     Keep,
     Drop,
-    /// Drop the `"usage": null` fields among these (found by `inspect`, not searched again).
-    StripNullUsage(Vec<UsageField>),
+    /// Drop the event's `"usage": null` fields (among those `inspect` was given: not searched
+    /// again).
+    StripNullUsage,
 }
 
 /// A `"usage": value` field found in an event's bytes.
