@@ -251,7 +251,11 @@ impl SseFilter {
     /// up to the first that does not end in it (with `rest_is_event`, that one too, as it is).
     /// Returns what to forward and how much of `events` it came from.
     fn filter(&mut self, events: Bytes, rest_is_event: bool) -> (Bytes, usize) {
+        // Once an event changes, the forwarded bytes are built in `out`: `events` up to `copied`
+        // is in it (or dropped). Only what lies between two cuts is copied, in one piece, not
+        // event by event: a stream asked for usage has a cut in every chunk.
         let mut out: Option<BytesMut> = None;
+        let mut copied = 0;
         let mut start = 0;
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
@@ -277,28 +281,41 @@ impl SseFilter {
                     .map(|(key, value)| UsageField { key, value }),
             );
             let action = self.inspect(event, finished, &usage);
-            if out.is_none() && !matches!(action, Action::Keep) {
-                // The first change: copy what came before, then build the rest.
-                let mut b = BytesMut::with_capacity(events.len());
-                b.extend_from_slice(&events[..start]);
-                out = Some(b);
-            }
-            if let Some(b) = &mut out {
+            if !matches!(action, Action::Keep) {
+                let b = out.get_or_insert_with(|| BytesMut::with_capacity(events.len()));
                 match action {
-                    Action::Keep => b.extend_from_slice(event),
-                    Action::Drop => {}
-                    Action::StripNullUsage => strip_null_usage(event, &usage, b),
+                    Action::Keep => {}
+                    Action::Drop => {
+                        b.extend_from_slice(&events[copied..start]);
+                        copied = end;
+                    }
+                    Action::StripNullUsage => {
+                        for (from, to) in null_usage_cuts(event, &usage) {
+                            let (from, to) = (start + from, start + to);
+                            if from < copied {
+                                continue;
+                            }
+                            b.extend_from_slice(&events[copied..from]);
+                            copied = to;
+                        }
+                    }
                 }
             }
             start = end;
         }
+        let out = out.map_or_else(
+            || events.slice(..start),
+            |mut b| {
+                b.extend_from_slice(&events[copied..start]);
+                b.freeze()
+            },
+        );
         // Whether the answer is complete is asked only while its usage has not come
         // (`MeteredBody`'s drop): a run that gave the usage (a stream whose tail, or whole,
         // came in one frame) is not searched for it.
         if self.ends == AnswerEnd::FinishReason && !self.answered && self.usage.is_none() {
             self.answered = gives_finish_reason(&events[..start]);
         }
-        let out = out.map_or_else(|| events.slice(..start), BytesMut::freeze);
         (out, start)
     }
 
@@ -520,40 +537,41 @@ fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
     })
 }
 
-/// Appends `event` to `out` without its `"usage": null` fields among `fields` (and the comma
-/// that joined each to its neighbour). Only spaces and tabs are passed over around a field: in
-/// data written over several `data:` lines, a comma on another line is not this field's to take
-/// (the line's `data:` prefix stands between), and such a field stays, the JSON whole.
-fn strip_null_usage(event: &[u8], fields: &[UsageField], out: &mut BytesMut) {
+/// Where `event` loses its `"usage": null` fields among `fields` (and the comma that joined each
+/// to its neighbour): each cut's range in `event`, in order. A cut that overlaps the one before
+/// (two fields sharing a comma) is to be passed over. Only spaces and tabs are passed over around
+/// a field: in data written over several `data:` lines, a comma on another line is not this
+/// field's to take (the line's `data:` prefix stands between), and such a field stays, the JSON
+/// whole.
+fn null_usage_cuts<'a>(
+    event: &'a [u8],
+    fields: &'a [UsageField],
+) -> impl Iterator<Item = (usize, usize)> + 'a {
     let skip_blank = |mut i: usize| {
         while event.get(i).is_some_and(|b| matches!(b, b' ' | b'\t')) {
             i += 1;
         }
         i
     };
-    let mut kept = 0;
-    for f in fields.iter().filter(|f| f.is_null(event)) {
-        let end = f.value + b"null".len();
-        // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma after;
-        // `{"usage": null}`: the field alone.
-        let before = event[..f.key]
-            .iter()
-            .rposition(|b| !b" \t".contains(b))
-            .map(|c| (c, event[c]));
-        let after = skip_blank(end);
-        let (from, to) = match (before, event.get(after)) {
-            (Some((c, b',')), _) => (c, end),
-            (_, Some(b',')) => (f.key, skip_blank(after + 1)),
-            (Some((_, b'{')), Some(b'}')) => (f.key, end),
-            _ => continue,
-        };
-        if from < kept {
-            continue;
-        }
-        out.extend_from_slice(&event[kept..from]);
-        kept = to;
-    }
-    out.extend_from_slice(&event[kept..]);
+    fields
+        .iter()
+        .filter(|f| f.is_null(event))
+        .filter_map(move |f| {
+            let end = f.value + b"null".len();
+            // `, "usage": null`: from the comma before it; `{"usage": null, ...`: to the comma
+            // after; `{"usage": null}`: the field alone.
+            let before = event[..f.key]
+                .iter()
+                .rposition(|b| !b" \t".contains(b))
+                .map(|c| (c, event[c]));
+            let after = skip_blank(end);
+            match (before, event.get(after)) {
+                (Some((c, b',')), _) => Some((c, end)),
+                (_, Some(b',')) => Some((f.key, skip_blank(after + 1))),
+                (Some((_, b'{')), Some(b'}')) => Some((f.key, end)),
+                _ => None,
+            }
+        })
 }
 
 #[cfg(test)]
