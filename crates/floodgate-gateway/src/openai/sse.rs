@@ -251,11 +251,7 @@ impl SseFilter {
     /// up to the first that does not end in it (with `rest_is_event`, that one too, as it is).
     /// Returns what to forward and how much of `events` it came from.
     fn filter(&mut self, events: Bytes, rest_is_event: bool) -> (Bytes, usize) {
-        // Once an event changes, the forwarded bytes are built in `out`: `events` up to `copied`
-        // is in it (or dropped). Only what lies between two cuts is copied, in one piece, not
-        // event by event: a stream asked for usage has a cut in every chunk.
-        let mut out: Option<BytesMut> = None;
-        let mut copied = 0;
+        let mut out = Cuts::default();
         let mut start = 0;
         // The keys are searched for once over all the events, not event by event: a frame
         // usually carries many small events, and each search pays its setup once.
@@ -281,35 +277,18 @@ impl SseFilter {
                     .map(|(key, value)| UsageField { key, value }),
             );
             let action = self.inspect(event, finished, &usage);
-            if !matches!(action, Action::Keep) {
-                let b = out.get_or_insert_with(|| BytesMut::with_capacity(events.len()));
-                match action {
-                    Action::Keep => {}
-                    Action::Drop => {
-                        b.extend_from_slice(&events[copied..start]);
-                        copied = end;
-                    }
-                    Action::StripNullUsage => {
-                        for (from, to) in null_usage_cuts(event, &usage) {
-                            let (from, to) = (start + from, start + to);
-                            if from < copied {
-                                continue;
-                            }
-                            b.extend_from_slice(&events[copied..from]);
-                            copied = to;
-                        }
+            match action {
+                Action::Keep => {}
+                Action::Drop => out.cut(&events, start, end),
+                Action::StripNullUsage => {
+                    for (from, to) in null_usage_cuts(event, &usage) {
+                        out.cut(&events, start + from, start + to);
                     }
                 }
             }
             start = end;
         }
-        let out = out.map_or_else(
-            || events.slice(..start),
-            |mut b| {
-                b.extend_from_slice(&events[copied..start]);
-                b.freeze()
-            },
-        );
+        let out = out.forwarded(&events, start);
         // Whether the answer is complete is asked only while its usage has not come
         // (`MeteredBody`'s drop): a run that gave the usage (a stream whose tail, or whole,
         // came in one frame) is not searched for it.
@@ -374,6 +353,42 @@ impl SseFilter {
             Action::Drop
         } else {
             Action::Keep
+        }
+    }
+}
+
+/// The bytes a run forwards, built once a cut is made in it: only what lies between two cuts is
+/// copied, in one piece, not event by event (a stream asked for usage has a cut in every chunk).
+#[derive(Default)]
+struct Cuts {
+    /// The bytes kept so far; `None` while nothing is cut.
+    out: Option<BytesMut>,
+    /// How much of the run is accounted for: in `out`, or cut.
+    copied: usize,
+}
+
+impl Cuts {
+    /// Leaves `events[from..to]` out, unless it overlaps the cut before (two fields sharing a
+    /// comma: that one took it).
+    fn cut(&mut self, events: &Bytes, from: usize, to: usize) {
+        if from < self.copied {
+            return;
+        }
+        let out = self
+            .out
+            .get_or_insert_with(|| BytesMut::with_capacity(events.len()));
+        out.extend_from_slice(&events[self.copied..from]);
+        self.copied = to;
+    }
+
+    /// What to forward of `events[..end]`: the run itself (a cheap slice) if nothing was cut.
+    fn forwarded(self, events: &Bytes, end: usize) -> Bytes {
+        match self.out {
+            None => events.slice(..end),
+            Some(mut out) => {
+                out.extend_from_slice(&events[self.copied..end]);
+                out.freeze()
+            }
         }
     }
 }
@@ -538,11 +553,11 @@ fn lines(event: &[u8]) -> impl Iterator<Item = &[u8]> {
 }
 
 /// Where `event` loses its `"usage": null` fields among `fields` (and the comma that joined each
-/// to its neighbour): each cut's range in `event`, in order. A cut that overlaps the one before
-/// (two fields sharing a comma) is to be passed over. Only spaces and tabs are passed over around
-/// a field: in data written over several `data:` lines, a comma on another line is not this
-/// field's to take (the line's `data:` prefix stands between), and such a field stays, the JSON
-/// whole.
+/// to its neighbour): each cut's range in `event`, in order (one may overlap the one before: two
+/// fields sharing a comma; [`Cuts::cut`] passes it over). Only spaces and tabs are passed over
+/// around a field: in data written over several `data:` lines, a comma on another line is not
+/// this field's to take (the line's `data:` prefix stands between), and such a field stays, the
+/// JSON whole.
 fn null_usage_cuts<'a>(
     event: &'a [u8],
     fields: &'a [UsageField],
