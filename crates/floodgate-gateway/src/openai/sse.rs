@@ -944,6 +944,23 @@ data: {"type":"response.output_text.delta","delta":"response.output_item.done"}"
     }
 
     #[test]
+    fn two_null_usage_fields_in_one_chunk_leave_whole_json() {
+        // Each with a comma before it: both go.
+        let mut f = SseFilter::new(true);
+        let out = f.push(Bytes::from_static(
+            b"data: {\"a\":1,\"usage\":null,\"usage\":null}\n\ndata: {\"b\":2}\n\n",
+        ));
+        assert_eq!(&out[..], b"data: {\"a\":1}\n\ndata: {\"b\":2}\n\n");
+        // Sharing the one comma between them: the first takes it, the second (whose cut would
+        // start at that comma) stays, so that the object stays whole.
+        let mut f = SseFilter::new(true);
+        let out = f.push(Bytes::from_static(
+            b"data: {\"usage\":null,\"usage\":null}\n\ndata: {\"b\":2}\n\n",
+        ));
+        assert_eq!(&out[..], b"data: {\"usage\":null}\n\ndata: {\"b\":2}\n\n");
+    }
+
+    #[test]
     fn a_usage_whose_value_starts_on_the_next_data_line_is_read_and_hidden() {
         // `"usage":` ends a `data:` line, its object on the next: the value the key search sees
         // is the next line's `data:` prefix, neither `{` nor `null`.
